@@ -1,0 +1,10 @@
+"""nanomm: a small, readable, exact reference engine for serving multimodal LLMs (Qwen2-VL), in pure PyTorch.
+
+Start with lessons/README.md. The public API is re-exported here.
+"""
+
+from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.sampling import SamplingParams
+
+__all__ = ["CheckpointError", "InvalidInputError", "SamplingParams"]
+__version__ = "0.1.0"

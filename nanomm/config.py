@@ -1,0 +1,161 @@
+"""Model configuration: every hyper-parameter of a Qwen2-VL checkpoint in two small dataclasses.
+
+Real checkpoints store `config.json` in two layouts (see lessons/02-vision-encoder.md and the reference
+notes): the original flat one (text fields at the top level, `rope_scaling: {"type": "mrope", ...}`) and the
+nested one newer transformers writes (`text_config`, `vision_config`, `rope_parameters`). Both parse into
+the same `ModelConfig`. Missing fields take transformers' class defaults, so a sparse config means the same
+model here as there.
+"""
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from nanomm.errors import CheckpointError
+
+SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int = 152064
+    hidden_size: int = 8192
+    intermediate_size: int = 29568
+    num_hidden_layers: int = 80
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    rms_norm_eps: float = 1e-5  # the class default; real checkpoints say 1e-6
+    rope_theta: float = 1_000_000.0
+    mrope_section: tuple[int, int, int] = (16, 24, 24)  # rotary bands driven by the t, h, w positions
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int = 32
+    embed_dim: int = 1280
+    num_heads: int = 16
+    mlp_ratio: float = 4
+    hidden_size: int = 3584  # the projector's output width = the language model's hidden size
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10_000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in (informational)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL (model_type 'qwen2_vl') only"
+            )
+        text_raw = raw.get("text_config") or raw  # the original checkpoints keep text fields at the top level
+        text = _parse_text_config(text_raw)
+        vision = _parse_vision_config(raw.get("vision_config") or {})
+        if vision.hidden_size != text.hidden_size:
+            raise CheckpointError(
+                f"vision_config.hidden_size={vision.hidden_size} must equal the text hidden_size={text.hidden_size}"
+            )
+        tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
+        ids = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                   "vision_end_token_id") if k in raw}
+        eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
+        return cls(text=text, vision=vision, tie_word_embeddings=tie, eos_token_ids=_as_tuple(eos),
+                   torch_dtype=raw.get("torch_dtype", raw.get("dtype", text_raw.get("dtype"))), **ids)
+
+    @classmethod
+    def from_pretrained(cls, folder) -> "ModelConfig":
+        """Read `config.json`, and the end-of-sequence ids from `generation_config.json` when present."""
+        folder = Path(folder)
+        raw = _read_json(folder / "config.json")
+        config = cls.from_dict(raw)
+        generation = folder / "generation_config.json"
+        if generation.is_file():
+            eos = _read_json(generation).get("eos_token_id")
+            if eos is not None:
+                config = replace(config, eos_token_ids=_as_tuple(eos))
+        return config
+
+
+def _parse_text_config(raw: dict) -> TextConfig:
+    fields = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                  "max_position_embeddings", "hidden_act") if raw.get(k) is not None}
+    if "num_key_value_heads" not in fields and "num_attention_heads" in fields:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    # rope lives in `rope_parameters` (new), `rope_scaling` + top-level `rope_theta` (original), or nowhere.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    if theta is not None:
+        fields["rope_theta"] = float(theta)
+    if rope.get("mrope_section") is not None:
+        fields["mrope_section"] = tuple(int(s) for s in rope["mrope_section"])
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
+    text = TextConfig(**fields)
+    if text.hidden_act != "silu":
+        raise CheckpointError(f"text hidden_act={text.hidden_act!r} is not supported (Qwen2-VL uses 'silu')")
+    if sum(text.mrope_section) * 2 != text.head_dim:
+        raise CheckpointError(f"mrope_section {text.mrope_section} must sum to head_dim/2 = {text.head_dim // 2}")
+    return text
+
+
+def _parse_vision_config(raw: dict) -> VisionConfig:
+    fields = {k: raw[k] for k in ("depth", "embed_dim", "num_heads", "mlp_ratio", "hidden_size", "in_channels",
+                                  "patch_size", "temporal_patch_size", "spatial_merge_size", "hidden_act")
+              if raw.get(k) is not None}
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise CheckpointError(f"vision rope_type={rope['rope_type']!r} is not supported (Qwen2-VL uses 'axial')")
+    if rope.get("rope_theta") is not None:
+        fields["rope_theta"] = float(rope["rope_theta"])
+    vision = VisionConfig(**fields)
+    if vision.hidden_act not in ("quick_gelu", "gelu", "silu"):
+        raise CheckpointError(f"vision hidden_act={vision.hidden_act!r} is not supported")
+    if vision.head_dim % 4:
+        raise CheckpointError(f"vision head_dim={vision.head_dim} must be a multiple of 4 (2-D rotary)")
+    return vision
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} is not a Qwen2-VL checkpoint: it has no {path.name}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def _as_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+

@@ -1,0 +1,57 @@
+"""Qwen2-VL = vision tower + projector, the Qwen2 language model, and the glue between them.
+
+Lessons: lessons/02-vision-encoder.md (images -> visual tokens), lessons/03-mrope.md (positions).
+
+The glue is two things: visual tokens replace the embeddings of the expanded <|image_pad|> tokens, in
+order, and positions are M-RoPE (3, tokens) ids computed by `rope.mrope_positions`.
+"""
+
+import torch
+from torch import nn
+
+from nanomm.config import ModelConfig
+from nanomm.qwen2 import AttentionBackend, Qwen2Model
+from nanomm.rope import mrope_cos_sin
+from nanomm.vision import VisionTransformer
+
+
+class Qwen2VL(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.visual = VisionTransformer(config.vision)
+        self.language_model = Qwen2Model(config.text)
+        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grids) -> list[torch.Tensor]:
+        """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
+        return self.visual(pixel_values, [tuple(g) for g in image_grids])
+
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings (tokens, hidden), with the image-pad rows replaced by visual tokens, in order."""
+        x = self.language_model.embed_tokens(input_ids)
+        is_image = input_ids == self.config.image_token_id
+        num_image_tokens = int(is_image.sum())
+        given = 0 if image_embeds is None else image_embeds.shape[0]
+        if num_image_tokens != given:
+            raise ValueError(f"{num_image_tokens} image-pad tokens but {given} visual tokens were given")
+        if given:
+            x = x.masked_scatter(is_image[:, None], image_embeds.to(x.dtype))
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend,
+                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (tokens,), positions (3, tokens) -> final hidden states (tokens, hidden)."""
+        x = self.embed(input_ids, image_embeds)
+        t = self.config.text
+        cos, sin = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, x.dtype)
+        return self.language_model(x, cos, sin, kv)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the rows given (only the positions that sample: the head is the widest matmul)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,84 @@
+"""The dense reference generator: the simplest correct way to run Qwen2-VL, kept forever as the oracle.
+
+One sequence, a contiguous KV cache that grows by concatenation, one token per step. No paging, no batching,
+no caching across requests. The serving engine must produce exactly what this produces; this must produce
+exactly what transformers produces (tests/test_model_parity.py).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from nanomm.model import Qwen2VL
+from nanomm.rope import mrope_positions
+from nanomm.sampling import SamplingParams, sample
+
+
+class ContiguousKVCache:
+    """Keys and values of one sequence, position 0..n-1 in order, per layer."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k])  # (past + new, kv_heads, head_dim)
+            v = torch.cat([self.values[layer], v])
+        self.keys[layer], self.values[layer] = k, v
+        return causal_attention(q, k, v)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The last q.shape[0] positions of a sequence attend to all keys up to and including their own position.
+
+    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
+    """
+    new, total = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+@dataclass
+class ReferenceOutput:
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 (vocab,) per generated token
+
+
+@torch.inference_mode()
+def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
+             eos_token_ids=(), keep_logits: bool = False) -> ReferenceOutput:
+    """Generate from an expanded prompt and its preprocessed images (`nanomm.image.ProcessedImage`)."""
+    params = params or SamplingParams(temperature=0.0)
+    cfg, device = model.config, model.lm_head.weight.device
+    grids = [tuple(im.grid_thw) for im in images]
+    image_embeds = None
+    if images:
+        pixels = torch.cat([im.pixel_values for im in images]).to(device)
+        image_embeds = torch.cat(model.encode_images(pixels, grids))
+    positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
+    kv = ContiguousKVCache(cfg.text.num_hidden_layers)
+    generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+    stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
+
+    ids = torch.tensor(prompt_ids, device=device)
+    hidden = model(ids, positions.to(device), kv, image_embeds)
+    out = ReferenceOutput(token_ids=[], finish_reason="length")
+    while True:
+        logits = model.compute_logits(hidden[-1])
+        token = sample(logits, params, generator)
+        out.token_ids.append(token)
+        if keep_logits:
+            out.logits.append(logits)
+        if token in stop_ids:
+            out.finish_reason = "stop"
+            return out
+        if len(out.token_ids) >= params.max_tokens:
+            return out
+        position = len(prompt_ids) + len(out.token_ids) - 1 + delta  # the same on all three axes
+        hidden = model(torch.tensor([token], device=device), torch.full((3, 1), position, device=device), kv)

@@ -1,0 +1,117 @@
+"""Rotary position embeddings for both towers, and Qwen2-VL's multimodal M-RoPE position ids.
+
+Lesson: lessons/03-mrope.md.
+
+The language model gives every token three position ids (t, h, w). Text tokens use the same number on all
+three axes, so text-only prompts reduce to ordinary 1-D RoPE. The tokens of an image sit on a grid: they share
+one t, and their h and w follow the grid rows and columns. The rotary frequency bands are split between the
+axes by `mrope_section` (for Qwen2-VL-2B: 16 bands follow t, 24 follow h, 24 follow w).
+
+The vision tower uses a 2-D rotary embedding instead: half the bands follow the patch row, half the column.
+"""
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dim: the NeoX rotary layout (halves, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (tokens, heads, head_dim) by per-token angles cos/sin (tokens, head_dim)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (tokens, 1, head_dim): broadcast over heads
+    return x * cos + rotate_half(x) * sin
+
+
+def inverse_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
+    """1 / theta^(2i/dim), computed in float32 exactly as the reference does (float64 then cast differs)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Language model: M-RoPE
+
+
+def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int,
+                    spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+    """Position ids (3, L) for an expanded prompt, and the rope delta that decode positions continue from.
+
+    Text runs count up on all three axes. The k-th run of image tokens is image k: with a merged grid
+    (T, H, W) its tokens get (start + t, start + h, start + w), and the text after it resumes at
+    start + max(T, H, W). Generated token i (0-based over the whole sequence, i >= L) gets i + delta.
+    """
+    blocks, start, i, k = [], 0, 0, 0
+    while i < len(input_ids):
+        if input_ids[i] == image_token_id:
+            t, h, w = image_grids[k]
+            grid = (t, h // spatial_merge_size, w // spatial_merge_size)
+            blocks.append(_grid_positions(*grid) + start)  # (3, T*H*W)
+            start += max(grid)
+            i += grid[0] * grid[1] * grid[2]
+            k += 1
+        else:
+            run_end = _next_index(input_ids, image_token_id, i)
+            blocks.append(torch.arange(start, start + run_end - i).expand(3, -1))
+            start += run_end - i
+            i = run_end
+    if k != len(image_grids):
+        raise ValueError(f"prompt has {k} image spans but {len(image_grids)} images were given")
+    positions = torch.cat(blocks, dim=1) if blocks else torch.zeros(3, 0, dtype=torch.long)
+    delta = (int(positions.max()) + 1 - len(input_ids)) if len(input_ids) else 0
+    return positions, delta
+
+
+def _grid_positions(t: int, h: int, w: int) -> torch.Tensor:
+    """(3, t*h*w) grid coordinates in token order: t-major, then rows, then columns."""
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+def _next_index(ids: list[int], value: int, start: int) -> int:
+    try:
+        return ids.index(value, start)
+    except ValueError:
+        return len(ids)
+
+
+def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section, dtype: torch.dtype):
+    """cos/sin (tokens, head_dim) for M-RoPE positions (3, tokens), cast to the activation dtype.
+
+    Band j of the head_dim/2 frequency bands takes its angle from the t, h or w axis according to
+    mrope_section; the second half of head_dim mirrors the first (rotate_half layout).
+    """
+    inv_freq = inverse_frequencies(head_dim, theta, positions.device)
+    angles = positions[..., None].float() * inv_freq  # (3, tokens, head_dim/2)
+    bands = angles.split(list(mrope_section), dim=-1)
+    angles = torch.cat([band[axis] for axis, band in enumerate(bands)], dim=-1)  # (tokens, head_dim/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (tokens, head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vision tower: 2-D rotary over patch rows and columns
+
+
+def vision_patch_positions(image_grids: list[tuple[int, int, int]], spatial_merge_size: int) -> torch.Tensor:
+    """(num_patches, 2) [row, col] of every patch, in the pixel rows' merge-block-major order."""
+    out = []
+    m = spatial_merge_size
+    for t, h, w in image_grids:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        # (h, w) -> (h/m, m, w/m, m) -> (h/m, w/m, m, m): each 2x2 merge block is contiguous
+        rows = rows.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
+        cols = cols.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))  # (t*h*w, 2)
+    return torch.cat(out)
+
+
+def vision_cos_sin(image_grids, head_dim: int, theta: float, spatial_merge_size: int, device=None):
+    """float32 cos/sin (num_patches, head_dim): the first quarter of bands follows the row, the next the column."""
+    inv_freq = inverse_frequencies(head_dim // 2, theta, device)  # (head_dim/4,)
+    positions = vision_patch_positions(image_grids, spatial_merge_size).to(device)
+    angles = (positions[..., None].float() * inv_freq).flatten(1)  # (patches, 2, hd/4) -> (patches, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (patches, head_dim)
+    return angles.cos(), angles.sin()

@@ -1,0 +1,73 @@
+"""Sampling parameters and the per-request sampler: greedy, temperature, top-k, top-p, seeds.
+
+Every request samples with its own `torch.Generator`, so a seeded request draws the same tokens whatever else
+shares its batch. Greedy is temperature 0: a plain argmax, no randomness consumed.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanomm.errors import InvalidInputError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k
+    max_tokens: int = 16
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+               and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple))
+                                               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
+               f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, message: str):
+    if not ok:
+        raise InvalidInputError(message)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from float32 logits (vocab,)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set the logits outside the top-k and outside the top-p nucleus to -inf (the most likely token stays)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,0 +1,131 @@
+"""The Qwen2-VL vision tower: patch embedding, ViT blocks with 2-D rotary, and the PatchMerger projector.
+
+Lesson: lessons/02-vision-encoder.md.
+
+Input is what `nanomm.image` produces: the patches of one or more images concatenated into one
+(num_patches, 3*2*14*14) tensor, plus each image's grid (t, h, w) in 14-px patch units. Output is one
+tensor per image of (t*h*w/4, hidden_size) visual tokens, ready to replace that image's <|image_pad|> tokens.
+
+Several images run through one forward pass: every linear layer sees all patches of all images at once, and
+attention is block-diagonal (each image attends only to itself) by running attention per image segment, so
+no image pays for another's length and nothing is padded.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanomm.config import VisionConfig
+from nanomm.rope import apply_rotary, vision_cos_sin
+
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # the original CLIP activation, not exact GELU
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim)
+        self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_lengths: list[int]):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x (n, heads, head_dim)
+        # Rotary in float32, then back to the activation dtype (what the reference does in bf16 too).
+        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
+        out = torch.cat([_full_attention(*parts) for parts in
+                         zip(q.split(segment_lengths), k.split(segment_lengths), v.split(segment_lengths))])
+        return self.proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, embed_dim)
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention inside one image: (n, heads, head_dim) in and out."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    return out.transpose(0, 1)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.embed_dim, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.embed_dim)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-LayerNorm transformer block (LayerNorm with bias, eps fixed at 1e-6 by the reference)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x, cos, sin, segment_lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, segment_lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """A Conv3d whose kernel equals its stride: one patch in, one embedding out, i.e. a matmul.
+
+    The weight keeps the checkpoint's Conv3d shape (embed_dim, 3, 2, 14, 14); we apply it as a linear layer
+    over the flattened patch, which is the same sum of products.
+    """
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        t, p = cfg.temporal_patch_size, cfg.patch_size
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_channels, t, p, p))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight.flatten(1)  # (embed_dim, 3*2*14*14)
+        return pixel_values.to(weight.dtype) @ weight.T  # (num_patches, embed_dim)
+
+
+class PatchMerger(nn.Module):
+    """The projector: LayerNorm each patch, concatenate each 2x2 block of patches, then a 2-layer GELU MLP."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        merged_dim = cfg.embed_dim * cfg.spatial_merge_size ** 2
+        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(merged_dim, merged_dim), nn.GELU(), nn.Linear(merged_dim, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The pixel rows are merge-block-major, so 4 consecutive patches are one 2x2 block.
+        x = self.ln_q(x).view(-1, self.mlp[0].in_features)  # (patches, embed) -> (patches/4, 4*embed)
+        return self.mlp(x)  # (patches/4, hidden_size)
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+
+    def forward(self, pixel_values: torch.Tensor, image_grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """pixel_values (num_patches, 1176) of all images; returns one (tokens_i, hidden_size) tensor per image."""
+        cfg = self.cfg
+        cos, sin = vision_cos_sin(image_grids, cfg.head_dim, cfg.rope_theta, cfg.spatial_merge_size,
+                                  pixel_values.device)
+        # Attention segments are frames: a t-frame grid is t segments of h*w patches (t = 1 for images).
+        segment_lengths = [h * w for t, h, w in image_grids for _ in range(t)]
+        x = self.patch_embed(pixel_values)  # (num_patches, embed_dim)
+        for block in self.blocks:
+            x = block(x, cos, sin, segment_lengths)
+        tokens = self.merger(x)  # (num_patches/4, hidden_size)
+        per_image = [t * h * w // cfg.spatial_merge_size ** 2 for t, h, w in image_grids]
+        return list(tokens.split(per_image))
