@@ -1,0 +1,387 @@
+"""Images in, Qwen2-VL pixel patches out: load, validate, RGB, smart_resize under the pixel cap, normalise, patchify.
+
+This is the first stage of the request path. `preprocess_image` turns whatever the caller sent (a PIL image, a file
+path, raw bytes or a `data:image/...;base64,...` URL) into the `pixel_values` rows the vision encoder eats, the
+`grid_thw` that says how many 14-px patches the image became, and a `content_hash` the encoder cache and the prefix
+cache key on. lessons/01-preprocessing.md walks through it with numbers.
+
+Every step reproduces transformers' `Qwen2VLImageProcessorPil` bit for bit (tests/test_image.py checks it):
+  1. RGB: alpha (an A band, or `transparency` info) is composited on white; every other mode uses PIL's convert.
+  2. smart_resize: both sides become multiples of 28 (= patch 14 x merge 2) and the area lands in
+     [min_pixels, max_pixels], keeping the aspect ratio. max_pixels is the dynamic-resolution cap: it bounds the
+     number of visual tokens (area / 28**2), so it is the main lever on prefill cost per image.
+  3. PIL bicubic resize of the uint8 image: the result is re-quantised to uint8 (there is no float resampling).
+  4. Rescale by 1/255 in float64, cast to float32, then (x - mean) / std in float32.
+  5. Patchify into rows of C*T*P*P = 3*2*14*14 = 1176 values; a still image is its own frame twice (T=2).
+
+Decisions a reader should know:
+  - Bad input raises `InvalidInputError` naming the input (`name`), before any big allocation. The source image's
+    width*height is checked from the header, before decoding, against `max_image_pixels` (default: Pillow's own
+    default limit, 89,478,485 pixels). Pillow's global `Image.MAX_IMAGE_PIXELS` is never changed; it still
+    applies on top, so the effective limit is the smaller of the two.
+  - Files and bytes may be PNG, JPEG (and MPO, phone JPEGs), GIF, WEBP, BMP, TIFF or AVIF. Other formats that
+    Pillow could open (EPS runs Ghostscript, for one) are refused: decoding untrusted data should use few decoders.
+  - Animated images (GIF, APNG, WEBP): the first frame is used. A PIL image is used as given (its current frame).
+  - EXIF orientation is not applied, like HF's processor given `Image.open(path)`. (HF's own `load_image` for
+    path strings applies it, and also drops alpha instead of compositing on white; we follow the PIL route.)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import io
+import json
+import math
+import operator
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from nanomm.errors import CheckpointError, InvalidInputError
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses anything longer and thinner
+PILLOW_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS (1024**3 // 4 // 3)
+SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
+HASH_VERSION = "nanomm-image-v1"  # bump when the preprocessing changes, so old cache keys stop matching
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    """Every knob that changes pixel_values, with Qwen2-VL's values (the Hub preprocessor_config.json)."""
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 16384 * 28 * 28  # the Hub file's 12,845,056; HF's class default is 1,003,520
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    max_image_pixels: int = PILLOW_MAX_IMAGE_PIXELS  # decode-time guard on the SOURCE image (decompression bombs)
+
+    def __post_init__(self):
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "max_image_pixels"):
+            object.__setattr__(self, key, _positive_int(getattr(self, key), key, "image processor config"))
+        if self.min_pixels > self.max_pixels:
+            raise InvalidInputError(f"image processor config: min_pixels ({self.min_pixels}) is larger than "
+                                    f"max_pixels ({self.max_pixels})")
+        for key in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in getattr(self, key))  # JSON gives lists; keep the config hashable
+            if len(value) != 3 or (key == "image_std" and 0.0 in value):
+                raise InvalidInputError(f"image processor config: {key} must be 3 numbers (std non-zero), got {value}")
+            object.__setattr__(self, key, value)
+        if not (math.isfinite(self.rescale_factor) and self.rescale_factor > 0):
+            raise InvalidInputError(f"image processor config: rescale_factor must be > 0, got {self.rescale_factor}")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ImageProcessorConfig":
+        """Read a preprocessor_config.json dict, resolving the pixel cap the way HF 5.24 does.
+
+        An explicit top-level min_pixels / max_pixels wins over size["shortest_edge"] / size["longest_edge"]
+        (Qwen2VLImageProcessorPil.__init__). A key missing from both falls back to our default (HF would fail at
+        preprocessing time). size["min_pixels"] / size["max_pixels"], the layout transformers 4.45-4.47 saved, are
+        read as a last resort. Switches our pipeline cannot honour (do_resize=False, another resample, ...) raise.
+        """
+        for key, supported in (("do_convert_rgb", True), ("do_resize", True), ("do_rescale", True),
+                               ("do_normalize", True), ("resample", 3)):
+            if d.get(key, supported) not in (None, supported):
+                raise CheckpointError(f"preprocessor config: {key}={d[key]!r} is not supported (only {supported!r})")
+        size = d.get("size") or {}
+        if not isinstance(size, dict):
+            raise CheckpointError(f"preprocessor config: size must be a dict, got {size!r}")
+        keys = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor")
+        kwargs = {k: d[k] for k in keys if d.get(k) is not None}
+        for ours, new_key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            for value in (d.get(ours), size.get(new_key), size.get(ours)):
+                if value is not None:
+                    kwargs[ours] = value
+                    break
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as e:  # InvalidInputError is a ValueError
+            raise CheckpointError(f"preprocessor config: {e}") from e
+
+    @classmethod
+    def from_pretrained(cls, folder) -> "ImageProcessorConfig":
+        """folder/preprocessor_config.json, else the "image_processor" part of a transformers-5 processor_config.json,
+        else the defaults."""
+        folder = Path(folder)
+        for filename, part in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+            path = folder / filename
+            if not path.is_file():
+                continue
+            try:
+                d = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path}: cannot read it as JSON: {e}") from e
+            d = d.get(part) if part and isinstance(d, dict) else d
+            if isinstance(d, dict):
+                return cls.from_dict(d)
+            if part is None:
+                raise CheckpointError(f"{path}: expected a JSON object")
+        return cls()
+
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
+    """HF's smart_resize, step for step: sides become multiples of `factor`, area lands in [min_pixels, max_pixels].
+
+    Python's round() is banker's rounding (70/28 = 2.5 -> 2), and there is no floor at `factor` before the
+    branches: a side under 14 px rounds to 0 and the min_pixels branch then scales up from the ORIGINAL size.
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidInputError(f"image size must be positive, got {height}x{width} (height x width)")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidInputError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
+                                f"got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def load_image(image, name: str = "image", *, max_image_pixels: int = PILLOW_MAX_IMAGE_PIXELS) -> Image.Image:
+    """A PIL image, a path (str / PathLike), bytes or a data URL -> a fully decoded PIL image in its original mode.
+
+    Size and aspect ratio are checked from the header before any pixel is decoded. Raises InvalidInputError,
+    mentioning `name`, for anything that is not a usable image.
+    """
+    if isinstance(image, Image.Image):
+        _check_size(image.size, name, max_image_pixels)
+        with _decoding(name):
+            image.load()  # a lazily opened PIL image is decoded here; an in-memory one is a no-op
+        return image
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return _decode(bytes(image), name, max_image_pixels)
+    if isinstance(image, str) and image.startswith("data:"):
+        return _decode(_data_url_payload(image, name), name, max_image_pixels)
+    if isinstance(image, str) and image.startswith(("http://", "https://")):
+        raise InvalidInputError(f"{name}: URLs are not fetched ({_short(image)}); download the image and pass "
+                                "its path or bytes")
+    if isinstance(image, (str, os.PathLike)):
+        return _decode(_read_file(image, name), name, max_image_pixels)
+    raise InvalidInputError(f"{name}: an image must be a PIL image, a file path, bytes or a data:image/...;base64 URL, "
+                            f"got {type(image).__module__}.{type(image).__qualname__}")
+
+
+def _decode(data: bytes, name: str, max_image_pixels: int) -> Image.Image:
+    if not data:
+        raise InvalidInputError(f"{name}: the image data is empty (0 bytes)")
+    with _decoding(name):
+        # Image.open is lazy: it parses the header, so the size is known before the pixels are allocated.
+        im = Image.open(io.BytesIO(data), formats=_open_formats())
+        _check_size(im.size, name, max_image_pixels)
+        im.load()  # the first frame, for animated images
+    return im
+
+
+def _open_formats() -> list[str]:
+    Image.init()  # registers every plugin, so asking for a format that this Pillow build lacks cannot KeyError
+    return [f for f in SUPPORTED_FORMATS if f in Image.OPEN]
+
+
+@contextlib.contextmanager
+def _decoding(name: str):
+    """Turn everything Pillow can raise on bad data into InvalidInputError, and its bomb warning into an error.
+
+    warnings.catch_warnings restores the filters on exit, so no global state changes (it is not thread-safe: a
+    concurrent thread may see the temporary filter, which only turns a bomb warning there into an error too).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            yield
+        except InvalidInputError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise InvalidInputError(f"{name}: the image is over Pillow's decompression-bomb pixel limit ({e})") from e
+        except Image.UnidentifiedImageError as e:
+            raise InvalidInputError(f"{name}: not an image in a supported format "
+                                    f"({', '.join(SUPPORTED_FORMATS)})") from e
+        except Exception as e:  # corrupt data surfaces as OSError, SyntaxError, ValueError, struct.error, ...
+            raise InvalidInputError(f"{name}: the image is truncated or corrupt and cannot be decoded "
+                                    f"({type(e).__name__}: {e})") from e
+
+
+def _check_size(size: tuple[int, int], name: str, max_image_pixels: int) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise InvalidInputError(f"{name}: the image has zero size ({width}x{height})")
+    if width * height > max_image_pixels:
+        raise InvalidInputError(f"{name}: the image is {width}x{height} = {width * height:,} pixels, over the pixel "
+                                f"limit of {max_image_pixels:,} (max_image_pixels, a decompression-bomb guard)")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise InvalidInputError(f"{name}: the image is {width}x{height}, an aspect ratio over {MAX_ASPECT_RATIO}:1, "
+                                "which Qwen2-VL preprocessing cannot handle")
+
+
+def _read_file(path, name: str) -> bytes:
+    """Read the whole file: decoding from memory leaves no file handle open, even for animated images."""
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidInputError(f"{name}: {_short(str(path))} is a directory, not an image file")
+    if not p.exists():
+        raise InvalidInputError(f"{name}: no such file {_short(str(path))}")
+    if not p.is_file():  # FIFOs and devices (/dev/zero) could block or never end
+        raise InvalidInputError(f"{name}: {_short(str(path))} is not a regular file")
+    try:
+        return p.read_bytes()
+    except OSError as e:  # permissions, I/O errors
+        raise InvalidInputError(f"{name}: cannot read file {_short(str(path))}: {e}") from e
+
+
+def _data_url_payload(url: str, name: str) -> bytes:
+    """'data:image/png;base64,iVBOR...' -> the decoded bytes. The media type is not trusted: the bytes decide."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise InvalidInputError(f"{name}: malformed data URL {_short(url)}; expected data:image/<type>;base64,<data>")
+    if not header.startswith("data:image/"):
+        raise InvalidInputError(f"{name}: the data URL is not an image ({_short(header)}); "
+                                "expected data:image/<type>;base64,<data>")
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidInputError(f"{name}: the data URL's base64 payload is invalid ({e})") from e
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """repr() of a caller's string, cut short: a bad 10 MB data URL must not end up in an error message."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
+def _positive_int(value, key: str, name: str) -> int:
+    try:
+        as_int = operator.index(value)  # ints, numpy's too; never floats or strings
+    except TypeError:
+        as_int = 0
+    if isinstance(value, bool) or as_int <= 0:
+        raise InvalidInputError(f"{name}: {key} must be a positive integer, got {value!r}")
+    return as_int
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preprocessing
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """transformers' convert_to_rgb (PIL branch): composite transparency on white, else PIL's convert("RGB").
+
+    16-bit and float modes (I;16, I, F) go through PIL's convert too, which clamps each value to 0..255 (floats
+    truncated) instead of rescaling the range, so a full-range 16-bit grey PNG comes out almost all white.
+    HF does exactly this, and matching HF is the point here.
+    """
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        img = img.convert("RGBA")
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img).convert("RGB")
+    return img.convert("RGB")
+
+
+@dataclass
+class ProcessedImage:
+    pixel_values: torch.Tensor  # (gh*gw, C*T*P*P) float32, one row per 14x14 patch, merge-block major
+    grid_thw: tuple[int, int, int]  # (1, gh, gw) in patch units (not merged units)
+    content_hash: str  # sha256 hex of the decoded pixels and every parameter that changes pixel_values
+    merge_size: int = 2
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of <|image_pad|> tokens: each merge_size x merge_size block of patches is one token."""
+        t, gh, gw = self.grid_thw
+        return t * gh * gw // self.merge_size**2
+
+
+def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
+                     name: str = "image") -> ProcessedImage:
+    """Load, validate and preprocess one image; min_pixels/max_pixels override the config's cap for this call."""
+    min_pixels, max_pixels = _pixel_cap(config, min_pixels, max_pixels, name)
+    img = load_image(image, name, max_image_pixels=config.max_image_pixels)
+    try:
+        rgb = to_rgb(img)
+    except Exception as e:  # e.g. premultiplied "La", which PIL cannot convert
+        raise InvalidInputError(f"{name}: cannot convert image mode {img.mode!r} to RGB ({e})") from e
+    width, height = rgb.size
+    h_bar, w_bar = smart_resize(height, width, config.factor, min_pixels, max_pixels)
+    if h_bar * w_bar > config.max_image_pixels:  # a huge min_pixels would upscale a small image into a bomb
+        raise InvalidInputError(f"{name}: min_pixels={min_pixels} would resize the image to {w_bar}x{h_bar}, "
+                                f"over the pixel limit of {config.max_image_pixels:,} (max_image_pixels)")
+    pixels = rgb.tobytes()  # (H, W, 3) uint8
+    content_hash = _content_hash(pixels, (height, width), (h_bar, w_bar), config, min_pixels, max_pixels)
+    if (w_bar, h_bar) != rgb.size:  # HF always resizes, but PIL's resize to the same size is an exact copy
+        pixels = rgb.resize((w_bar, h_bar), Image.Resampling.BICUBIC).tobytes()  # still uint8: re-quantised
+    x = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(h_bar, w_bar, 3)  # (H, W, C)
+    x = _rescale_and_normalize(x.permute(2, 0, 1), config)  # (C, H, W)
+    pixel_values = _patchify(x, config)
+    grid_thw = (1, h_bar // config.patch_size, w_bar // config.patch_size)
+    return ProcessedImage(pixel_values, grid_thw, content_hash, config.merge_size)
+
+
+def _pixel_cap(config: ImageProcessorConfig, min_pixels, max_pixels, name: str) -> tuple[int, int]:
+    lo = _positive_int(config.min_pixels if min_pixels is None else min_pixels, "min_pixels", name)
+    hi = _positive_int(config.max_pixels if max_pixels is None else max_pixels, "max_pixels", name)
+    if lo > hi:
+        raise InvalidInputError(f"{name}: min_pixels ({lo}) is larger than max_pixels ({hi})")
+    return lo, hi
+
+
+def _rescale_and_normalize(x: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """uint8 -> float32, in the dtypes HF's numpy code uses, so that every value is bit-identical to it:
+    x * rescale_factor in float64, cast to float32, then (x - mean) / std in float32 with float32 mean/std."""
+    mean = torch.tensor(config.image_mean, dtype=torch.float32).view(-1, 1, 1)  # (C, 1, 1)
+    std = torch.tensor(config.image_std, dtype=torch.float32).view(-1, 1, 1)  # (C, 1, 1)
+    x = x.double().mul_(config.rescale_factor).float()  # in place: a 12.8 MP image is 300 MB in float64
+    return x.sub_(mean).div_(std)
+
+
+def _patchify(x: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """(C, H, W) -> (gh*gw, C*T*P*P). Rows go merge-block by merge-block, so the M*M patches that the projector
+    merges into one token are adjacent; each row is (c, t, py, px), the still frame repeated T times."""
+    P, M, T = config.patch_size, config.merge_size, config.temporal_patch_size
+    C, H, W = x.shape
+    gh, gw = H // P, W // P
+    x = x.reshape(C, gh // M, M, P, gw // M, M, P)  # (C, gh/M, M, P, gw/M, M, P)
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/M, gw/M, M, M, C, P, P)
+    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, T, -1, -1)  # (gh/M, gw/M, M, M, C, T, P, P)
+    return x.reshape(gh * gw, C * T * P * P)  # (gh*gw, C*T*P*P)
+
+
+def _content_hash(rgb_pixels: bytes, size: tuple[int, int], resized: tuple[int, int],
+                  config: ImageProcessorConfig, min_pixels: int, max_pixels: int) -> str:
+    """sha256 over every input of pixel_values: the decoded RGB pixels, their size, and the preprocessing params.
+
+    The parameters go first as canonical JSON (floats print exactly), then a NUL, then the raw pixels.
+    """
+    params = {
+        "version": HASH_VERSION, "size_hw": list(size), "resized_hw": list(resized), "resample": "bicubic",
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": config.patch_size,
+        "temporal_patch_size": config.temporal_patch_size, "merge_size": config.merge_size,
+        "image_mean": list(config.image_mean), "image_std": list(config.image_std),
+        "rescale_factor": config.rescale_factor,
+    }
+    h = hashlib.sha256(json.dumps(params, sort_keys=True).encode() + b"\0")
+    h.update(rgb_pixels)
+    return h.hexdigest()
