@@ -1,0 +1,191 @@
+"""Text in, token ids out: the Qwen2-VL tokenizer, chat template and image placeholders.
+
+A Qwen2-VL prompt is ordinary byte-level BPE text plus a few special tokens. Each image appears in the
+prompt as `<|vision_start|><|image_pad|><|vision_end|>` with ONE `<|image_pad|>`; before the model runs,
+that single pad becomes as many pads as the image has visual tokens (grid_t * grid_h * grid_w // merge**2),
+so that every visual embedding has a position of its own in the sequence.
+
+This module does three things:
+- `Tokenizer.encode` / `decode`: a thin wrapper over the `tokenizers` library (no transformers).
+- `Tokenizer.apply_chat_template`: the Qwen2-VL instruct chat template, written out in Python. It produces
+  exactly the text that the Jinja template in `CHAT_TEMPLATE` produces (the tests check this against
+  transformers) and returns the images in the order their placeholders appear.
+- `Tokenizer.expand_image_placeholders`: the single-pad -> n-pads expansion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from nanomm.errors import CheckpointError, InvalidInputError
+
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+ROLES = ("system", "user", "assistant")
+
+# The Qwen2-VL-*-Instruct chat template, verbatim. It is written into tokenizer_config.json by
+# nanomm.checkpoint so that transformers (the test oracle) renders the same prompts we do.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """The Qwen2-VL tokenizer of one checkpoint folder, with its special-token ids."""
+
+    def __init__(self, tokenizer: HFTokenizer, *, image_token_id: int, vision_start_token_id: int,
+                 vision_end_token_id: int, eos_token_ids: list[int], pad_token_id: int | None):
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, folder, *, image_token_id=None, vision_start_token_id=None,
+                        vision_end_token_id=None) -> "Tokenizer":
+        """Load folder/tokenizer.json. Special ids default to the tokenizer's own ids for the Qwen tokens;
+        the model loader passes the ids from config.json, which are the ones the model was trained with."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{folder} has no tokenizer.json")
+        tok = HFTokenizer.from_file(str(path))
+
+        def token_id(token: str, given: int | None) -> int:
+            if given is not None:
+                return int(given)
+            found = tok.token_to_id(token)
+            if found is None:
+                raise CheckpointError(f"{path} has no {token} token; pass its id explicitly")
+            return found
+
+        config = _read_json(folder / "config.json")
+        generation = _read_json(folder / "generation_config.json")
+        eos = generation.get("eos_token_id", config.get("eos_token_id",
+                                                       config.get("text_config", {}).get("eos_token_id")))
+        if eos is None:
+            eos = token_id("<|im_end|>", None)
+        pad = generation.get("pad_token_id", config.get("pad_token_id"))
+        if pad is None:
+            pad = tok.token_to_id("<|endoftext|>")
+        return cls(tok,
+                   image_token_id=token_id("<|image_pad|>", image_token_id),
+                   vision_start_token_id=token_id("<|vision_start|>", vision_start_token_id),
+                   vision_end_token_id=token_id("<|vision_end|>", vision_end_token_id),
+                   eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
+                   pad_token_id=pad)
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens written in the text (<|im_start|>, <|image_pad|>, ...) become single ids because
+        # they are "added tokens" of the tokenizer. Qwen adds no BOS, so add_special_tokens is irrelevant.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> tuple[str, list]:
+        """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, images in order)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        pieces, images = [], []
+        if _message_role(messages[0], 0) != "system":
+            pieces.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+        for i, message in enumerate(messages):
+            role = _message_role(message, i)
+            if "content" not in message:
+                raise InvalidInputError(f"message {i} has no 'content'")
+            content = _render_content(message["content"], i, images)
+            pieces.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            pieces.append("<|im_start|>assistant\n")
+        return "".join(pieces), images
+
+    def expand_image_placeholders(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
+        """Replace the i-th single <|image_pad|> by tokens_per_image[i] copies of it."""
+        positions = [p for p, t in enumerate(ids) if t == self.image_token_id]
+        if len(positions) != len(tokens_per_image):
+            raise InvalidInputError(f"the prompt has {len(positions)} image placeholder(s) but "
+                                    f"{len(tokens_per_image)} image(s) were given")
+        for k, p in enumerate(positions):
+            well_formed = (0 < p < len(ids) - 1 and ids[p - 1] == self.vision_start_token_id
+                           and ids[p + 1] == self.vision_end_token_id)
+            if not well_formed:
+                raise InvalidInputError(f"image placeholder {k} (token {p}) is not {IMAGE_PLACEHOLDER} with a "
+                                        "single <|image_pad|> (is the prompt already expanded?)")
+        out, start = [], 0
+        for p, n in zip(positions, tokens_per_image):
+            if not isinstance(n, int) or n < 1:
+                raise InvalidInputError(f"an image must have at least one visual token, got {n!r}")
+            out += ids[start:p]
+            out += [self.image_token_id] * n
+            start = p + 1
+        return out + ids[start:]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _message_role(message, i: int) -> str:
+    if not isinstance(message, dict):
+        raise InvalidInputError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidInputError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+    return role
+
+
+def _render_content(content, i: int, images: list) -> str:
+    """A string is emitted as is; a list of parts is concatenated with no separators, as the template does."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise InvalidInputError(f"message {i} content must be a string or a list of parts, "
+                                f"got {type(content).__name__}")
+    return "".join(_render_part(part, i, j, images) for j, part in enumerate(content))
+
+
+def _render_part(part, i: int, j: int, images: list) -> str:
+    where = f"message {i} part {j}"
+    if not isinstance(part, dict) or "type" not in part:
+        raise InvalidInputError(f"{where} must be a dict with a 'type' key")
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise InvalidInputError(f"{where} is a text part without a string 'text'")
+        return part["text"]
+    if kind == "image":
+        if part.get("image") is None:
+            raise InvalidInputError(f"{where} is an image part without an 'image'")
+        images.append(part["image"])
+        return IMAGE_PLACEHOLDER
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidInputError(f"{where} is an image_url part without a string 'image_url' or 'image_url.url'")
+        images.append(url)
+        return IMAGE_PLACEHOLDER
+    raise InvalidInputError(f"{where} has type {kind!r}; expected 'text', 'image' or 'image_url'"
+                            + (" (video is not supported)" if kind == "video" else ""))

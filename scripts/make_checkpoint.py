@@ -1,0 +1,67 @@
+"""Write a random-weight Qwen2-VL checkpoint folder (Hugging Face layout) for tests, lessons and benchmarks.
+
+    python scripts/make_checkpoint.py --preset tiny --out checkpoints/tiny
+    python scripts/make_checkpoint.py --preset small --out checkpoints/small --layout new --config-style nested \
+        --shards 2 --dtype bfloat16 --seed 0 --set num_hidden_layers=2 --set vision_config.depth=1
+
+The work is done by nanomm.checkpoint.make_checkpoint; this is its command line.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+try:
+    import nanomm  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanomm.checkpoint import PRESETS, checkpoint_size, make_checkpoint
+
+
+def parse_set(item: str) -> tuple[str, object]:
+    """"key=value" with a JSON value when it parses as one (2, 1e-6, true, [8,12,12]), else a string."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set expects key=value, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--out", required=True, help="folder to write (created if missing)")
+    p.add_argument("--layout", choices=["original", "new"], default="original",
+                   help="weight names: original (model.*, visual.*) or new (model.language_model.*, model.visual.*)")
+    p.add_argument("--config-style", choices=["flat", "nested"], default="flat")
+    p.add_argument("--preprocessor-style", choices=["old", "new"], default="old")
+    p.add_argument("--tie", choices=["preset", "true", "false"], default="preset", help="tie_word_embeddings")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--tokenizer", choices=["auto", "tiny", "qwen"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="overrides", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model field, e.g. num_hidden_layers=2 or vision_config.depth=1 (repeatable)")
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    try:
+        folder = make_checkpoint(args.out, args.preset, seed=args.seed, layout=args.layout,
+                                 config_style=args.config_style, preprocessor_style=args.preprocessor_style,
+                                 tie_word_embeddings=None if args.tie == "preset" else args.tie == "true",
+                                 num_shards=args.shards, tokenizer=args.tokenizer, overrides=dict(args.overrides),
+                                 dtype=args.dtype)
+    except (ValueError, RuntimeError) as e:  # a bad field or value: say so without a traceback
+        p.error(str(e))
+    params, nbytes = checkpoint_size(folder)
+    print(f"wrote {folder}  ({args.preset}: {params:,} parameters, {nbytes / 2**20:,.1f} MiB of {args.dtype} "
+          f"weights, {time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
