@@ -4,7 +4,10 @@ Start with lessons/README.md. The public API is re-exported here.
 """
 
 from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.engine import LLM, LLMEngine
+from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
 
-__all__ = ["CheckpointError", "InvalidInputError", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "InvalidInputError", "CheckpointError"]
 __version__ = "0.1.0"

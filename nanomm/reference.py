@@ -8,8 +8,8 @@ exactly what transformers produces (tests/test_model_parity.py).
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from nanomm.attention import causal_attention
 from nanomm.model import Qwen2VL
 from nanomm.rope import mrope_positions
 from nanomm.sampling import SamplingParams, sample
@@ -28,19 +28,6 @@ class ContiguousKVCache:
             v = torch.cat([self.values[layer], v])
         self.keys[layer], self.values[layer] = k, v
         return causal_attention(q, k, v)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The last q.shape[0] positions of a sequence attend to all keys up to and including their own position.
-
-    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
-    """
-    new, total = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed)
-    return out.transpose(0, 1)
 
 
 @dataclass

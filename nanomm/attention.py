@@ -1,0 +1,65 @@
+"""Attention over pages, for a step that mixes decode tokens and prefill chunks of different sequences.
+
+Lesson: lessons/04-paged-kv-cache.md.
+
+A step's new tokens arrive packed: sequence after sequence, no padding, (tokens, heads, head_dim). Each layer
+first writes the new keys and values into their cache slots (`slot_mapping`), then, per sequence, gathers
+that sequence's keys and values from its blocks and runs causal attention for its new queries. A query sees
+its own sequence's cached tokens and the new tokens up to itself, and nothing of any other sequence.
+
+Why gather + scaled_dot_product_attention per sequence: it is exact, runs the same on CPU and CUDA, and every
+line can be read. The price is one small attention call per sequence per layer; a fused paged kernel
+(vLLM's PagedAttention, FlashInfer) or FlexAttention with a block mask removes it, at the cost of a kernel
+the reader cannot step through.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSlice:
+    query_start: int  # where this sequence's new tokens start in the packed batch
+    query_len: int
+    context_slots: torch.Tensor  # (context_len,) cache slots of all its tokens so far, new ones included
+
+
+@dataclass
+class StepMetadata:
+    slot_mapping: torch.Tensor  # (tokens,) the cache slot each new token's k/v is written to
+    sequences: list[SequenceSlice]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The last q.shape[0] positions of one sequence attend to every key up to and including their own.
+
+    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
+    """
+    new, total = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # One query at the end of the sequence sees everything: no mask needed (the common decode case).
+    allowed = None if new == 1 else torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+class PagedAttention:
+    """The attention backend of one engine step (see `qwen2.AttentionBackend`)."""
+
+    def __init__(self, kv_cache: torch.Tensor, metadata: StepMetadata):
+        self.kv_cache = kv_cache  # (layers, 2, slots, kv_heads, head_dim)
+        self.meta = metadata
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.kv_cache[layer]  # (slots, kv_heads, head_dim) each
+        keys.index_copy_(0, self.meta.slot_mapping, k)
+        values.index_copy_(0, self.meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for seq in self.meta.sequences:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = causal_attention(q[rows], keys.index_select(0, seq.context_slots),
+                                         values.index_select(0, seq.context_slots))
+        return out

@@ -1,0 +1,296 @@
+"""The serving engine (LLMEngine: add_request / step / abort) and the offline API on top of it (LLM).
+
+Lesson: lessons/05-continuous-batching.md.
+
+One `step()` = schedule (scheduler.py) -> run the model once over every scheduled chunk (model_runner.py) ->
+sample the requests whose chunk reached their last token (sampling.py) -> commit, stream, finish. `LLM` is
+vLLM's offline API shape: validate everything first, then add all requests and step until they are done.
+"""
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from nanomm.errors import InvalidInputError
+from nanomm.image import ImageProcessorConfig
+from nanomm.inputs import InputProcessor, PreparedPrompt
+from nanomm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
+from nanomm.loader import load_model, resolve_checkpoint
+from nanomm.model import Qwen2VL
+from nanomm.model_runner import ModelRunner
+from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanomm.sampling import SamplingParams, sample
+from nanomm.scheduler import Request, ScheduledChunk, Scheduler, Status
+from nanomm.tokenizer import Tokenizer
+
+CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
+                 config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        text = model.config.text
+        self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len)
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                     text.num_key_value_heads, text.head_dim, model.lm_head.weight.dtype,
+                                     model.lm_head.weight.device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, DecodeStream] = {}
+        self._texts: dict[str, str] = {}
+        self._aborted: list[Request] = []
+        self._ids = itertools.count()
+        self.counters = dict(steps=0, step_s=0.0, generated_tokens=0, computed_tokens=0)
+
+    # -- requests in ---------------------------------------------------------------------------------------
+
+    def prepare(self, prompt, params: SamplingParams | None, name: str = "prompt") -> PreparedPrompt:
+        """Validate and preprocess one prompt; raises InvalidInputError and touches nothing in the engine."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+        prepared = self.processor.process(prompt, name)
+        max_len = min(len(prepared.token_ids) + (params or SamplingParams()).max_tokens, self.config.max_model_len)
+        if self.blocks.blocks_needed(max_len) > self.blocks.num_blocks:
+            raise InvalidInputError(
+                f"{name}: up to {max_len} tokens need {self.blocks.blocks_needed(max_len)} KV blocks, but the whole "
+                f"pool has {self.blocks.num_blocks}; lower max_tokens or max_pixels, or give the engine more KV memory")
+        return prepared
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prepared: PreparedPrompt | None = None) -> str:
+        arrival = time.perf_counter()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        prepared = prepared or self.prepare(prompt, params, f"request {request_id}")
+        params = params or SamplingParams()
+        seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
+        generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        metrics = RequestMetrics(arrival_time=arrival - prepared.preprocess_s, preprocess_s=prepared.preprocess_s,
+                                 num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
+        request = Request(request_id, prepared, params, generator, frozenset(stop), metrics)
+        self.requests[request_id] = request
+        self._streams[request_id] = DecodeStream(skip_special_tokens=True)
+        self._texts[request_id] = ""
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(str(request_id))
+        if request is None or request.status is Status.FINISHED:
+            return
+        self.scheduler.finish(request, "abort")
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # -- one step --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs = [self._output(r, []) for r in self._aborted]
+        self._aborted = []
+        chunks = self.scheduler.schedule()
+        if chunks:
+            logits = self.runner.run(chunks)
+            sampling = [c for c in chunks if c.samples]
+            tokens = self._sample(sampling, logits)
+            for chunk in chunks:
+                self.scheduler.commit(chunk)
+            for chunk, token in zip(sampling, tokens):
+                outputs.append(self._append_token(chunk.request, token))
+            self.counters["computed_tokens"] += sum(c.num_tokens for c in chunks)
+        self.counters["steps"] += 1
+        self.counters["step_s"] += time.perf_counter() - start
+        return outputs
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
+        """Greedy rows in one argmax; each sampled row with its own request's generator."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for row, chunk in enumerate(chunks):
+            request = chunk.request
+            if not request.params.greedy:
+                tokens[row] = sample(logits[row], request.params, request.generator)
+        return tokens
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        request.token_ids.append(token)
+        self.counters["generated_tokens"] += 1
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            metrics.ttft_s = now - metrics.arrival_time
+            metrics.queue_s = max(0.0, metrics.first_scheduled_time - metrics.arrival_time - metrics.preprocess_s)
+            metrics.prefill_s = max(0.0, now - metrics.first_scheduled_time - metrics.encode_s)
+        reason = self._finish_reason(request, token)
+        if reason:
+            self.scheduler.finish(request, reason)
+            metrics.e2e_s = now - metrics.arrival_time
+            num_out = len(request.output_token_ids)
+            metrics.tpot_s = (now - metrics.first_token_time) / (num_out - 1) if num_out > 1 else None
+        return self._output(request, [token])
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        if token in request.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        rid = request.request_id
+        delta = "".join(piece for t in new_tokens
+                        if (piece := self._streams[rid].step(self.tokenizer.tokenizer, t)) is not None)
+        self._texts[rid] += delta
+        finished = request.status is Status.FINISHED
+        completion = CompletionOutput(0, list(request.output_token_ids), self._texts[rid], request.finish_reason,
+                                      list(new_tokens), delta)
+        if finished:  # the engine forgets finished requests; the caller holds the output
+            del self.requests[rid], self._streams[rid], self._texts[rid]
+        return RequestOutput(rid, request.prompt.text, list(request.prompt.token_ids), [completion], finished,
+                             request.metrics)
+
+    # -- counters --------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c, b, t = self.counters, self.blocks, self.model.config.text
+        return {
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_used": b.num_blocks - b.num_free_blocks,
+            "kv_blocks_cached": len(b.cached),
+            "kv_bytes_per_token": kv_bytes_per_token(t.num_hidden_layers, t.num_key_value_heads, t.head_dim,
+                                                     self.model.lm_head.weight.dtype),
+            "prefix_cache_queried_tokens": b.queried_tokens,
+            "prefix_cache_hit_tokens": b.hit_tokens,
+            "prefix_cache_hit_rate": b.hit_tokens / b.queried_tokens if b.queried_tokens else 0.0,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": c["steps"],
+            "generated_tokens": c["generated_tokens"],
+            "computed_tokens": c["computed_tokens"],
+            "tokens_per_s": c["generated_tokens"] / c["step_s"] if c["step_s"] else 0.0,
+            "visual_tokens_encoded": self.runner.visual_tokens_encoded,
+            "encode_s": self.runner.encode_s,
+            "visual_tokens_per_s": self.runner.visual_tokens_encoded / self.runner.encode_s if self.runner.encode_s else 0.0,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+
+class LLM:
+    """The offline API: `LLM(path).generate(prompts, params)` / `.chat(messages, params)` (vLLM's shape)."""
+
+    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 block_size: int = 16, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_gib: float | None = None, enable_prefix_caching: bool = True,
+                 min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
+                 speculative: dict | None = None, revision: str | None = None):
+        if speculative is not None:
+            raise NotImplementedError("speculative decoding is not implemented yet (see the issue tracker)")
+        _check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           block_size=block_size)
+        cuda = torch.cuda.is_available()
+        device = device or ("cuda" if cuda else "cpu")
+        dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+        folder = resolve_checkpoint(model, revision)
+        self.model = load_model(folder, device=device, dtype=dtype)
+        self.tokenizer = Tokenizer.from_pretrained(
+            folder, image_token_id=self.model.config.image_token_id,
+            vision_start_token_id=self.model.config.vision_start_token_id,
+            vision_end_token_id=self.model.config.vision_end_token_id)
+        image_config = ImageProcessorConfig.from_pretrained(folder)
+        pixel_cap = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        image_config = replace(image_config, **pixel_cap)
+        text = self.model.config.text
+        max_model_len = max_model_len or text.max_position_embeddings
+        per_block = block_size * kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
+                                                    self.model.lm_head.weight.dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, gpu_memory_utilization, kv_cache_memory_gib,
+                                                  max_num_seqs * -(-max_model_len // block_size))
+        config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks,
+                              enable_prefix_caching, seed)
+        self.engine = LLMEngine(self.model, self.tokenizer, image_config, config)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        params_list = [p or SamplingParams() for p in params_list]
+        # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
+        prepared = [self.engine.prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params_list, prepared)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations; generates the assistant turn."""
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text, images = self.tokenizer.apply_chat_template(conversation)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"conversation {i}: {exc}") from None
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self.generate(prompts, params)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _derived_seed(engine_seed: int, request_id: str) -> int:
+    """A reproducible per-request seed for requests that set none (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()[:8], "little") >> 1
+
+
+def _check_engine_args(**kwargs):
+    for key, value in kwargs.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+def _kv_blocks_for_memory(model: Qwen2VL, bytes_per_block: int, gpu_memory_utilization: float,
+                          kv_cache_memory_gib: float | None, useful_blocks: int) -> int:
+    """Size the KV pool from a memory budget, capped at what max_num_seqs full-length sequences could use."""
+    device = model.lm_head.weight.device
+    if kv_cache_memory_gib is not None:
+        budget = kv_cache_memory_gib * 2**30
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Leave (1 - utilization) of the card, plus headroom for activations, to everything else.
+        budget = total * gpu_memory_utilization - used - 2**30
+    else:
+        budget = CPU_KV_CACHE_GIB * 2**30
+    blocks = min(int(budget // bytes_per_block), useful_blocks)
+    if blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower the model size or raise gpu_memory_utilization")
+    return blocks

@@ -1,0 +1,116 @@
+"""From what a caller sends to what the engine runs: validate a prompt, preprocess its images, expand it.
+
+Lesson: lessons/05-continuous-batching.md (the request path).
+
+Everything here runs before any model compute, so a bad prompt, image or parameter is reported as an
+`InvalidInputError` naming the prompt, and nothing in the engine is touched. The output, a `PreparedPrompt`,
+holds the expanded token ids, the preprocessed images, where each image's tokens sit, and the M-RoPE
+positions, computed once and sliced by every chunk later.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanomm.config import ModelConfig
+from nanomm.errors import InvalidInputError
+from nanomm.image import ImageProcessorConfig, ProcessedImage, preprocess_image
+from nanomm.kv_cache import ImageSpan
+from nanomm.rope import mrope_positions
+from nanomm.tokenizer import Tokenizer
+
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+PIXEL_KEYS = {"min_pixels", "max_pixels"}
+
+
+@dataclass
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]  # expanded: one <|image_pad|> per visual token
+    images: list[ProcessedImage]
+    image_spans: list[ImageSpan]
+    positions: torch.Tensor  # (3, len(token_ids)) M-RoPE ids
+    rope_delta: int  # generated token i (0-based over the whole sequence) has position i + rope_delta
+    preprocess_s: float
+
+    @property
+    def num_visual_tokens(self) -> int:
+        return sum(span.length for span in self.image_spans)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
+                 max_model_len: int):
+        self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
+        self.max_model_len = max_model_len
+
+    def process(self, prompt, name: str = "prompt") -> PreparedPrompt:
+        start = time.perf_counter()
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise InvalidInputError(f"{name}: a prompt is a str or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - PROMPT_KEYS
+        if unknown:
+            raise InvalidInputError(f"{name}: unknown keys {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
+        text, ids = self._token_ids(prompt, name)
+        pixel_kwargs = self._pixel_kwargs(prompt.get("mm_processor_kwargs"), name)
+        images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **pixel_kwargs)
+                  for i, image in enumerate(self._images(prompt.get("multi_modal_data"), name))]
+        try:
+            ids = self.tokenizer.expand_image_placeholders(ids, [im.num_tokens for im in images])
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{name}: {exc}") from None
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(f"{name}: the prompt is {len(ids)} tokens (images expanded), which leaves no "
+                                    f"room to generate within max_model_len={self.max_model_len}")
+        spans = _image_spans(ids, images, self.model_config.image_token_id)
+        positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
+                                           self.model_config.vision.spatial_merge_size)
+        return PreparedPrompt(text, ids, images, spans, positions, delta, time.perf_counter() - start)
+
+    def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise InvalidInputError(f"{name}: give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise InvalidInputError(f"{name}: 'prompt' must be a str, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text)
+        else:
+            text, ids = None, prompt["prompt_token_ids"]
+            vocab = self.model_config.text.vocab_size
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidInputError(f"{name}: 'prompt_token_ids' must be a list of ints in [0, {vocab})")
+            ids = list(ids)
+        if not ids:
+            raise InvalidInputError(f"{name}: the prompt is empty")
+        return text, ids
+
+    def _images(self, mm_data, name: str) -> list:
+        if mm_data is None:
+            return []
+        if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+            raise InvalidInputError(f"{name}: 'multi_modal_data' must be a dict with an 'image' key "
+                                    f"(images are the only modality nanomm serves), got {mm_data!r:.80}")
+        images = mm_data.get("image", [])
+        return list(images) if isinstance(images, (list, tuple)) else [images]
+
+    def _pixel_kwargs(self, kwargs, name: str) -> dict:
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict) or set(kwargs) - PIXEL_KEYS:
+            raise InvalidInputError(f"{name}: 'mm_processor_kwargs' may hold only {sorted(PIXEL_KEYS)}, "
+                                    f"got {kwargs!r:.80}")
+        return dict(kwargs)
+
+
+def _image_spans(ids: list[int], images: list[ProcessedImage], image_token_id: int) -> list[ImageSpan]:
+    spans, start = [], 0
+    for image in images:
+        start = ids.index(image_token_id, start)
+        spans.append(ImageSpan(start, image.num_tokens, image.content_hash))
+        start += image.num_tokens
+    return spans

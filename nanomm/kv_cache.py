@@ -1,0 +1,161 @@
+"""The paged KV cache: one preallocated pool of fixed-size blocks, block tables, and multimodal prefix caching.
+
+Lessons: lessons/04-paged-kv-cache.md (paging), lessons/06-prefix-caching.md (content-addressed blocks).
+
+The pool holds `num_blocks` blocks of `block_size` token slots per layer. A sequence owns a *block table*:
+the list of block ids that hold its tokens in order, so token i lives in slot
+`block_table[i // block_size] * block_size + i % block_size`. Memory is handed out a block at a time, so a
+sequence wastes at most block_size - 1 slots, and no sequence is padded to another's length.
+
+Prefix caching: a full block is named by a hash chained over everything that determines its KV: the parent
+block's hash, the block's token ids and, for blocks that cover image tokens, the content hash of each
+overlapping image with the offset of the image span relative to the block. (Token ids alone are not enough:
+all image-pad tokens share one id, so two different pictures would otherwise look identical.) A request whose
+leading blocks hash to blocks already in the pool reuses them (reference counts), and skips their compute.
+Freed blocks keep their contents and hash until the pool needs them back, evicted least recently used first.
+"""
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set once the block is full and its KV computed
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's tokens sit in a prompt, and what the image is (for hashing and encoding)."""
+    start: int
+    length: int
+    content_hash: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def hash_block(parent: bytes | None, token_ids, block_start: int, image_spans) -> bytes:
+    """sha256 over (parent hash, token ids, [(image hash, span start - block start)] for overlapping images)."""
+    block_end = block_start + len(token_ids)
+    extra = [(s.content_hash, s.start - block_start) for s in image_spans
+             if s.start < block_end and s.end > block_start]
+    h = hashlib.sha256(parent or b"")
+    h.update(repr((tuple(token_ids), extra)).encode())
+    return h.digest()  # full 32 bytes: a cache key is never truncated
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device) -> torch.Tensor:
+    """(layers, 2, num_blocks * block_size, kv_heads, head_dim): k and v of every slot, in one tensor.
+
+    torch.empty: slots are only ever read after they are written, so there is nothing to initialise.
+    """
+    return torch.empty(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class BlockManager:
+    """Hands out blocks, counts references, and keeps the hash -> block map of the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks nobody references, oldest-freed first: the eviction order. Cached blocks stay here, findable
+        # by hash, until they are handed out again.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.hit_tokens = self.queried_tokens = 0  # prefix-cache counters
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ------------------------------------------------------------------------------------
+
+    def block_hashes(self, token_ids, image_spans, num_full_blocks: int, known: list[bytes]) -> list[bytes]:
+        """Extend `known` (the hashes of the first blocks) to the first num_full_blocks blocks of token_ids."""
+        hashes = list(known)
+        for b in range(len(hashes), num_full_blocks):
+            start = b * self.block_size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[start:start + self.block_size], start, image_spans))
+        return hashes
+
+    def find_cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Block ids of the longest run of leading blocks already in the pool."""
+        found = []
+        for h in hashes:
+            block_id = self.cached.get(h) if self.enable_prefix_caching else None
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def register(self, block_table: list[int], hashes: list[bytes], num_computed_tokens: int) -> None:
+        """Name every block that is full and computed by its hash, so later requests can find it."""
+        if not self.enable_prefix_caching:
+            return
+        for b in range(num_computed_tokens // self.block_size):
+            block = self.blocks[block_table[b]]
+            if block.block_hash is None and hashes[b] not in self.cached:
+                block.block_hash = hashes[b]
+                self.cached[hashes[b]] = block.block_id
+
+    # -- allocation --------------------------------------------------------------------------------------
+
+    def can_allocate(self, num_new_blocks: int, reused: list[int] = ()) -> bool:
+        """Enough free blocks for num_new_blocks new ones, after taking the reused cached blocks off the list."""
+        reused_from_free = sum(1 for b in reused if self.blocks[b].ref_count == 0)
+        return num_new_blocks <= self.num_free_blocks - reused_from_free
+
+    def take_cached(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= self.num_free_blocks, "caller must check can_allocate first"
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict: its contents are about to be overwritten
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def free(self, block_table: list[int]) -> None:
+        # Tail blocks first: they are the least likely to be shared, so they should be evicted first.
+        for block_id in reversed(block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+
+    def check_no_leaks(self) -> None:
+        """Every block is free again (for tests and for the end of LLM.generate)."""
+        held = [b.block_id for b in self.blocks if b.ref_count]
+        assert not held and self.num_free_blocks == self.num_blocks, f"blocks still referenced: {held[:10]}"

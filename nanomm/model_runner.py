@@ -1,0 +1,83 @@
+"""Turn a scheduled step into tensors, run the model once, and return the logits of the rows that sample.
+
+Lesson: lessons/05-continuous-batching.md.
+
+The scheduler decided *what* runs (a list of chunks: request, first position, count); this module only
+prepares it: the packed token ids, their M-RoPE positions, the cache slot of every new token, each sequence's
+slots so far, and the visual tokens of any image a chunk covers. An image is encoded whole the first time a
+chunk touches it (its attention is bidirectional, so a slice cannot be encoded alone), all such images of the
+step in one batched vision forward; each chunk then takes its slice of the embeddings.
+"""
+
+import time
+
+import torch
+
+from nanomm.attention import PagedAttention, SequenceSlice, StepMetadata
+from nanomm.model import Qwen2VL
+from nanomm.scheduler import ScheduledChunk
+
+
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions start..end-1 of a sequence: block_table[i // bs] * bs + i % bs."""
+    positions = torch.arange(start, end)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.device = model.lm_head.weight.device
+        self.visual_tokens_encoded, self.encode_s = 0, 0.0
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Forward the packed chunks; float32 logits (num sampling chunks, vocab), in chunk order."""
+        self._encode_images(chunks)
+        ids, positions, slots, sequences, visual, sample_rows = [], [], [], [], [], []
+        offset = 0
+        for chunk in chunks:
+            request = chunk.request
+            ids += request.token_ids[chunk.start:chunk.end]
+            positions.append(request.positions(chunk.start, chunk.end))
+            context = token_slots(request.block_table, 0, chunk.end, self.block_size)
+            slots.append(context[chunk.start:])
+            sequences.append(SequenceSlice(offset, chunk.num_tokens, context.to(self.device)))
+            visual += self._visual_slices(chunk)
+            offset += chunk.num_tokens
+            if chunk.samples:
+                sample_rows.append(offset - 1)
+        meta = StepMetadata(torch.cat(slots).to(self.device), sequences)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions, dim=1).to(self.device),
+                            PagedAttention(self.kv_cache, meta), torch.cat(visual) if visual else None)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
+        """Encode, in one batched forward, every image a chunk covers that its request does not hold yet."""
+        todo = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
+                if span.start < chunk.end and span.end > chunk.start and i not in chunk.request.image_embeds]
+        if not todo:
+            return
+        images = [request.prompt.images[i] for request, i in todo]
+        start = time.perf_counter()
+        pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
+        embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])
+        elapsed = time.perf_counter() - start
+        total_patches = pixels.shape[0]
+        for (request, i), image, embed in zip(todo, images, embeds):
+            request.image_embeds[i] = embed
+            request.metrics.encode_s += elapsed * image.pixel_values.shape[0] / total_patches
+        self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
+        self.encode_s += elapsed
+
+    def _visual_slices(self, chunk: ScheduledChunk) -> list[torch.Tensor]:
+        """The rows of each overlapping image's embeddings that fall inside this chunk, in order."""
+        request, out = chunk.request, []
+        for i, span in enumerate(request.prompt.image_spans):
+            lo, hi = max(span.start, chunk.start), min(span.end, chunk.end)
+            if lo < hi:
+                out.append(request.image_embeds[i][lo - span.start:hi - span.start])
+                if hi == span.end:  # the prefill has passed this image: its embeddings are no longer needed
+                    del request.image_embeds[i]
+        return out

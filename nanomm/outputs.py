@@ -1,0 +1,45 @@
+"""What the engine hands back: RequestOutput (vLLM's shape) and per-request metrics.
+
+Lesson: lessons/05-continuous-batching.md.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.perf_counter() when the request was added
+    queue_s: float = 0.0  # waiting for admission (first scheduled - arrival - preprocess)
+    preprocess_s: float = 0.0  # decode, validate, resize, normalise, tokenise
+    encode_s: float = 0.0  # vision encoder time spent on this request's images
+    prefill_s: float = 0.0  # from first scheduled to the first token, encoding excluded
+    ttft_s: float | None = None  # arrival -> first token
+    tpot_s: float | None = None  # mean time per output token after the first
+    e2e_s: float | None = None  # arrival -> finished
+    num_prompt_tokens: int = 0
+    num_visual_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    encoder_cache_hits: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # cumulative
+    text: str  # cumulative
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    delta_token_ids: list[int] = field(default_factory=list)  # new this step
+    delta_text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]  # expanded
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
