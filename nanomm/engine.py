@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from tokenizers.decoders import DecodeStream
 
 from nanomm.errors import InvalidInputError
 from nanomm.image import ImageProcessorConfig
@@ -25,7 +24,7 @@ from nanomm.model_runner import ModelRunner
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams, sample
 from nanomm.scheduler import Request, ScheduledChunk, Scheduler, Status
-from nanomm.tokenizer import Tokenizer
+from nanomm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
 
@@ -54,8 +53,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_cache, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, DecodeStream] = {}
-        self._texts: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
         self.counters = dict(steps=0, step_s=0.0, generated_tokens=0, computed_tokens=0)
@@ -89,8 +87,7 @@ class LLMEngine:
                                  num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
         request = Request(request_id, prepared, params, generator, frozenset(stop), metrics)
         self.requests[request_id] = request
-        self._streams[request_id] = DecodeStream(skip_special_tokens=True)
-        self._texts[request_id] = ""
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(request)
         return request_id
 
@@ -160,14 +157,13 @@ class LLMEngine:
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         rid = request.request_id
-        delta = "".join(piece for t in new_tokens
-                        if (piece := self._streams[rid].step(self.tokenizer.tokenizer, t)) is not None)
-        self._texts[rid] += delta
+        detokenizer = self._detokenizers[rid]
+        delta = "".join(detokenizer.step(t) for t in new_tokens)
         finished = request.status is Status.FINISHED
-        completion = CompletionOutput(0, list(request.output_token_ids), self._texts[rid], request.finish_reason,
+        completion = CompletionOutput(0, list(request.output_token_ids), detokenizer.text, request.finish_reason,
                                       list(new_tokens), delta)
         if finished:  # the engine forgets finished requests; the caller holds the output
-            del self.requests[rid], self._streams[rid], self._texts[rid]
+            del self.requests[rid], self._detokenizers[rid]
         return RequestOutput(rid, request.prompt.text, list(request.prompt.token_ids), [completion], finished,
                              request.metrics)
 

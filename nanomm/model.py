@@ -32,22 +32,24 @@ class Qwen2VL(nn.Module):
         """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
         return self.visual(pixel_values, [tuple(g) for g in image_grids])
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings (tokens, hidden), with the image-pad rows replaced by visual tokens, in order."""
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
+              image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings (tokens, hidden); the rows where image_mask is True become the visual tokens, in order.
+
+        The mask is explicit, not `input_ids == image_token_id`: a model may *generate* an <|image_pad|> id,
+        and that token is text (it has no picture behind it), as it is in transformers.
+        """
         x = self.language_model.embed_tokens(input_ids)
-        is_image = input_ids == self.config.image_token_id
-        num_image_tokens = int(is_image.sum())
-        given = 0 if image_embeds is None else image_embeds.shape[0]
-        if num_image_tokens != given:
-            raise ValueError(f"{num_image_tokens} image-pad tokens but {given} visual tokens were given")
-        if given:
-            x = x.masked_scatter(is_image[:, None], image_embeds.to(x.dtype))
-        return x
+        if image_embeds is None:
+            return x
+        if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
+            raise ValueError(f"{image_embeds.shape[0]} visual tokens need a mask with as many True rows")
+        return x.masked_scatter(image_mask[:, None], image_embeds.to(x.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend,
-                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (tokens,), positions (3, tokens) -> final hidden states (tokens, hidden)."""
-        x = self.embed(input_ids, image_embeds)
+        x = self.embed(input_ids, image_embeds, image_mask)
         t = self.config.text
         cos, sin = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, x.dtype)
         return self.language_model(x, cos, sin, kv)

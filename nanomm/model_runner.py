@@ -35,7 +35,7 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward the packed chunks; float32 logits (num sampling chunks, vocab), in chunk order."""
         self._encode_images(chunks)
-        ids, positions, slots, sequences, visual, sample_rows = [], [], [], [], [], []
+        ids, positions, slots, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
         offset = 0
         for chunk in chunks:
             request = chunk.request
@@ -45,12 +45,17 @@ class ModelRunner:
             slots.append(context[chunk.start:])
             sequences.append(SequenceSlice(offset, chunk.num_tokens, context.to(self.device)))
             visual += self._visual_slices(chunk)
+            visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans
+                            for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
             offset += chunk.num_tokens
             if chunk.samples:
                 sample_rows.append(offset - 1)
         meta = StepMetadata(torch.cat(slots).to(self.device), sequences)
+        image_mask = torch.zeros(len(ids), dtype=torch.bool)
+        image_mask[visual_rows] = True
         hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions, dim=1).to(self.device),
-                            PagedAttention(self.kv_cache, meta), torch.cat(visual) if visual else None)
+                            PagedAttention(self.kv_cache, meta), torch.cat(visual) if visual else None,
+                            image_mask.to(self.device))
         return self.model.compute_logits(hidden[sample_rows])
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:

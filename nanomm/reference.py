@@ -54,7 +54,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
 
     ids = torch.tensor(prompt_ids, device=device)
-    hidden = model(ids, positions.to(device), kv, image_embeds)
+    hidden = model(ids, positions.to(device), kv, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
         logits = model.compute_logits(hidden[-1])

@@ -109,7 +109,7 @@ def vision_patch_positions(image_grids: list[tuple[int, int, int]], spatial_merg
 
 
 def vision_cos_sin(image_grids, head_dim: int, theta: float, spatial_merge_size: int, device=None):
-    """float32 cos/sin (num_patches, head_dim): the first quarter of bands follows the row, the next the column."""
+    """float32 cos/sin (num_patches, head_dim): in each half of head_dim, the first half follows the row, the second the column."""
     inv_freq = inverse_frequencies(head_dim // 2, theta, device)  # (head_dim/4,)
     positions = vision_patch_positions(image_grids, spatial_merge_size).to(device)
     angles = (positions[..., None].float() * inv_freq).flatten(1)  # (patches, 2, hd/4) -> (patches, hd/2)

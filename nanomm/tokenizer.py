@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from nanomm.errors import CheckpointError, InvalidInputError
 
@@ -141,6 +142,24 @@ class Tokenizer:
             out += [self.image_token_id] * n
             start = p + 1
         return out + ids[start:]
+
+
+class IncrementalDetokenizer:
+    """Text deltas for tokens arriving one at a time (streaming).
+
+    Byte-level BPE splits many characters (accents, CJK, emoji) over several tokens; `tokenizers`'
+    DecodeStream holds the bytes back until they form whole UTF-8 characters, so no delta is ever half a char.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer.tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        piece = self._stream.step(self._tokenizer, token_id) or ""
+        self.text += piece
+        return piece
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,53 @@
+"""Workloads and oracles shared by the engine tests."""
+
+import random
+
+import torch
+from PIL import Image
+
+from nanomm.reference import generate as reference_generate
+from nanomm.tokenizer import IMAGE_PLACEHOLDER
+
+WORDS = "the a cat dog sat on mat and looked at picture of red blue green house tree sky".split()
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=g)
+    return Image.frombytes("RGB", (width, height), pixels.numpy().tobytes())
+
+
+def chat_prompt(text: str, images=()) -> dict | str:
+    """A Qwen2-VL user turn with the images first, as the chat template renders it."""
+    body = IMAGE_PLACEHOLDER * len(images) + text
+    prompt = f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n" \
+             f"<|im_start|>assistant\n"
+    return {"prompt": prompt, "multi_modal_data": {"image": list(images)}} if images else prompt
+
+
+def random_workload(seed: int, num_prompts: int, max_images: int = 3):
+    """Prompts with 0..max_images images of varied sizes and varied text lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num_prompts):
+        images = [random_image(rng.randrange(28, 120), rng.randrange(28, 120), seed * 1000 + i * 10 + j)
+                  for j in range(rng.randrange(0, max_images + 1))]
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 40)))
+        prompts.append(chat_prompt(text, images))
+    return prompts
+
+
+def reference_tokens(llm, prompt, params) -> list[int]:
+    """What the dense reference generates for this prompt: the engine's oracle."""
+    prepared = llm.engine.prepare(prompt, params)
+    return reference_generate(llm.model, prepared.token_ids, prepared.images, params,
+                              llm.tokenizer.eos_token_ids).token_ids
+
+
+def assert_engine_matches_reference(llm, prompts, params_list):
+    outputs = llm.generate(prompts, params_list)
+    for i, (prompt, params, out) in enumerate(zip(prompts, params_list, outputs)):
+        assert out.finished
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
+    llm.engine.blocks.check_no_leaks()
+    return outputs

@@ -1,0 +1,209 @@
+"""The serving engine against the dense reference: batching, chunking, paging, preemption, prefix caching."""
+
+import random
+
+import pytest
+
+from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload, reference_tokens
+from nanomm import LLM, SamplingParams
+from nanomm.checkpoint import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+MAX_PIXELS = 28 * 28 * 16  # images of up to 16 visual tokens: keeps the tiny model's tests fast
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
+
+
+def make_llm(ckpt, **kwargs):
+    kwargs.setdefault("max_pixels", MAX_PIXELS)
+    return LLM(str(ckpt), device="cpu", dtype="float32", **kwargs)
+
+
+def record_chunks(llm):
+    """Wrap the scheduler so the test can see every chunk it scheduled: (request id, start, end)."""
+    seen, schedule = [], llm.engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        seen.extend((c.request.request_id, c.start, c.end, c.request.prompt.image_spans) for c in chunks)
+        return chunks
+
+    llm.engine.scheduler.schedule = recording
+    return seen
+
+
+STRESS = {
+    "default": dict(),
+    "block-1": dict(block_size=1),
+    "block-16-tiny-budget": dict(block_size=16, max_num_batched_tokens=7),
+    "tiny-pool-preemption": dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=24),
+    "no-prefix-cache": dict(enable_prefix_caching=False, block_size=2, max_num_batched_tokens=11),
+    "few-seqs": dict(max_num_seqs=2, block_size=8),
+}
+
+
+@pytest.mark.parametrize("setting", list(STRESS))
+def test_mixed_workload_matches_reference(ckpt, setting):
+    llm = make_llm(ckpt, **STRESS[setting])
+    prompts = random_workload(seed=1, num_prompts=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(8)]
+    chunks = record_chunks(llm)
+    assert_engine_matches_reference(llm, prompts, params)
+    if setting == "tiny-pool-preemption":
+        assert llm.stats()["preemptions"] > 0
+    if setting == "block-16-tiny-budget":
+        assert any(any(s.start < end < s.end for s in spans) for _, _, end, spans in chunks), \
+            "no chunk boundary fell inside an image span"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomised_settings_and_workloads(ckpt, seed):
+    rng = random.Random(seed)
+    settings = dict(block_size=rng.choice([1, 2, 3, 8, 16]), max_num_batched_tokens=rng.choice([5, 17, 64, 2048]),
+                    max_num_seqs=rng.choice([1, 3, 64]), enable_prefix_caching=rng.random() < 0.7)
+    settings["num_kv_blocks"] = rng.choice([None, 200 // settings["block_size"] + 8])
+    llm = make_llm(ckpt, **settings)
+    prompts = random_workload(seed=100 + seed, num_prompts=rng.randrange(3, 9))
+    prompts += prompts[:2]  # repeats: prefix-cache hits
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 12), ignore_eos=True) for _ in prompts]
+    assert_engine_matches_reference(llm, prompts, params)
+
+
+def test_image_straddling_chunk_boundary(ckpt):
+    """A budget of 5 tokens per step cuts a 16-token image into several chunks; it is encoded once."""
+    llm = make_llm(ckpt, max_num_batched_tokens=5, block_size=4)
+    prompt = chat_prompt("what is it?", [random_image(112, 112, 0)])
+    chunks = record_chunks(llm)
+    assert_engine_matches_reference(llm, [prompt], [GREEDY])
+    span = chunks[0][3][0]
+    assert span.length == 16 and sum(1 for _, s, e, _ in chunks if s < span.end and e > span.start) >= 4
+    assert llm.stats()["visual_tokens_encoded"] == 16  # encoded once, sliced per chunk
+
+
+def test_preemption_during_image_prefill(ckpt):
+    """A request whose image prefill is under way is preempted, recomputed later, and still exact."""
+    llm = make_llm(ckpt, block_size=4, num_kv_blocks=26, max_num_batched_tokens=4, max_pixels=28 * 28 * 64)
+    preempted_inside_image = []
+    scheduler = llm.engine.scheduler
+    preempt = scheduler.preempt
+
+    def spying_preempt(request):
+        done = request.num_computed_tokens
+        preempted_inside_image.append(any(s.start < done < s.end for s in request.prompt.image_spans))
+        preempt(request)
+
+    scheduler.preempt = spying_preempt
+    long_decode = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [chat_prompt(" ".join(["hi"] * 10)), chat_prompt("look", [random_image(224, 224, 3)])]
+    assert_engine_matches_reference(llm, prompts, [long_decode, GREEDY])
+    assert any(preempted_inside_image), "the scenario no longer preempts inside an image"
+
+
+def test_abort_frees_blocks_and_leaves_others_exact(ckpt):
+    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=16)
+    prompts = random_workload(seed=5, num_prompts=4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = [llm.engine.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        llm.engine.step()
+    llm.engine.abort_request(ids[1])  # running
+    llm.engine.abort_request(ids[3])  # maybe still waiting or prefilling
+    finished = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[ids[1]].outputs[0].finish_reason == "abort"
+    assert finished[ids[3]].outputs[0].finish_reason == "abort"
+    for i in (0, 2):
+        assert finished[ids[i]].outputs[0].token_ids == reference_tokens(llm, prompts[i], params)
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_long_prefill_does_not_stall_running_decodes(ckpt):
+    """Decodes are scheduled first: a 300-token prompt arriving mid-stream is chunked around them."""
+    llm = make_llm(ckpt, max_num_batched_tokens=16)
+    engine = llm.engine
+    streaming = engine.add_request(chat_prompt("hello"), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()  # prefill + first token
+    engine.add_request(chat_prompt(" ".join(["tree"] * 300)), GREEDY)
+    steps_with_token = 0
+    for _ in range(10):
+        outs = {o.request_id: o for o in engine.step()}
+        steps_with_token += streaming in outs
+    assert steps_with_token == 10  # one token every step while the long prompt prefills
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(ckpt):
+    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=9)
+    target = chat_prompt("tell me a story", [random_image(64, 64, 9)])
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], [params])[0].outputs[0].token_ids
+    others = random_workload(seed=11, num_prompts=5)
+    other_params = [SamplingParams(temperature=1.0, max_tokens=8, seed=i) for i in range(5)]
+    crowded = llm.generate(others[:2] + [target] + others[2:], other_params[:2] + [params] + other_params[2:])
+    assert crowded[2].outputs[0].token_ids == alone
+    assert alone == reference_tokens(llm, target, params)  # the reference samples the same way
+    different_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
+    assert llm.generate([target], [different_seed])[0].outputs[0].token_ids != alone
+
+
+def test_stop_tokens_eos_and_length(ckpt):
+    llm = make_llm(ckpt)
+    prompt = chat_prompt("count with me")
+    free_run = reference_tokens(llm, prompt, GREEDY)
+    stop_at = free_run[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == free_run[:free_run.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    # EOS comes from the checkpoint's generation_config.json, and ignore_eos switches it off.
+    eos = llm.tokenizer.eos_token_ids
+    assert len(eos) == 2 and llm.tokenizer.encode("<|im_end|>")[0] in eos
+    request_id = llm.engine.add_request(prompt, SamplingParams(temperature=0))
+    assert llm.engine.requests[request_id].stop_token_ids == frozenset(eos)
+    llm.engine.abort_request(request_id)
+    llm.engine.step()
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 12
+
+
+def test_max_model_len_ends_generation(ckpt):
+    llm = make_llm(ckpt, max_model_len=40)
+    prompt = chat_prompt("hi")
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_streaming_deltas_add_up(ckpt):
+    llm = make_llm(ckpt)
+    engine = llm.engine
+    rid = engine.add_request(chat_prompt("stream please", [random_image(50, 50, 1)]),
+                             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    ids, text, last = [], "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            ids += out.outputs[0].delta_token_ids
+            text += out.outputs[0].delta_text
+            last = out
+    assert last.finished and ids == last.outputs[0].token_ids and text == last.outputs[0].text
+    assert len(ids) == 20
+
+
+def test_metrics_and_stats(ckpt):
+    llm = make_llm(ckpt, block_size=4)
+    prompt = chat_prompt("describe", [random_image(112, 56, 4)])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.num_visual_tokens == 8 and m.num_prompt_tokens == len(out.prompt_token_ids)
+    assert m.ttft_s > 0 and m.e2e_s >= m.ttft_s and m.tpot_s > 0 and m.encode_s > 0 and m.preprocess_s > 0
+    assert m.ttft_s >= m.encode_s + m.prefill_s
+    stats = llm.stats()
+    text = llm.model.config.text
+    assert stats["kv_bytes_per_token"] == 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    assert llm.engine.runner.kv_cache.numel() * 4 == stats["kv_blocks_total"] * 4 * stats["kv_bytes_per_token"]
+    assert stats["generated_tokens"] == 5 and stats["kv_blocks_used"] == 0 and stats["tokens_per_s"] > 0
