@@ -1,0 +1,129 @@
+"""The LLM API (vLLM's offline shape) and its front door: every bad input is an InvalidInputError, before compute."""
+
+import pytest
+
+from helpers import chat_prompt, random_image, reference_tokens
+from nanomm import LLM, InvalidInputError, RequestOutput, SamplingParams
+from nanomm.checkpoint import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
+    return LLM(str(folder), device="cpu", dtype="float32", max_pixels=28 * 28 * 16, max_model_len=512,
+               num_kv_blocks=64, block_size=4)
+
+
+def assert_engine_idle(llm):
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    llm.engine.blocks.check_no_leaks()
+
+
+def test_unknown_engine_argument_is_a_type_error(llm):
+    with pytest.raises(TypeError):
+        LLM("unused", no_such_option=True)
+
+
+def test_generate_shapes(llm):
+    one = llm.generate(chat_prompt("hello"))
+    assert len(one) == 1 and isinstance(one[0], RequestOutput)
+    assert len(one[0].outputs[0].token_ids) <= SamplingParams().max_tokens  # default params
+    many = llm.generate([chat_prompt("a"), chat_prompt("b"), chat_prompt("c")],
+                        [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), GREEDY])
+    assert [len(o.outputs[0].token_ids) for o in many] == [6, 2, 6]
+    assert [o.prompt for o in many] == [chat_prompt(x) for x in "abc"]
+    assert_engine_idle(llm)
+
+
+def test_prompt_token_ids_and_text_prompts_agree(llm):
+    image = random_image(56, 84, 1)
+    text = chat_prompt("what is it?", [image])
+    ids = llm.tokenizer.encode(text["prompt"])  # one <|image_pad|> per image: the engine expands it
+    by_text, by_ids = llm.generate([text, {"prompt_token_ids": ids, "multi_modal_data": {"image": image}}], GREEDY)
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_chat_applies_the_template_and_default_system_prompt(llm):
+    image = random_image(60, 60, 2)
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                  {"type": "text", "text": "what is it?"}]}]
+    out = llm.chat(conversation, GREEDY)[0]
+    assert out.prompt == chat_prompt("what is it?", [image])["prompt"]
+    assert out.outputs[0].token_ids == reference_tokens(llm, chat_prompt("what is it?", [image]), GREEDY)
+    two = llm.chat([conversation, [{"role": "user", "content": "hi"}]], GREEDY)
+    assert len(two) == 2 and two[1].prompt == chat_prompt("hi")
+    with pytest.raises(InvalidInputError, match="conversation 1: message 0"):
+        llm.chat([conversation, [{"role": "robot", "content": "hi"}]], GREEDY)
+    assert_engine_idle(llm)
+
+
+BAD_PROMPTS = {
+    "not a prompt": (42, "a str or a dict"),
+    "unknown key": ({"prompt": "x", "images": []}, "unknown keys"),
+    "both prompt kinds": ({"prompt": "x", "prompt_token_ids": [1]}, "exactly one"),
+    "empty": ("", "empty"),
+    "token id out of range": ({"prompt_token_ids": [1, 10**9]}, "prompt_token_ids"),
+    "more images than placeholders": ({"prompt": "no placeholder", "multi_modal_data": {"image": "IMG"}},
+                                      "0 image placeholder"),
+    "placeholder without image": (chat_prompt("x", ["IMG"])["prompt"], "1 image placeholder"),
+    "video": ({"prompt": "x", "multi_modal_data": {"video": []}}, "only modality"),
+    "bad mm kwargs": ({"prompt": "x", "mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
+    "bad max_pixels": ({**chat_prompt("x", ["IMG"]), "mm_processor_kwargs": {"max_pixels": -5}}, "max_pixels"),
+    "corrupt image": (chat_prompt("x", [b"\x89PNG\r\n\x1a\n broken"]), "image 0"),
+    "missing file": (chat_prompt("x", ["/no/such/file.png"]), "image 0"),
+    "too long for max_model_len": (" ".join(["word"] * 600), "max_model_len"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PROMPTS))
+def test_bad_prompt_rejects_the_whole_call_before_compute(llm, case):
+    bad, message = BAD_PROMPTS[case]
+    image = random_image(40, 40, 3)
+    bad = _with_real_image(bad, image)
+    prompts = [chat_prompt("fine"), chat_prompt("also fine", [image]), bad]
+    steps = llm.stats()["steps"]
+    with pytest.raises(InvalidInputError, match=message) as err:
+        llm.generate(prompts, GREEDY)
+    assert "prompt 2" in str(err.value)
+    assert llm.stats()["steps"] == steps  # no model compute happened
+    assert_engine_idle(llm)
+
+
+def _with_real_image(prompt, image):
+    """Replace the "IMG" marker by a real image (parametrize ids stay readable)."""
+    if isinstance(prompt, dict) and "image" in prompt.get("multi_modal_data", {}):
+        images = prompt["multi_modal_data"].get("image")
+        images = [image if im == "IMG" else im for im in (images if isinstance(images, list) else [images])]
+        return {**prompt, "multi_modal_data": {"image": images}}
+    return prompt
+
+
+def test_bad_sampling_params_and_pool_limits(llm):
+    with pytest.raises(InvalidInputError, match="SamplingParams"):
+        llm.generate([chat_prompt("x")], [{"temperature": 0}])
+    with pytest.raises(InvalidInputError, match="2 sampling params for 1 prompts"):
+        llm.generate([chat_prompt("x")], [GREEDY, GREEDY])
+    with pytest.raises(InvalidInputError, match="KV blocks"):  # 64 blocks of 4 = 256 tokens in the whole pool
+        llm.generate([chat_prompt("x")], SamplingParams(max_tokens=400))
+    assert_engine_idle(llm)
+
+
+def test_bad_add_request_leaves_running_requests_untouched(llm):
+    engine = llm.engine
+    good = [chat_prompt("one", [random_image(50, 70, 4)]), chat_prompt("two")]
+    ids = [engine.add_request(p, GREEDY) for p in good]
+    engine.step()
+    with pytest.raises(InvalidInputError, match="image 0"):
+        engine.add_request(chat_prompt("bad", [b"not an image"]), GREEDY)
+    with pytest.raises(InvalidInputError, match="already in use"):
+        engine.add_request(chat_prompt("dup"), GREEDY, request_id=ids[0])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == sorted(ids)
+    for rid, prompt in zip(ids, good):
+        assert finished[rid].outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
+    assert_engine_idle(llm)
