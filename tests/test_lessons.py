@@ -49,3 +49,12 @@ def test_harness_runs_blocks_in_one_namespace(tmp_path):
     with pytest.raises(RuntimeError):
         for block in python_blocks(broken):
             exec(block, {})
+
+
+def test_readme_examples_run(tmp_path, monkeypatch):
+    blocks = python_blocks(ROOT / "README.md")
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md (python block {i + 1})", "exec"), namespace)
