@@ -93,6 +93,8 @@ class BlockManager:
     def block_hashes(self, token_ids, image_spans, num_full_blocks: int, known: list[bytes]) -> list[bytes]:
         """Extend `known` (the hashes of the first blocks) to the first num_full_blocks blocks of token_ids."""
         hashes = list(known)
+        if not self.enable_prefix_caching:
+            return hashes  # nothing will look them up: skip the sha256 work
         for b in range(len(hashes), num_full_blocks):
             start = b * self.block_size
             parent = hashes[-1] if hashes else None
