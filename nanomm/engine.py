@@ -78,12 +78,15 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
-        prepared = prepared or self.prepare(prompt, params, f"request {request_id}")
+        if prepared is None:
+            prepared = self.prepare(prompt, params, f"request {request_id}")
+        else:  # prepared before this call (LLM.generate validates everything first): it arrived back then
+            arrival -= prepared.preprocess_s
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        metrics = RequestMetrics(arrival_time=arrival - prepared.preprocess_s, preprocess_s=prepared.preprocess_s,
+        metrics = RequestMetrics(arrival_time=arrival, preprocess_s=prepared.preprocess_s,
                                  num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
         request = Request(request_id, prepared, params, generator, frozenset(stop), metrics)
         self.requests[request_id] = request
