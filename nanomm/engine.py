@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nanomm.cpu_linear import pack_linear_layers, packed_linear_available
 from nanomm.errors import InvalidInputError
 from nanomm.image import ImageProcessorConfig
 from nanomm.inputs import InputProcessor, PreparedPrompt
@@ -48,8 +49,8 @@ class LLMEngine:
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                     text.num_key_value_heads, text.head_dim, model.lm_head.weight.dtype,
-                                     model.lm_head.weight.device)
+                                     text.num_key_value_heads, text.head_dim, model.dtype,
+                                     model.device)
         self.runner = ModelRunner(model, kv_cache, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -179,7 +180,7 @@ class LLMEngine:
             "kv_blocks_used": b.num_blocks - b.num_free_blocks,
             "kv_blocks_cached": len(b.cached),
             "kv_bytes_per_token": kv_bytes_per_token(t.num_hidden_layers, t.num_key_value_heads, t.head_dim,
-                                                     self.model.lm_head.weight.dtype),
+                                                     self.model.dtype),
             "prefix_cache_queried_tokens": b.queried_tokens,
             "prefix_cache_hit_tokens": b.hit_tokens,
             "prefix_cache_hit_rate": b.hit_tokens / b.queried_tokens if b.queried_tokens else 0.0,
@@ -214,6 +215,8 @@ class LLM:
         dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         folder = resolve_checkpoint(model, revision)
         self.model = load_model(folder, device=device, dtype=dtype)
+        if packed_linear_available(self.model.device, self.model.dtype):
+            pack_linear_layers(self.model)  # CPU float32: oneDNN's blocked weights (nanomm/cpu_linear.py)
         self.tokenizer = Tokenizer.from_pretrained(
             folder, image_token_id=self.model.config.image_token_id,
             vision_start_token_id=self.model.config.vision_start_token_id,
@@ -224,7 +227,7 @@ class LLM:
         text = self.model.config.text
         max_model_len = max_model_len or text.max_position_embeddings
         per_block = block_size * kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
-                                                    self.model.lm_head.weight.dtype)
+                                                    self.model.dtype)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, gpu_memory_utilization, kv_cache_memory_gib,
                                                   max_num_seqs * -(-max_model_len // block_size))
@@ -279,7 +282,7 @@ def _check_engine_args(**kwargs):
 def _kv_blocks_for_memory(model: Qwen2VL, bytes_per_block: int, gpu_memory_utilization: float,
                           kv_cache_memory_gib: float | None, useful_blocks: int) -> int:
     """Size the KV pool from a memory budget, capped at what max_num_seqs full-length sequences could use."""
-    device = model.lm_head.weight.device
+    device = model.device
     if kv_cache_memory_gib is not None:
         budget = kv_cache_memory_gib * 2**30
     elif device.type == "cuda":

@@ -24,6 +24,14 @@ class Qwen2VL(nn.Module):
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.tie_weights()
 
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight

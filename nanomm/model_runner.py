@@ -28,7 +28,7 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 class ModelRunner:
     def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.visual_tokens_encoded, self.encode_s = 0, 0.0
 
     @torch.inference_mode()

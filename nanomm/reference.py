@@ -42,7 +42,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
              eos_token_ids=(), keep_logits: bool = False) -> ReferenceOutput:
     """Generate from an expanded prompt and its preprocessed images (`nanomm.image.ProcessedImage`)."""
     params = params or SamplingParams(temperature=0.0)
-    cfg, device = model.config, model.lm_head.weight.device
+    cfg, device = model.config, model.device
     grids = [tuple(im.grid_thw) for im in images]
     image_embeds = None
     if images:

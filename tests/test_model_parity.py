@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from nanomm.checkpoint import make_checkpoint
+from nanomm.cpu_linear import pack_linear_layers
 from nanomm.image import ImageProcessorConfig, preprocess_image
 from nanomm.loader import load_model
 from nanomm.reference import generate
@@ -147,3 +148,13 @@ def test_2b_shaped_checkpoint_matches_transformers(tmp_path):
     oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()
     assert_matches_oracle(folder, ours, oracle, num_images=1)
+
+
+@pytest.mark.parametrize("num_images", [0, 3])
+def test_packed_cpu_linear_layers_match_transformers(pair, num_images):
+    """The engine's CPU fast path (oneDNN-packed weights) is held to the same oracle."""
+    folder, _, oracle = pair
+    packed = load_model(folder, dtype="float32")
+    assert pack_linear_layers(packed) > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    assert_matches_oracle(folder, packed, oracle, num_images)
