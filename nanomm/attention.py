@@ -23,12 +23,14 @@ import torch.nn.functional as F
 class SequenceSlice:
     query_start: int  # where this sequence's new tokens start in the packed batch
     query_len: int
-    context_slots: torch.Tensor  # (context_len,) cache slots of all its tokens so far, new ones included
+    context_start: int  # where its slots start in StepMetadata.context_slots
+    context_len: int  # all its tokens so far, the new ones included
 
 
 @dataclass
 class StepMetadata:
     slot_mapping: torch.Tensor  # (tokens,) the cache slot each new token's k/v is written to
+    context_slots: torch.Tensor  # (sum of context_len,) every sequence's slots, sequence after sequence
     sequences: list[SequenceSlice]
 
 
@@ -71,9 +73,12 @@ class PagedAttention:
         keys, values = self.kv_cache[layer]  # (slots, kv_heads, head_dim) each
         keys.index_copy_(0, self.meta.slot_mapping, k)
         values.index_copy_(0, self.meta.slot_mapping, v)
+        # One gather for the whole step; each sequence then reads a contiguous slice of it.
+        context_keys = keys.index_select(0, self.meta.context_slots)  # (sum of contexts, kv_heads, head_dim)
+        context_values = values.index_select(0, self.meta.context_slots)
         out = torch.empty_like(q)
         for seq in self.meta.sequences:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = causal_attention(q[rows], keys.index_select(0, seq.context_slots),
-                                         values.index_select(0, seq.context_slots))
+            context = slice(seq.context_start, seq.context_start + seq.context_len)
+            out[rows] = causal_attention(q[rows], context_keys[context], context_values[context])
         return out

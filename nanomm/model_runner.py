@@ -35,22 +35,23 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward the packed chunks; float32 logits (num sampling chunks, vocab), in chunk order."""
         self._encode_images(chunks)
-        ids, positions, slots, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
-        offset = 0
+        ids, positions, contexts, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
+        offset = context_offset = 0
         for chunk in chunks:
             request = chunk.request
             ids += request.token_ids[chunk.start:chunk.end]
             positions.append(request.positions(chunk.start, chunk.end))
-            context = token_slots(request.block_table, 0, chunk.end, self.block_size)
-            slots.append(context[chunk.start:])
-            sequences.append(SequenceSlice(offset, chunk.num_tokens, context.to(self.device)))
+            contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))
+            sequences.append(SequenceSlice(offset, chunk.num_tokens, context_offset, chunk.end))
+            context_offset += chunk.end
             visual += self._visual_slices(chunk)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans
                             for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
             offset += chunk.num_tokens
             if chunk.samples:
                 sample_rows.append(offset - 1)
-        meta = StepMetadata(torch.cat(slots).to(self.device), sequences)
+        new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])
+        meta = StepMetadata(new_slots.to(self.device), torch.cat(contexts).to(self.device), sequences)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)
         image_mask[visual_rows] = True
         hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions, dim=1).to(self.device),
