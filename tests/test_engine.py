@@ -41,6 +41,8 @@ STRESS = {
     "block-16-tiny-budget": dict(block_size=16, max_num_batched_tokens=7),
     "tiny-pool-preemption": dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=24),
     "no-prefix-cache": dict(enable_prefix_caching=False, block_size=2, max_num_batched_tokens=11),
+    "tiny-pool-no-prefix-cache": dict(enable_prefix_caching=False, block_size=4, num_kv_blocks=36,
+                                      max_num_batched_tokens=24),
     "few-seqs": dict(max_num_seqs=2, block_size=8),
 }
 
@@ -49,10 +51,12 @@ STRESS = {
 def test_mixed_workload_matches_reference(ckpt, setting):
     llm = make_llm(ckpt, **STRESS[setting])
     prompts = random_workload(seed=1, num_prompts=8)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(8)]
+    # Half greedy, half seeded sampling: both must match the reference token for token.
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, top_p=0.95, seed=i,
+                             max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(8)]
     chunks = record_chunks(llm)
     assert_engine_matches_reference(llm, prompts, params)
-    if setting == "tiny-pool-preemption":
+    if setting.startswith("tiny-pool"):
         assert llm.stats()["preemptions"] > 0
     if setting == "block-16-tiny-budget":
         assert any(any(s.start < end < s.end for s in spans) for _, _, end, spans in chunks), \
