@@ -17,12 +17,14 @@ import torch
 from nanomm.cpu_linear import pack_linear_layers, packed_linear_available
 from nanomm.errors import InvalidInputError
 from nanomm.image import ImageProcessorConfig
-from nanomm.inputs import InputProcessor, PreparedPrompt
+from nanomm.encoder_cache import EncoderCache, encoder_cache_key
+from nanomm.inputs import InputProcessor, PreparedPrompt, ValidatedPrompt
 from nanomm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
 from nanomm.loader import load_model, resolve_checkpoint
 from nanomm.model import Qwen2VL
 from nanomm.model_runner import ModelRunner
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanomm.preprocess_pool import PreprocessPool
 from nanomm.sampling import SamplingParams, sample
 from nanomm.scheduler import Request, ScheduledChunk, Scheduler, Status
 from nanomm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -39,6 +41,10 @@ class EngineConfig:
     num_kv_blocks: int = 0
     enable_prefix_caching: bool = True
     seed: int = 0
+    encoder_cache_size: int = 16384  # visual tokens the encoder cache keeps
+    max_num_encoder_tokens: int = 2048  # visual tokens the vision tower may encode in one step
+    num_preprocess_workers: int = 2  # threads decoding and resizing images; 0 = inline in add_request
+    limit_images_per_prompt: int = 16
 
 
 class LLMEngine:
@@ -46,16 +52,22 @@ class LLMEngine:
                  config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
-        self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len)
+        self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
+                                        config.limit_images_per_prompt)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.encoder_cache = EncoderCache(config.encoder_cache_size)
+        # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
+        self.model_identity = f"{getattr(model, 'name_or_path', 'model')}:{model.dtype}"
         kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
-                                     text.num_key_value_heads, text.head_dim, model.dtype,
-                                     model.device)
-        self.runner = ModelRunner(model, kv_cache, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+                                     text.num_key_value_heads, text.head_dim, model.dtype, model.device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache)
+        self.scheduler = Scheduler(self.blocks, self.encoder_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_num_encoder_tokens)
+        self.pool = PreprocessPool(config.num_preprocess_workers)
         self.requests: dict[str, Request] = {}
+        self._preprocessing: dict[str, tuple[ValidatedPrompt, SamplingParams, float]] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._aborted: list[Request] = []
+        self._early_outputs: list[RequestOutput] = []  # aborts and preprocessing errors, reported by step()
         self._ids = itertools.count()
         self.counters = dict(steps=0, step_s=0.0, generated_tokens=0, computed_tokens=0)
 
@@ -63,54 +75,106 @@ class LLMEngine:
 
     def prepare(self, prompt, params: SamplingParams | None, name: str = "prompt") -> PreparedPrompt:
         """Validate and preprocess one prompt; raises InvalidInputError and touches nothing in the engine."""
-        if params is not None and not isinstance(params, SamplingParams):
-            raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
-        prepared = self.processor.process(prompt, name)
-        max_len = min(len(prepared.token_ids) + (params or SamplingParams()).max_tokens, self.config.max_model_len)
+        params = _check_params(params, name)
+        return self._preprocess(self.processor.validate(prompt, name), params)
+
+    def prepare_all(self, prompts: list, params: list[SamplingParams | None]) -> list[PreparedPrompt]:
+        """`prepare` for many prompts, images decoded in parallel on the pool; the first bad prompt raises."""
+        arrival = time.perf_counter()
+        params = [_check_params(p, f"prompt {i}") for i, p in enumerate(params)]
+        validated = [self.processor.validate(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        results = self.pool.map([lambda v=v, sp=sp: self._preprocess(v, sp) for v, sp in zip(validated, params)])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        for prepared in results:
+            prepared.arrival_time = arrival
+        return results
+
+    def _preprocess(self, validated: ValidatedPrompt, params: SamplingParams) -> PreparedPrompt:
+        prepared = self.processor.preprocess(validated)
+        max_len = min(len(prepared.token_ids) + params.max_tokens, self.config.max_model_len)
         if self.blocks.blocks_needed(max_len) > self.blocks.num_blocks:
             raise InvalidInputError(
-                f"{name}: up to {max_len} tokens need {self.blocks.blocks_needed(max_len)} KV blocks, but the whole "
-                f"pool has {self.blocks.num_blocks}; lower max_tokens or max_pixels, or give the engine more KV memory")
+                f"{validated.name}: up to {max_len} tokens need {self.blocks.blocks_needed(max_len)} KV blocks, but "
+                f"the whole pool has {self.blocks.num_blocks}; lower max_tokens or max_pixels, or give the engine "
+                "more KV memory")
         return prepared
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prepared: PreparedPrompt | None = None) -> str:
+        """Queue a request. Anything wrong that can be seen without decoding its images raises here; images
+        decode on the worker pool, and one that fails there finishes its request with finish_reason "error"."""
         arrival = time.perf_counter()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        name = f"request {request_id}"
+        if request_id in self.requests or request_id in self._preprocessing:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
+        params = _check_params(params, name)
         if prepared is None:
-            prepared = self.prepare(prompt, params, f"request {request_id}")
-        else:  # prepared before this call (LLM.generate validates everything first): it arrived back then
-            arrival -= prepared.preprocess_s
-        params = params or SamplingParams()
+            validated = self.processor.validate(prompt, name)
+            if validated.raw_images and not self.pool.inline:  # text alone is cheap: no thread hop
+                self._preprocessing[request_id] = (validated, params, arrival)
+                self.pool.submit(request_id, lambda: self._preprocess(validated, params))
+                return request_id
+            prepared = self._preprocess(validated, params)
+        if prepared.arrival_time is None:
+            prepared.arrival_time = arrival
+        self._schedule(request_id, prepared, params)
+        return request_id
+
+    def _schedule(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        metrics = RequestMetrics(arrival_time=arrival, preprocess_s=prepared.preprocess_s,
+        metrics = RequestMetrics(arrival_time=prepared.arrival_time,
+                                 preprocess_s=prepared.ready_time - prepared.arrival_time,
                                  num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
-        request = Request(request_id, prepared, params, generator, frozenset(stop), metrics)
+        request = Request(request_id, prepared, params, generator, frozenset(stop), metrics,
+                          image_keys=[encoder_cache_key(im.content_hash, self.model_identity) for im in prepared.images])
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(request)
-        return request_id
+
+    def _collect_preprocessed(self, wait_s: float) -> None:
+        for request_id, result in self.pool.poll(wait_s):
+            validated, params, arrival = self._preprocessing.pop(request_id)
+            if isinstance(result, PreparedPrompt):
+                result.arrival_time = arrival
+                self._schedule(request_id, result, params)
+            else:  # this request alone fails; the message says why
+                message = str(result) if isinstance(result, InvalidInputError) else f"{validated.name}: {result!r}"
+                self._early_outputs.append(self._final_output(request_id, validated, "error", message, arrival))
+
+    def _final_output(self, request_id, validated: ValidatedPrompt, reason: str, error: str | None,
+                      arrival: float) -> RequestOutput:
+        completion = CompletionOutput(0, [], "", reason, error=error)
+        metrics = RequestMetrics(arrival_time=arrival, e2e_s=time.perf_counter() - arrival)
+        return RequestOutput(request_id, validated.text, list(validated.token_ids), [completion], True, metrics)
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.get(str(request_id))
+        request_id = str(request_id)
+        if request_id in self._preprocessing:
+            self.pool.cancel(request_id)
+            validated, _, arrival = self._preprocessing.pop(request_id)
+            self._early_outputs.append(self._final_output(request_id, validated, "abort", None, arrival))
+            return
+        request = self.requests.get(request_id)
         if request is None or request.status is Status.FINISHED:
             return
         self.scheduler.finish(request, "abort")
-        self._aborted.append(request)
+        self._early_outputs.append(self._output(request, []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._preprocessing) or bool(self._early_outputs)
 
     # -- one step --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        outputs = [self._output(r, []) for r in self._aborted]
-        self._aborted = []
+        # With nothing to run, wait a little for a worker instead of spinning.
+        self._collect_preprocessed(wait_s=0.0 if self.scheduler.has_work() else 0.05)
+        outputs, self._early_outputs = self._early_outputs, []
         chunks = self.scheduler.schedule()
         if chunks:
             logits = self.runner.run(chunks)
@@ -139,11 +203,11 @@ class LLMEngine:
         request.token_ids.append(token)
         self.counters["generated_tokens"] += 1
         metrics = request.metrics
-        if metrics.first_token_time is None:
+        if metrics.first_token_time is None:  # TTFT = preprocess + queue + encode + prefill
             metrics.first_token_time = now
             metrics.ttft_s = now - metrics.arrival_time
-            metrics.queue_s = max(0.0, metrics.first_scheduled_time - metrics.arrival_time - metrics.preprocess_s)
-            metrics.prefill_s = max(0.0, now - metrics.first_scheduled_time - metrics.encode_s)
+            metrics.queue_s = metrics.first_scheduled_time - request.prompt.ready_time
+            metrics.prefill_s = now - metrics.first_scheduled_time - metrics.encode_s
         reason = self._finish_reason(request, token)
         if reason:
             self.scheduler.finish(request, reason)
@@ -189,6 +253,13 @@ class LLMEngine:
             "generated_tokens": c["generated_tokens"],
             "computed_tokens": c["computed_tokens"],
             "tokens_per_s": c["generated_tokens"] / c["step_s"] if c["step_s"] else 0.0,
+            "encoder_cache_hits": self.encoder_cache.hits,
+            "encoder_cache_misses": self.encoder_cache.misses,
+            "encoder_cache_hit_rate": self.encoder_cache.hits / max(1, self.encoder_cache.hits + self.encoder_cache.misses),
+            "encoder_cache_evictions": self.encoder_cache.evictions,
+            "encoder_cache_tokens": self.encoder_cache.num_tokens,
+            "encoder_cache_bytes": self.encoder_cache.num_bytes,
+            "preprocess_queue": len(self.pool),
             "visual_tokens_encoded": self.runner.visual_tokens_encoded,
             "encode_s": self.runner.encode_s,
             "visual_tokens_per_s": self.runner.visual_tokens_encoded / self.runner.encode_s if self.runner.encode_s else 0.0,
@@ -205,11 +276,17 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_gib: float | None = None, enable_prefix_caching: bool = True,
                  min_pixels: int | None = None, max_pixels: int | None = None, seed: int = 0,
+                 encoder_cache_size: int = 16384, max_num_encoder_tokens: int | None = None,
+                 num_preprocess_workers: int = 2, limit_images_per_prompt: int = 16,
                  speculative: dict | None = None, revision: str | None = None):
         if speculative is not None:
             raise NotImplementedError("speculative decoding is not implemented yet (see the issue tracker)")
+        max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         _check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           block_size=block_size)
+                           block_size=block_size, encoder_cache_size=encoder_cache_size,
+                           max_num_encoder_tokens=max_num_encoder_tokens,
+                           limit_images_per_prompt=limit_images_per_prompt)
+        _check_engine_args(num_preprocess_workers=num_preprocess_workers + 1)  # 0 is allowed: inline
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
         dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
@@ -232,7 +309,8 @@ class LLM:
             num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, gpu_memory_utilization, kv_cache_memory_gib,
                                                   max_num_seqs * -(-max_model_len // block_size))
         config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks,
-                              enable_prefix_caching, seed)
+                              enable_prefix_caching, seed, encoder_cache_size, max_num_encoder_tokens,
+                              num_preprocess_workers, limit_images_per_prompt)
         self.engine = LLMEngine(self.model, self.tokenizer, image_config, config)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -243,7 +321,7 @@ class LLM:
             raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         params_list = [p or SamplingParams() for p in params_list]
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
-        prepared = [self.engine.prepare(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        prepared = self.engine.prepare_all(prompts, params_list)
         ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params_list, prepared)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(ids):
@@ -266,6 +344,14 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _check_params(params, name: str) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -32,20 +32,40 @@ class PreparedPrompt:
     image_spans: list[ImageSpan]
     positions: torch.Tensor  # (3, len(token_ids)) M-RoPE ids
     rope_delta: int  # generated token i (0-based over the whole sequence) has position i + rope_delta
-    preprocess_s: float
+    preprocess_s: float  # time spent validating, decoding, resizing, tokenising (excluding pool queueing)
+    ready_time: float = 0.0  # time.perf_counter() when it was ready to schedule
+    arrival_time: float | None = None  # when the caller handed it in (set by the engine)
 
     @property
     def num_visual_tokens(self) -> int:
         return sum(span.length for span in self.image_spans)
 
 
+@dataclass
+class ValidatedPrompt:
+    """A prompt whose structure is checked and text tokenised; its images are not decoded yet."""
+    name: str
+    text: str | None
+    token_ids: list[int]  # one <|image_pad|> per image, not expanded yet
+    raw_images: list
+    pixel_kwargs: dict
+    validate_s: float
+
+
 class InputProcessor:
+    """Two phases, so the slow one can run in a worker pool: `validate` (cheap, on the caller's thread)
+    checks everything that needs no pixels; `preprocess` decodes and resizes the images and expands the
+    prompt. `process` runs both."""
+
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
-                 max_model_len: int):
+                 max_model_len: int, limit_images_per_prompt: int = 16):
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
-        self.max_model_len = max_model_len
+        self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
 
     def process(self, prompt, name: str = "prompt") -> PreparedPrompt:
+        return self.preprocess(self.validate(prompt, name))
+
+    def validate(self, prompt, name: str = "prompt") -> ValidatedPrompt:
         start = time.perf_counter()
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
@@ -56,10 +76,23 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: unknown keys {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
         text, ids = self._token_ids(prompt, name)
         pixel_kwargs = self._pixel_kwargs(prompt.get("mm_processor_kwargs"), name)
-        images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **pixel_kwargs)
-                  for i, image in enumerate(self._images(prompt.get("multi_modal_data"), name))]
+        images = self._images(prompt.get("multi_modal_data"), name)
+        if len(images) > self.limit_images_per_prompt:
+            raise InvalidInputError(f"{name}: {len(images)} images, over the limit of {self.limit_images_per_prompt} "
+                                    "per prompt (limit_images_per_prompt)")
+        placeholders = ids.count(self.model_config.image_token_id)
+        if placeholders != len(images):
+            raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
+                                    f"{len(images)} image(s) were given")
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, time.perf_counter() - start)
+
+    def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
+        """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
+        start, name = time.perf_counter(), validated.name
+        images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **validated.pixel_kwargs)
+                  for i, image in enumerate(validated.raw_images)]
         try:
-            ids = self.tokenizer.expand_image_placeholders(ids, [im.num_tokens for im in images])
+            ids = self.tokenizer.expand_image_placeholders(validated.token_ids, [im.num_tokens for im in images])
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
         if len(ids) >= self.max_model_len:
@@ -68,7 +101,9 @@ class InputProcessor:
         spans = _image_spans(ids, images, self.model_config.image_token_id)
         positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
                                            self.model_config.vision.spatial_merge_size)
-        return PreparedPrompt(text, ids, images, spans, positions, delta, time.perf_counter() - start)
+        now = time.perf_counter()
+        return PreparedPrompt(validated.text, ids, images, spans, positions, delta,
+                              validated.validate_s + now - start, now)
 
     def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
         if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
@@ -104,6 +139,14 @@ class InputProcessor:
         if not isinstance(kwargs, dict) or set(kwargs) - PIXEL_KEYS:
             raise InvalidInputError(f"{name}: 'mm_processor_kwargs' may hold only {sorted(PIXEL_KEYS)}, "
                                     f"got {kwargs!r:.80}")
+        for key, value in kwargs.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidInputError(f"{name}: mm_processor_kwargs {key} must be a positive int, got {value!r}")
+        # The engine's max_pixels bounds every image's visual tokens (KV memory, encoder budget): a request may
+        # lower it, not raise it.
+        cap = self.image_config.max_pixels
+        if kwargs.get("max_pixels", cap) > cap or kwargs.get("min_pixels", 1) > cap:
+            raise InvalidInputError(f"{name}: mm_processor_kwargs {kwargs} exceed the engine's max_pixels={cap}")
         return dict(kwargs)
 
 

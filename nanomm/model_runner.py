@@ -6,7 +6,8 @@ The scheduler decided *what* runs (a list of chunks: request, first position, co
 prepares it: the packed token ids, their M-RoPE positions, the cache slot of every new token, each sequence's
 slots so far, and the visual tokens of any image a chunk covers. An image is encoded whole the first time a
 chunk touches it (its attention is bidirectional, so a slice cannot be encoded alone), all such images of the
-step in one batched vision forward; each chunk then takes its slice of the embeddings.
+step in one batched vision forward; each chunk then takes its slice of the embeddings. Encoded images go
+into the encoder cache (encoder_cache.py), so a later request showing the same picture skips the encoder.
 """
 
 import time
@@ -14,6 +15,7 @@ import time
 import torch
 
 from nanomm.attention import PagedAttention, SequenceSlice, StepMetadata
+from nanomm.encoder_cache import EncoderCache
 from nanomm.model import Qwen2VL
 from nanomm.scheduler import ScheduledChunk
 
@@ -26,8 +28,9 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.encoder_cache = encoder_cache
         self.device = model.device
         self.visual_tokens_encoded, self.encode_s = 0, 0.0
 
@@ -60,30 +63,45 @@ class ModelRunner:
         return self.model.compute_logits(hidden[sample_rows])
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
-        """Encode, in one batched forward, every image a chunk covers that its request does not hold yet."""
-        todo = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
-                if span.start < chunk.end and span.end > chunk.start and i not in chunk.request.image_embeds]
-        if not todo:
-            return
-        images = [request.prompt.images[i] for request, i in todo]
-        start = time.perf_counter()
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
-        embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])
-        elapsed = time.perf_counter() - start
-        total_patches = pixels.shape[0]
-        for (request, i), image, embed in zip(todo, images, embeds):
-            request.image_embeds[i] = embed
-            request.metrics.encode_s += elapsed * image.pixel_values.shape[0] / total_patches
-        self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
-        self.encode_s += elapsed
+        """Make every image a chunk covers available to its request: from the encoder cache when it is there,
+        else encoded, all such images of the step in one batched vision forward (each distinct image once).
+        The request holds the cache entry until its prefill has passed the image."""
+        needed = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
+                  if span.start < chunk.end and span.end > chunk.start and i not in chunk.request.held_images]
+        to_encode = {}  # cache key -> ProcessedImage, in order
+        for request, i in needed:
+            key = request.image_keys[i]
+            if key in to_encode or self.encoder_cache.lookup(key) is not None:
+                request.metrics.encoder_cache_hits += 1
+            else:
+                to_encode[key] = request.prompt.images[i]
+        if to_encode:
+            start = time.perf_counter()
+            images = list(to_encode.values())
+            pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
+            embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])
+            elapsed = time.perf_counter() - start
+            for key, embed in zip(to_encode, embeds):
+                self.encoder_cache.add(key, embed)
+            self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
+            self.encode_s += elapsed
+            share = {key: elapsed * im.pixel_values.shape[0] / pixels.shape[0] for key, im in to_encode.items()}
+            for request, i in needed:  # each request is charged for the images encoded for it
+                request.metrics.encode_s += share.pop(request.image_keys[i], 0.0)
+        for request, i in needed:
+            self.encoder_cache.hold(request.image_keys[i])
+            request.held_images[i] = request.image_keys[i]
+        self.encoder_cache.trim()
 
     def _visual_slices(self, chunk: ScheduledChunk) -> list[torch.Tensor]:
-        """The rows of each overlapping image's embeddings that fall inside this chunk, in order."""
+        """The rows of each overlapping image's visual tokens that fall inside this chunk, in order."""
         request, out = chunk.request, []
         for i, span in enumerate(request.prompt.image_spans):
             lo, hi = max(span.start, chunk.start), min(span.end, chunk.end)
             if lo < hi:
-                out.append(request.image_embeds[i][lo - span.start:hi - span.start])
-                if hi == span.end:  # the prefill has passed this image: its embeddings are no longer needed
-                    del request.image_embeds[i]
+                key = request.held_images[i]
+                out.append(self.encoder_cache.entries[key].embeds[lo - span.start:hi - span.start])
+                if hi == span.end:  # the prefill has passed this image: the request no longer needs it
+                    del request.held_images[i]
+                    self.encoder_cache.release(key)
         return out

@@ -21,6 +21,7 @@ from enum import Enum
 
 import torch
 
+from nanomm.encoder_cache import EncoderCache
 from nanomm.inputs import PreparedPrompt
 from nanomm.kv_cache import BlockManager
 from nanomm.outputs import RequestMetrics
@@ -47,7 +48,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, computed once
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> (tokens, hidden)
+    image_keys: list[str] = field(default_factory=list)  # encoder-cache key of each image
+    held_images: dict[int, str] = field(default_factory=dict)  # image index -> cache key held until prefill passes it
     num_preemptions: int = 0
 
     def __post_init__(self):
@@ -96,10 +98,13 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = block_manager
+    def __init__(self, block_manager: BlockManager, encoder_cache: EncoderCache, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_num_encoder_tokens: int):
+        self.blocks, self.encoder_cache = block_manager, encoder_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_encoder_tokens = max_num_encoder_tokens  # visual tokens the vision tower may encode per step
+        self._encoder_budget, self._images_this_step = 0, set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -112,6 +117,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
+        self._encoder_budget, self._images_this_step = self.max_num_encoder_tokens, set()
         chunks: list[ScheduledChunk] = []
         decodes = [r for r in self.running if r.num_remaining == 1]
         prefills = [r for r in self.running if r.num_remaining > 1]
@@ -120,8 +126,8 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(request.num_remaining, budget)
-            if self._grow(request, n, chunks):
+            n = self._fit_encoder_budget(request, request.num_computed_tokens, min(request.num_remaining, budget))
+            if n and self._grow(request, n, chunks):
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -154,9 +160,9 @@ class Scheduler:
                                                         (request.num_tokens - 1) // bs, request.block_hashes)
         cached = self.blocks.find_cached_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
         num_cached = len(cached) * bs
-        n = min(request.num_tokens - num_cached, budget)
+        n = self._fit_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))
         new_blocks = self.blocks.blocks_needed(num_cached + n) - len(cached)
-        if not self.blocks.can_allocate(new_blocks, cached):
+        if n == 0 or not self.blocks.can_allocate(new_blocks, cached):
             return None
         self.blocks.take_cached(cached)
         request.block_table = cached + self.blocks.allocate(new_blocks)
@@ -170,10 +176,39 @@ class Scheduler:
         self.running.append(request)
         return ScheduledChunk(request, num_cached, n)
 
+    def _fit_encoder_budget(self, request: Request, start: int, n: int) -> int:
+        """Shorten a chunk [start, start + n) so the images it must encode fit this step's encoder budget.
+
+        An image the chunk touches must be encoded whole unless the request already holds it or the encoder
+        cache has it. If it does not fit, the chunk stops just before the image (possibly at 0 tokens: the
+        request waits for the next step). An image larger than the whole budget may go alone in a step of its
+        own, or it could never run.
+        """
+        for i, span in enumerate(request.prompt.image_spans):
+            if span.end <= start or span.start >= start + n:
+                continue
+            key = request.image_keys[i]
+            if i in request.held_images or key in self.encoder_cache or key in self._images_this_step:
+                continue
+            fits = span.length <= self._encoder_budget
+            alone = self._encoder_budget == self.max_num_encoder_tokens  # nothing else encodes this step
+            if not (fits or alone):
+                return max(0, span.start - start)
+            self._encoder_budget -= span.length
+            self._images_this_step.add(key)
+        return n
+
+    def release_images(self, request: Request) -> None:
+        """Let go of the encoder-cache entries a request held for its prefill."""
+        for key in request.held_images.values():
+            self.encoder_cache.release(key)
+        request.held_images.clear()
+
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks; it goes back to the head of the queue and is recomputed later."""
         self.running.remove(request)
         self.blocks.free(request.block_table)
+        self.release_images(request)
         request.block_table, request.num_computed_tokens = [], 0
         request.status = Status.WAITING
         request.num_preemptions += 1
@@ -196,5 +231,5 @@ class Scheduler:
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.block_table = []
-        request.image_embeds.clear()
+        self.release_images(request)
         request.status, request.finish_reason = Status.FINISHED, reason

@@ -112,18 +112,23 @@ def test_bad_sampling_params_and_pool_limits(llm):
 
 
 def test_bad_add_request_leaves_running_requests_untouched(llm):
+    """Structural problems raise at add_request; an image that fails to decode on the worker pool finishes its
+    own request with finish_reason "error". Either way the running requests are untouched."""
     engine = llm.engine
     good = [chat_prompt("one", [random_image(50, 70, 4)]), chat_prompt("two")]
     ids = [engine.add_request(p, GREEDY) for p in good]
     engine.step()
-    with pytest.raises(InvalidInputError, match="image 0"):
-        engine.add_request(chat_prompt("bad", [b"not an image"]), GREEDY)
+    with pytest.raises(InvalidInputError, match="1 image placeholder"):
+        engine.add_request(chat_prompt("no image given", ["IMG"])["prompt"], GREEDY)
     with pytest.raises(InvalidInputError, match="already in use"):
         engine.add_request(chat_prompt("dup"), GREEDY, request_id=ids[0])
+    bad = engine.add_request(chat_prompt("bad", [b"not an image"]), GREEDY)
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert sorted(finished) == sorted(ids)
+    assert sorted(finished) == sorted(ids + [bad])
+    assert finished[bad].outputs[0].finish_reason == "error" and finished[bad].outputs[0].token_ids == []
+    assert "image 0" in finished[bad].outputs[0].error
     for rid, prompt in zip(ids, good):
         assert finished[rid].outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
     assert_engine_idle(llm)

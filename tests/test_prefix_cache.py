@@ -75,8 +75,10 @@ def test_same_text_with_a_different_image_never_shares_image_blocks(ckpt):
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
 
 
-def test_prefix_hit_ending_inside_an_image(ckpt):
-    """The cached prefix ends mid-image: the image is encoded whole and the rest of its tokens are sliced."""
+@pytest.mark.parametrize("encoder_cache_size", [16384, 1])
+def test_prefix_hit_ending_inside_an_image(ckpt, encoder_cache_size):
+    """The cached prefix ends mid-image: the image's visual tokens come from the encoder cache, or (with no
+    room to keep them) the image is encoded whole again; either way the uncached rest is sliced from them."""
     image = random_image(112, 112, 4)
     first, second = chat_prompt("first question", [image]), chat_prompt("second question", [image])
     probe = make_llm(ckpt)
@@ -84,12 +86,15 @@ def test_prefix_hit_ending_inside_an_image(ckpt):
     diverge = span.end + 1  # <|vision_end|> sits at span.end; the texts differ right after it
     # A block size whose last shared full block ends strictly inside the image span.
     block_size = next(bs for bs in range(2, 16) if span.start < diverge // bs * bs < span.end)
-    llm = make_llm(ckpt, block_size=block_size)
+    llm = make_llm(ckpt, block_size=block_size, encoder_cache_size=encoder_cache_size)
     assert_engine_matches_reference(llm, [first], [GREEDY])
     encoded = llm.stats()["visual_tokens_encoded"]
     out = assert_engine_matches_reference(llm, [second], [GREEDY])[0]
     assert span.start < out.metrics.num_cached_tokens < span.end
-    assert llm.stats()["visual_tokens_encoded"] == encoded + span.length  # encoded whole for its uncached tail
+    if encoder_cache_size == 1:
+        assert llm.stats()["visual_tokens_encoded"] == encoded + span.length  # encoded whole for its tail
+    else:
+        assert llm.stats()["visual_tokens_encoded"] == encoded and out.metrics.encoder_cache_hits == 1
 
 
 def test_eviction_under_pressure_stays_exact(ckpt):

@@ -1,0 +1,100 @@
+"""The vision-encoding cache: an image's visual tokens, computed once, reused by every request that shows it.
+
+Lesson: lessons/07-encoder-cache.md.
+
+Multi-turn chats resend the same picture every turn; a document gets asked about again and again. The vision
+tower is the most expensive part of their time to first token, and its output depends only on the pixels,
+the preprocessing and the model. So the cache maps
+
+    key = sha256(image content hash, model identity)
+
+to the projected visual tokens (tokens, hidden). The image content hash (`nanomm.image.ProcessedImage`)
+already covers the decoded pixels and every preprocessing parameter that changes them (resized size,
+min/max pixel cap, mean/std, patch and merge sizes), so the same picture given as a path, as bytes or as a
+PIL image hits, and the same picture under another `max_pixels` misses.
+
+The budget is counted in visual tokens (`capacity_tokens`). Least recently used entries are evicted when a
+new one does not fit, but never an entry a running request still needs: requests *hold* the entries of the
+images their prefill has not passed yet. If everything cached is held, a new entry still goes in (a running
+request needs it) and the cache shrinks back as holds are released.
+"""
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+def encoder_cache_key(image_content_hash: str, model_identity: str) -> str:
+    return hashlib.sha256(f"{image_content_hash}\0{model_identity}".encode()).hexdigest()
+
+
+@dataclass
+class CacheEntry:
+    embeds: torch.Tensor  # (tokens, hidden)
+    holders: int = 0  # running requests whose prefill still needs these tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+
+class EncoderCache:
+    def __init__(self, capacity_tokens: int):
+        self.capacity_tokens = capacity_tokens
+        self.entries: OrderedDict[str, CacheEntry] = OrderedDict()  # least recently used first
+        self.num_tokens = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.embeds.numel() * e.embeds.element_size() for e in self.entries.values())
+
+    def lookup(self, key: str) -> torch.Tensor | None:
+        """The cached tokens (and a hit), or None (and a miss); a hit becomes the most recently used."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return entry.embeds
+
+    def add(self, key: str, embeds: torch.Tensor) -> None:
+        """Insert freshly encoded tokens. No eviction here: the caller holds what it needs, then trims."""
+        if key not in self.entries:
+            self.entries[key] = CacheEntry(embeds)
+            self.num_tokens += embeds.shape[0]
+
+    def hold(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        entry.holders += 1
+        return entry.embeds
+
+    def release(self, key: str) -> None:
+        entry = self.entries[key]
+        assert entry.holders > 0, f"release of an encoder cache entry nobody holds: {key[:12]}"
+        entry.holders -= 1
+        self.trim()
+
+    def trim(self) -> None:
+        """Evict least recently used entries nobody holds until the cache is within its budget."""
+        self._evict_to_capacity()
+
+    def _evict_to_capacity(self) -> None:
+        for key in list(self.entries):
+            if self.num_tokens <= self.capacity_tokens:
+                return
+            entry = self.entries[key]
+            if entry.holders == 0:
+                del self.entries[key]
+                self.num_tokens -= entry.num_tokens
+                self.evictions += 1
+
+    def check_no_holds(self) -> None:
+        held = [k[:12] for k, e in self.entries.items() if e.holders]
+        assert not held, f"encoder cache entries still held: {held}"
