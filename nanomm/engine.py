@@ -131,10 +131,14 @@ class LLMEngine:
                                  preprocess_s=prepared.ready_time - prepared.arrival_time,
                                  num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
         request = Request(request_id, prepared, params, generator, frozenset(stop), metrics,
-                          image_keys=[encoder_cache_key(im.content_hash, self.model_identity) for im in prepared.images])
+                          image_keys=[self.encoder_cache_key_for(im) for im in prepared.images])
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(request)
+
+    def encoder_cache_key_for(self, image) -> str:
+        """The encoder-cache key of a preprocessed image on this engine's model."""
+        return encoder_cache_key(image.content_hash, self.model_identity)
 
     def _collect_preprocessed(self, wait_s: float) -> None:
         for request_id, result in self.pool.poll(wait_s):
