@@ -44,9 +44,11 @@ class VisionAttention(nn.Module):
 
 
 def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention inside one image: (n, heads, head_dim) in and out."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-    return out.transpose(0, 1)
+    """Bidirectional attention inside one image: (n, heads, head_dim) in and out.
+
+    The leading batch dimension of 1 lets PyTorch pick its fused CPU kernel (3-D inputs take a slower path)."""
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)))  # (1, heads, n, head_dim)
+    return out[0].transpose(0, 1)
 
 
 class VisionMLP(nn.Module):

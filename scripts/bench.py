@@ -93,7 +93,8 @@ def workloads(args) -> dict[str, dict]:
     out = {}
     if args.workload in ("decode", "both"):
         out["decode"] = dict(
-            prompts=make_workload(args.seed, args.num_requests, (0, 1), (56, 224), args.decode_words, alternate=True),
+            prompts=make_workload(args.seed, args.num_requests, (0, 1), (56, 224), args.decode_words, alternate=True,
+                                  mm_kwargs={"max_pixels": args.max_pixels}),
             max_tokens=args.max_tokens)
     if args.workload in ("prefill", "both"):
         out["prefill"] = dict(
@@ -362,7 +363,7 @@ def parse_args(argv=None):
     w.add_argument("--workload", choices=["decode", "prefill", "both"], default="both")
     w.add_argument("--num-requests", type=int, default=32, help="decode workload: requests")
     w.add_argument("--max-tokens", type=int, default=128, help="decode workload: output tokens per request")
-    w.add_argument("--max-pixels", type=int, default=28 * 28 * 64, help="the engine's pixel cap (LLM max_pixels)")
+    w.add_argument("--max-pixels", type=int, default=28 * 28 * 64, help="decode workload: per-prompt pixel cap")
     w.add_argument("--prefill-num-requests", type=int, default=32)
     w.add_argument("--prefill-max-tokens", type=int, default=8)
     w.add_argument("--prefill-max-pixels", type=int, default=28 * 28 * 256,
@@ -438,7 +439,9 @@ def main(argv=None) -> dict:
 
     engine_kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=args.max_pixels, **engine_kwargs)
+    # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=max(args.max_pixels, args.prefill_max_pixels),
+              **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
     llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools
@@ -457,7 +460,7 @@ def main(argv=None) -> dict:
 
     results = dict(command=command, machine=machine, quick=args.quick, checkpoint=str(folder),
                    preset=None if args.checkpoint else args.preset, model=cost, roofline=roof,
-                   engine_kwargs=dict(engine_kwargs, max_pixels=args.max_pixels),
+                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels)),
                    hf_attn_implementation=None if hf_model is None else attn_impl, workloads={})
     for name, wl in workloads(args).items():
         prompts, max_tokens = wl["prompts"], wl["max_tokens"]
