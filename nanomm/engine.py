@@ -103,8 +103,10 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prepared: PreparedPrompt | None = None) -> str:
-        """Queue a request. Anything wrong that can be seen without decoding its images raises here; images
-        decode on the worker pool, and one that fails there finishes its request with finish_reason "error"."""
+        """Queue a request. Problems with the prompt itself (its shape, placeholders, limits, sampling params)
+        raise InvalidInputError here. Its images load and decode on the worker pool: an image that cannot be
+        used (wrong type, missing file, bad data URL, corrupt, a bomb...) finishes this request alone with
+        finish_reason "error" and the reason in `outputs[0].error`."""
         arrival = time.perf_counter()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         name = f"request {request_id}"

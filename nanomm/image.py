@@ -37,7 +37,6 @@ import json
 import math
 import operator
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,25 +205,24 @@ def _open_formats() -> list[str]:
 
 @contextlib.contextmanager
 def _decoding(name: str):
-    """Turn everything Pillow can raise on bad data into InvalidInputError, and its bomb warning into an error.
+    """Turn everything Pillow can raise on bad data into InvalidInputError.
 
-    warnings.catch_warnings restores the filters on exit, so no global state changes (it is not thread-safe: a
-    concurrent thread may see the temporary filter, which only turns a bomb warning there into an error too).
+    No warning filters are touched (warnings.catch_warnings is process-wide and not thread-safe, and images
+    decode on a worker pool): the decompression-bomb guard is our own header check, `_check_size`, which runs
+    before any pixel is decoded. Pillow's own DecompressionBombError (over twice its limit) is still caught.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            yield
-        except InvalidInputError:
-            raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise InvalidInputError(f"{name}: the image is over Pillow's decompression-bomb pixel limit ({e})") from e
-        except Image.UnidentifiedImageError as e:
-            raise InvalidInputError(f"{name}: not an image in a supported format "
-                                    f"({', '.join(SUPPORTED_FORMATS)})") from e
-        except Exception as e:  # corrupt data surfaces as OSError, SyntaxError, ValueError, struct.error, ...
-            raise InvalidInputError(f"{name}: the image is truncated or corrupt and cannot be decoded "
-                                    f"({type(e).__name__}: {e})") from e
+    try:
+        yield
+    except InvalidInputError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise InvalidInputError(f"{name}: the image is over Pillow's decompression-bomb pixel limit ({e})") from e
+    except Image.UnidentifiedImageError as e:
+        raise InvalidInputError(f"{name}: not an image in a supported format "
+                                f"({', '.join(SUPPORTED_FORMATS)})") from e
+    except Exception as e:  # corrupt data surfaces as OSError, SyntaxError, ValueError, struct.error, ...
+        raise InvalidInputError(f"{name}: the image is truncated or corrupt and cannot be decoded "
+                                f"({type(e).__name__}: {e})") from e
 
 
 def _check_size(size: tuple[int, int], name: str, max_image_pixels: int) -> None:
@@ -242,11 +240,17 @@ def _check_size(size: tuple[int, int], name: str, max_image_pixels: int) -> None
 def _read_file(path, name: str) -> bytes:
     """Read the whole file: decoding from memory leaves no file handle open, even for animated images."""
     p = Path(path)
-    if p.is_dir():
+    try:
+        is_dir, exists, is_file = p.is_dir(), p.exists(), p.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the filesystem, an embedded NUL, ...
+        hint = " (base64 image data needs a 'data:image/<type>;base64,' prefix)" if len(str(path)) > 255 else ""
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else _short(str(e))  # never the whole path
+        raise InvalidInputError(f"{name}: {_short(str(path))} is not a usable file path{hint}: {reason}") from None
+    if is_dir:
         raise InvalidInputError(f"{name}: {_short(str(path))} is a directory, not an image file")
-    if not p.exists():
+    if not exists:
         raise InvalidInputError(f"{name}: no such file {_short(str(path))}")
-    if not p.is_file():  # FIFOs and devices (/dev/zero) could block or never end
+    if not is_file:  # FIFOs and devices (/dev/zero) could block or never end
         raise InvalidInputError(f"{name}: {_short(str(path))} is not a regular file")
     try:
         return p.read_bytes()
