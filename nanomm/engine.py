@@ -115,11 +115,18 @@ class LLMEngine:
         params = _check_params(params, name)
         if prepared is None:
             validated = self.processor.validate(prompt, name)
-            if validated.raw_images and not self.pool.inline:  # text alone is cheap: no thread hop
+            if not validated.raw_images:  # text alone is cheap: preprocess here, and raise here
+                prepared = self._preprocess(validated, params)
+            elif not self.pool.inline:
                 self._preprocessing[request_id] = (validated, params, arrival)
                 self.pool.submit(request_id, lambda: self._preprocess(validated, params))
                 return request_id
-            prepared = self._preprocess(validated, params)
+            else:  # no workers: decode here, with the pool's contract (an error result for this request)
+                try:
+                    prepared = self._preprocess(validated, params)
+                except InvalidInputError as exc:
+                    self._early_outputs.append(self._final_output(request_id, validated, "error", str(exc), arrival))
+                    return request_id
         if prepared.arrival_time is None:
             prepared.arrival_time = arrival
         self._schedule(request_id, prepared, params)
@@ -177,9 +184,9 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        # With nothing to run, wait a little for a worker instead of spinning.
+        # With nothing to run, wait a little for a worker instead of spinning (not counted as step time).
         self._collect_preprocessed(wait_s=0.0 if self.scheduler.has_work() else 0.05)
+        start = time.perf_counter()
         outputs, self._early_outputs = self._early_outputs, []
         chunks = self.scheduler.schedule()
         if chunks:

@@ -71,7 +71,10 @@ class ModelRunner:
         to_encode = {}  # cache key -> ProcessedImage, in order
         for request, i in needed:
             key = request.image_keys[i]
-            if key in to_encode or self.encoder_cache.lookup(key) is not None:
+            if key in to_encode:  # another request of this step shows the same picture: one encode serves both
+                self.encoder_cache.hits += 1
+                request.metrics.encoder_cache_hits += 1
+            elif self.encoder_cache.lookup(key) is not None:
                 request.metrics.encoder_cache_hits += 1
             else:
                 to_encode[key] = request.prompt.images[i]

@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.perf_counter() when the request was added
-    queue_s: float = 0.0  # waiting for admission (first scheduled - arrival - preprocess)
-    preprocess_s: float = 0.0  # decode, validate, resize, normalise, tokenise
-    encode_s: float = 0.0  # vision encoder time spent on this request's images
-    prefill_s: float = 0.0  # from first scheduled to the first token, encoding excluded
+    # TTFT = preprocess_s + queue_s + encode_s + prefill_s, exactly.
+    preprocess_s: float = 0.0  # arrival -> pixels ready (validate, decode, resize, tokenise; pool queueing too)
+    queue_s: float = 0.0  # pixels ready -> first scheduled (waiting for a seat, KV blocks, or, in LLM.generate,
+    #                       for the other prompts' preprocessing)
+    encode_s: float = 0.0  # vision encoder time spent on this request's images (0 on an encoder-cache hit)
+    prefill_s: float = 0.0  # first scheduled -> first token, encoding excluded (steps shared with other requests,
+    #                         and steps it waited on the encoder budget, count here)
     ttft_s: float | None = None  # arrival -> first token
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # arrival -> finished

@@ -195,3 +195,17 @@ def test_per_request_pixel_caps_are_bounded_by_the_engine(ckpt):
     with pytest.raises(Exception, match="exceed the engine's max_pixels"):
         llm.generate({**chat_prompt("x", [random_image(50, 50, 1)]), "mm_processor_kwargs": {"max_pixels": 10**7}})
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_corrupt_image_finishes_its_own_request_inline_or_on_the_pool(ckpt, workers):
+    llm = make_llm(ckpt, num_preprocess_workers=workers)
+    engine = llm.engine
+    good = chat_prompt("fine", [random_image(70, 50, 80)])
+    ok, bad = engine.add_request(good, GREEDY), engine.add_request(chat_prompt("broken", [b"\xff\xd8 no jpeg"]), GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[bad].outputs[0].finish_reason == "error" and "image 0" in finished[bad].outputs[0].error
+    assert finished[ok].outputs[0].token_ids == reference_tokens(llm, good, GREEDY)
+    assert_clean(llm)
