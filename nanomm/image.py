@@ -37,7 +37,8 @@ import json
 import math
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -305,12 +306,34 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-@dataclass
+@dataclass(eq=False)
 class ProcessedImage:
-    pixel_values: torch.Tensor  # (gh*gw, C*T*P*P) float32, one row per 14x14 patch, merge-block major
+    """One image, resized and hashed; its float patches (`pixel_values`) are built on first use.
+
+    Preprocessing splits in two on purpose. The PIL part (decode, convert, resize) releases the GIL and runs on
+    the engine's worker pool; the torch part (rescale, normalise, patchify) runs later, on the thread that first
+    reads `pixel_values`: the engine's. torch ops on pool threads each start an OpenMP thread team, and once
+    those exist every small op on the engine thread pays for waking its own team (measured: decode attention
+    ~3x slower for the rest of the process). It also means an image the encoder cache already holds is never
+    turned into floats at all.
+    """
+    resized_rgb: bytes = field(repr=False)  # (H, W, 3) uint8 at the resized size
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patch units (not merged units)
     content_hash: str  # sha256 hex of the decoded pixels and every parameter that changes pixel_values
-    merge_size: int = 2
+    config: ImageProcessorConfig = field(repr=False)
+
+    @cached_property
+    def pixel_values(self) -> torch.Tensor:
+        """(gh*gw, C*T*P*P) float32, one row per 14x14 patch, merge-block major."""
+        _, gh, gw = self.grid_thw
+        h, w = gh * self.config.patch_size, gw * self.config.patch_size
+        x = torch.frombuffer(bytearray(self.resized_rgb), dtype=torch.uint8).view(h, w, 3)  # (H, W, C)
+        x = _rescale_and_normalize(x.permute(2, 0, 1), self.config)  # (C, H, W)
+        return _patchify(x, self.config)
+
+    @property
+    def merge_size(self) -> int:
+        return self.config.merge_size
 
     @property
     def num_tokens(self) -> int:
@@ -321,7 +344,7 @@ class ProcessedImage:
 
 def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
                      name: str = "image") -> ProcessedImage:
-    """Load, validate and preprocess one image; min_pixels/max_pixels override the config's cap for this call."""
+    """Load, validate, resize and hash one image; min_pixels/max_pixels override the config's cap for this call."""
     min_pixels, max_pixels = _pixel_cap(config, min_pixels, max_pixels, name)
     img = load_image(image, name, max_image_pixels=config.max_image_pixels)
     try:
@@ -337,11 +360,8 @@ def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, ma
     content_hash = _content_hash(pixels, (height, width), (h_bar, w_bar), config, min_pixels, max_pixels)
     if (w_bar, h_bar) != rgb.size:  # HF always resizes, but PIL's resize to the same size is an exact copy
         pixels = rgb.resize((w_bar, h_bar), Image.Resampling.BICUBIC).tobytes()  # still uint8: re-quantised
-    x = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(h_bar, w_bar, 3)  # (H, W, C)
-    x = _rescale_and_normalize(x.permute(2, 0, 1), config)  # (C, H, W)
-    pixel_values = _patchify(x, config)
     grid_thw = (1, h_bar // config.patch_size, w_bar // config.patch_size)
-    return ProcessedImage(pixel_values, grid_thw, content_hash, config.merge_size)
+    return ProcessedImage(pixels, grid_thw, content_hash, config)
 
 
 def _pixel_cap(config: ImageProcessorConfig, min_pixels, max_pixels, name: str) -> tuple[int, int]:

@@ -209,3 +209,21 @@ def test_a_corrupt_image_finishes_its_own_request_inline_or_on_the_pool(ckpt, wo
     assert finished[bad].outputs[0].finish_reason == "error" and "image 0" in finished[bad].outputs[0].error
     assert finished[ok].outputs[0].token_ids == reference_tokens(llm, good, GREEDY)
     assert_clean(llm)
+
+
+def test_pixel_floats_are_built_on_the_engine_thread_and_never_for_cache_hits(ckpt):
+    """Workers only decode and resize (PIL); the float patches are built when the encoder first needs them."""
+    llm = make_llm(ckpt)
+    image = random_image(112, 112, 90)
+    prepared = llm.engine.prepare_all([chat_prompt("a", [image])], [GREEDY])[0]
+    assert "pixel_values" not in vars(prepared.images[0])  # not built by the preprocessing
+    llm.generate(chat_prompt("first", [image]), GREEDY)
+    engine = llm.engine
+    rid = engine.add_request(chat_prompt("second", [image]), GREEDY)
+    while rid not in engine.requests:  # wait for the worker
+        engine.step()
+    request = engine.requests[rid]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.metrics.encoder_cache_hits == 1
+    assert "pixel_values" not in vars(request.prompt.images[0])  # a cache hit never needed the floats
