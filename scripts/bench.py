@@ -262,7 +262,9 @@ def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int) -> di
     prefilling, then time up to `max_steps` steps in which every running request decodes one token; abort the
     rest. The scheduler is only read here, never driven from outside."""
     engine, sched = llm.engine, llm.engine.scheduler
-    ids = [engine.add_request(p, greedy(max_tokens), request_id=f"decode-probe-{i}") for i, p in enumerate(prompts)]
+    prepared = engine.prepare_all(prompts, [greedy(max_tokens)] * len(prompts))  # all admitted at once, as in generate
+    ids = [engine.add_request(p, greedy(max_tokens), request_id=f"decode-probe-{i}", prepared=pp)
+           for i, (p, pp) in enumerate(zip(prompts, prepared))]
     while sched.waiting or any(r.num_remaining > 1 for r in sched.running):
         engine.step()
     probe = dict(step_s=[], batch=[], context_tokens=[])
