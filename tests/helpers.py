@@ -1,6 +1,9 @@
 """Workloads and oracles shared by the engine tests."""
 
+import base64
 import random
+import struct
+import zlib
 
 import torch
 from PIL import Image
@@ -51,3 +54,16 @@ def assert_engine_matches_reference(llm, prompts, params_list):
         assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
     llm.engine.blocks.check_no_leaks()
     return outputs
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (1-bit grey): a decompression bomb for a few dozen bytes."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0\0"))
+            + chunk(b"IEND", b""))

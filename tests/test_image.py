@@ -5,9 +5,7 @@ import contextlib
 import io
 import json
 import random
-import struct
 import warnings
-import zlib
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from helpers import data_url, png_header_only
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.image import (
     ImageProcessorConfig,
@@ -58,19 +57,6 @@ def encode(img: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
     buf = io.BytesIO()
     img.save(buf, fmt, **kwargs)
     return buf.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A tiny PNG whose header claims width x height (1-bit grey): a decompression bomb for a few dozen bytes."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0\0"))
-            + chunk(b"IEND", b""))
 
 
 def hf_preprocess(img: Image.Image, min_pixels: int, max_pixels: int):

@@ -12,14 +12,13 @@ import base64
 import io
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from helpers import chat_prompt, random_image, reference_tokens
+from helpers import chat_prompt, data_url, png_header_only, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.checkpoint import make_checkpoint
 
@@ -77,19 +76,6 @@ def encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
     buf = io.BytesIO()
     img.save(buf, fmt, **kwargs)
     return buf.getvalue()
-
-
-def data_url(data: bytes, media_type: str) -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A tiny PNG whose header claims width x height (1-bit grey): a decompression bomb for a few dozen bytes."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0\0"))
-            + chunk(b"IEND", b""))
 
 
 def random_mode_image(mode: str, width: int, height: int, seed: int) -> Image.Image:

@@ -14,7 +14,7 @@ from nanomm.image import ImageProcessorConfig, preprocess_image
 from nanomm.loader import load_model
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
-from nanomm.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+from nanomm.tokenizer import Tokenizer
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 
