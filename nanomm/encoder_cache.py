@@ -65,7 +65,7 @@ class EncoderCache:
         return entry.embeds
 
     def add(self, key: str, embeds: torch.Tensor) -> None:
-        """Insert freshly encoded tokens. No eviction here: the caller holds what it needs, then trims."""
+        """Insert freshly encoded tokens. No eviction here: the engine trims at the end of the step."""
         if key not in self.entries:
             self.entries[key] = CacheEntry(embeds)
             self.num_tokens += embeds.shape[0]
@@ -76,10 +76,11 @@ class EncoderCache:
         return entry.embeds
 
     def release(self, key: str) -> None:
+        """No eviction here: the scheduler may have counted on this entry for this step. The engine trims once
+        per step, at its end (`LLMEngine.step`)."""
         entry = self.entries[key]
         assert entry.holders > 0, f"release of an encoder cache entry nobody holds: {key[:12]}"
         entry.holders -= 1
-        self.trim()
 
     def trim(self) -> None:
         """Evict least recently used entries nobody holds until the cache is within its budget."""

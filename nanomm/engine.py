@@ -93,13 +93,17 @@ class LLMEngine:
 
     def _preprocess(self, validated: ValidatedPrompt, params: SamplingParams) -> PreparedPrompt:
         prepared = self.processor.preprocess(validated)
+        self._check_fits(prepared, params, validated.name)
+        return prepared
+
+    def _check_fits(self, prepared: PreparedPrompt, params: SamplingParams, name: str) -> None:
+        """A request whose longest possible sequence needs more blocks than the whole pool could never finish."""
         max_len = min(len(prepared.token_ids) + params.max_tokens, self.config.max_model_len)
         if self.blocks.blocks_needed(max_len) > self.blocks.num_blocks:
             raise InvalidInputError(
-                f"{validated.name}: up to {max_len} tokens need {self.blocks.blocks_needed(max_len)} KV blocks, but "
+                f"{name}: up to {max_len} tokens need {self.blocks.blocks_needed(max_len)} KV blocks, but "
                 f"the whole pool has {self.blocks.num_blocks}; lower max_tokens or max_pixels, or give the engine "
                 "more KV memory")
-        return prepared
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     prepared: PreparedPrompt | None = None) -> str:
@@ -108,7 +112,7 @@ class LLMEngine:
         used (wrong type, missing file, bad data URL, corrupt, a bomb...) finishes this request alone with
         finish_reason "error" and the reason in `outputs[0].error`."""
         arrival = time.perf_counter()
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = self._new_request_id() if request_id is None else str(request_id)
         name = f"request {request_id}"
         if request_id in self.requests or request_id in self._preprocessing:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
@@ -127,10 +131,23 @@ class LLMEngine:
                 except InvalidInputError as exc:
                     self._early_outputs.append(self._final_output(request_id, validated, "error", str(exc), arrival))
                     return request_id
+        else:  # prepared elsewhere, maybe with other sampling params: the KV-pool check must see these
+            self._check_fits(prepared, params, name)
         if prepared.arrival_time is None:
             prepared.arrival_time = arrival
         self._schedule(request_id, prepared, params)
         return request_id
+
+    def _new_request_id(self) -> str:
+        while True:  # skip ids a caller chose for their own requests
+            request_id = str(next(self._ids))
+            if request_id not in self.requests and request_id not in self._preprocessing:
+                return request_id
+
+    def forget_outputs(self, request_ids) -> None:
+        """Drop pending outputs of these requests (LLM.generate cleaning up after an error: nobody reads them)."""
+        request_ids = set(request_ids)
+        self._early_outputs = [o for o in self._early_outputs if o.request_id not in request_ids]
 
     def _schedule(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
@@ -154,10 +171,14 @@ class LLMEngine:
             validated, params, arrival = self._preprocessing.pop(request_id)
             if isinstance(result, PreparedPrompt):
                 result.arrival_time = arrival
-                self._schedule(request_id, result, params)
-            else:  # this request alone fails; the message says why
-                message = str(result) if isinstance(result, InvalidInputError) else f"{validated.name}: {result!r}"
-                self._early_outputs.append(self._final_output(request_id, validated, "error", message, arrival))
+                try:
+                    self._schedule(request_id, result, params)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's alone
+                    result = exc
+            # This request alone fails; the message says why.
+            message = str(result) if isinstance(result, InvalidInputError) else f"{validated.name}: {result!r}"
+            self._early_outputs.append(self._final_output(request_id, validated, "error", message, arrival))
 
     def _final_output(self, request_id, validated: ValidatedPrompt, reason: str, error: str | None,
                       arrival: float) -> RequestOutput:
@@ -198,6 +219,7 @@ class LLMEngine:
             for chunk, token in zip(sampling, tokens):
                 outputs.append(self._append_token(chunk.request, token))
             self.counters["computed_tokens"] += sum(c.num_tokens for c in chunks)
+        self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - start
         return outputs
@@ -335,12 +357,20 @@ class LLM:
         params_list = [p or SamplingParams() for p in params_list]
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
         prepared = self.engine.prepare_all(prompts, params_list)
-        ids = [self.engine.add_request(p, sp, prepared=pp) for p, sp, pp in zip(prompts, params_list, prepared)]
+        ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            for p, sp, pp in zip(prompts, params_list, prepared):
+                ids.append(self.engine.add_request(p, sp, prepared=pp))
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:  # Ctrl-C or a bug: leave nothing of this call behind in the engine
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self.engine.forget_outputs(ids)
+            raise
         return [finished[i] for i in ids]
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -364,7 +394,10 @@ def _check_params(params, name: str) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
-    return params
+    try:
+        return params.validate()
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{name}: {exc}") from None
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -94,7 +94,6 @@ class ModelRunner:
         for request, i in needed:
             self.encoder_cache.hold(request.image_keys[i])
             request.held_images[i] = request.image_keys[i]
-        self.encoder_cache.trim()
 
     def _visual_slices(self, chunk: ScheduledChunk) -> list[torch.Tensor]:
         """The rows of each overlapping image's visual tokens that fall inside this chunk, in order."""

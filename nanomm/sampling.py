@@ -12,6 +12,9 @@ import torch
 from nanomm.errors import InvalidInputError
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -34,11 +37,18 @@ class SamplingParams:
                                                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+
+    def validate(self) -> "SamplingParams":
+        """Check again (the fields are plain attributes: a caller may have changed one after construction)."""
+        self.__post_init__()
+        return self
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing the logits by the temperature overflows float32: it means argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _is_int(x) -> bool:

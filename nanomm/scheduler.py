@@ -5,8 +5,8 @@ Lesson: lessons/05-continuous-batching.md.
 Every request is "compute these positions": it has `num_tokens` known tokens (prompt + output so far) and
 `num_computed_tokens` whose KV is in the cache. A decode needs 1 more position, a prefill many. Each step
 hands out `max_num_batched_tokens` positions: running decodes first (so a long prefill never stalls the
-requests already streaming), then running prefills, then new requests in arrival order, each taking a chunk
-of what is left. A chunk may end anywhere, even inside an image's tokens.
+requests already streaming), then running prefills, then new requests first come first served (in the order
+their images finished preprocessing), each taking a chunk of what is left. A chunk may end anywhere, even inside an image's tokens.
 
 Memory is the other budget. A request is admitted only when the blocks for its chunk are free (after
 reusing whatever the prefix cache already holds). When the pool runs dry mid-decode, the most recently
@@ -45,7 +45,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows as tokens are sampled
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, computed once
+    # Hashes of its full blocks, each computed once; only blocks whose KV is computed get registered for reuse.
+    block_hashes: list[bytes] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     image_keys: list[str] = field(default_factory=list)  # encoder-cache key of each image
@@ -146,8 +147,10 @@ class Scheduler:
             if self.blocks.can_allocate(needed):
                 request.block_table += self.blocks.allocate(needed)
                 return True
+            # Only requests admitted after this one, not yet given work this step: the newest goes first.
             scheduled = {id(c.request) for c in chunks}
-            victims = [r for r in self.running if r is not request and id(r) not in scheduled]
+            newer = self.running[self.running.index(request) + 1:]
+            victims = [r for r in newer if id(r) not in scheduled]
             self.preempt(victims[-1] if victims else request)
             if not victims:
                 return False

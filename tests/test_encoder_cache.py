@@ -51,7 +51,9 @@ def test_cache_unit_lru_and_holds():
     cache.hold("e")
     cache.trim()
     assert list(cache.entries) == ["b", "e"] and cache.num_tokens == 16  # held entries stay, over budget
-    cache.release("e")  # released while over budget: now it can go
+    cache.release("e")  # released while over budget: the next trim (end of the engine step) evicts it
+    assert "e" in cache
+    cache.trim()
     assert list(cache.entries) == ["b"] and cache.num_tokens <= 10
     assert (cache.hits, cache.misses) == (1, 1)
 

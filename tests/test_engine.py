@@ -5,7 +5,7 @@ import random
 import pytest
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload, reference_tokens
-from nanomm import LLM, SamplingParams
+from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -211,3 +211,68 @@ def test_metrics_and_stats(ckpt):
     assert stats["kv_bytes_per_token"] == 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
     assert llm.engine.runner.kv_cache.numel() * 4 == stats["kv_blocks_total"] * 4 * stats["kv_bytes_per_token"]
     assert stats["generated_tokens"] == 5 and stats["kv_blocks_used"] == 0 and stats["tokens_per_s"] > 0
+
+
+def test_preemption_takes_the_newest_request_not_an_older_one(ckpt):
+    """A decode of a newer request must not preempt an older request mid-prefill (decodes run first)."""
+    llm = make_llm(ckpt, block_size=4, num_kv_blocks=20, max_num_encoder_tokens=12, max_num_batched_tokens=256,
+                   num_preprocess_workers=0, enable_prefix_caching=False)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    text_of_24 = next(t for t in ["b", "b b", "b b b", "bb b", "hello b", "b c d"]
+                      if len(engine.prepare(chat_prompt(t), None).token_ids) == 24)
+    prompts = [chat_prompt("x", [random_image(84, 84, 1)]), chat_prompt("a " * 20, [random_image(84, 84, 2)]),
+               chat_prompt(text_of_24)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 1, 10)]
+    victims, preempt = [], scheduler.preempt
+
+    def spying(request):
+        victims.append(request is scheduler.running[-1])  # the most recently admitted one still running
+        preempt(request)
+
+    scheduler.preempt = spying
+    assert_engine_matches_reference(llm, prompts, params)
+    assert victims and all(victims)
+
+
+def test_generate_leaves_nothing_behind_when_a_step_fails(ckpt):
+    llm = make_llm(ckpt)
+    engine, step, calls = llm.engine, llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure")
+        return step()
+
+    engine.step = failing_step
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate([chat_prompt("a"), chat_prompt("b", [random_image(50, 50, 1)])], GREEDY)
+    engine.step = step
+    assert not engine.has_unfinished_requests() and not engine.requests
+    engine.blocks.check_no_leaks()
+    engine.encoder_cache.check_no_holds()
+    # A caller-chosen id that looks like an automatic one does not break later automatic ids.
+    engine.add_request(chat_prompt("mine"), GREEDY, request_id="7")
+    outs = llm.generate([chat_prompt(f"p{i}") for i in range(9)], GREEDY)
+    assert "7" not in {o.request_id for o in outs}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_sampling_params_are_checked_when_used_and_tiny_temperatures_are_greedy(ckpt):
+    llm = make_llm(ckpt)
+    prompt = chat_prompt("temperature")
+    tiny = SamplingParams(temperature=1e-300, max_tokens=6, ignore_eos=True, seed=1)
+    greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert llm.generate(prompt, tiny)[0].outputs[0].token_ids == reference_tokens(llm, prompt, greedy6)
+    mutated = SamplingParams(max_tokens=4)
+    mutated.top_p = 0.0  # changed after construction: caught when used, before any compute
+    with pytest.raises(InvalidInputError, match="prompt 0: top_p"):
+        llm.generate(prompt, mutated)
+    with pytest.raises(InvalidInputError, match="seed"):
+        SamplingParams(seed=2**64)
+    small_pool = make_llm(ckpt, num_kv_blocks=8)  # 128 token slots
+    prepared = small_pool.engine.prepare(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidInputError, match="KV blocks"):  # prepared for 1 token, asked for 500
+        small_pool.engine.add_request(prompt, SamplingParams(max_tokens=500, ignore_eos=True), prepared=prepared)
+    assert not small_pool.engine.has_unfinished_requests()
