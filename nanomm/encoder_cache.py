@@ -64,6 +64,10 @@ class EncoderCache:
         self.entries.move_to_end(key)
         return entry.embeds
 
+    def count_shared_hit(self) -> None:
+        """A request served by an encode another request of the same step triggered: a hit for this one."""
+        self.hits += 1
+
     def add(self, key: str, embeds: torch.Tensor) -> None:
         """Insert freshly encoded tokens. No eviction here: the engine trims at the end of the step."""
         if key not in self.entries:

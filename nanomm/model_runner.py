@@ -11,6 +11,7 @@ into the encoder cache (encoder_cache.py), so a later request showing the same p
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,16 @@ from nanomm.attention import PagedAttention, SequenceSlice, StepMetadata
 from nanomm.encoder_cache import EncoderCache
 from nanomm.model import Qwen2VL
 from nanomm.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # (tokens,) every chunk's new tokens, packed
+    positions: torch.Tensor  # (3, tokens) M-RoPE ids
+    meta: StepMetadata  # cache slots to write and to read, per sequence
+    visual_tokens: torch.Tensor | None  # (image tokens, hidden) the rows image_mask marks, in order
+    image_mask: torch.Tensor  # (tokens,) True where a token is an image token of a prompt
+    sample_rows: list[int]  # packed rows whose logits pick a next token
 
 
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -38,29 +49,37 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Forward the packed chunks; float32 logits (num sampling chunks, vocab), in chunk order."""
         self._encode_images(chunks)
+        step = self._pack(chunks)
+        hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
+                            step.visual_tokens, step.image_mask)  # (tokens, hidden)
+        return self.model.compute_logits(hidden[step.sample_rows])  # (sampling chunks, vocab)
+
+    def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
+        """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
         ids, positions, contexts, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
-        offset = context_offset = 0
+        offset = context_offset = 0  # where this chunk starts in the packed tokens / in the packed contexts
         for chunk in chunks:
             request = chunk.request
             ids += request.token_ids[chunk.start:chunk.end]
-            positions.append(request.positions(chunk.start, chunk.end))
-            contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))
+            positions.append(request.positions(chunk.start, chunk.end))  # (3, chunk tokens)
+            contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))  # (chunk.end,)
             sequences.append(SequenceSlice(offset, chunk.num_tokens, context_offset, chunk.end))
-            context_offset += chunk.end
             visual += self._visual_slices(chunk)
-            visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans
+            visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
-            offset += chunk.num_tokens
+            offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
             if chunk.samples:
-                sample_rows.append(offset - 1)
-        new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])
-        meta = StepMetadata(new_slots.to(self.device), torch.cat(contexts).to(self.device), sequences)
-        image_mask = torch.zeros(len(ids), dtype=torch.bool)
+                sample_rows.append(offset - 1)  # the chunk's last token predicts the next one
+        new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
+        image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions, dim=1).to(self.device),
-                            PagedAttention(self.kv_cache, meta), torch.cat(visual) if visual else None,
-                            image_mask.to(self.device))
-        return self.model.compute_logits(hidden[sample_rows])
+        return StepInputs(
+            input_ids=torch.tensor(ids, device=self.device),  # (tokens,)
+            positions=torch.cat(positions, dim=1).to(self.device),  # (3, tokens)
+            meta=StepMetadata(new_slots.to(self.device), torch.cat(contexts).to(self.device), sequences),
+            visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
+            image_mask=image_mask.to(self.device),
+            sample_rows=sample_rows)
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
@@ -72,7 +91,7 @@ class ModelRunner:
         for request, i in needed:
             key = request.image_keys[i]
             if key in to_encode:  # another request of this step shows the same picture: one encode serves both
-                self.encoder_cache.hits += 1
+                self.encoder_cache.count_shared_hit()
                 request.metrics.encoder_cache_hits += 1
             elif self.encoder_cache.lookup(key) is not None:
                 request.metrics.encoder_cache_hits += 1
