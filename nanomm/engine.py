@@ -7,6 +7,7 @@ sample the requests whose chunk reached their last token (sampling.py) -> commit
 vLLM's offline API shape: validate everything first, then add all requests and step until they are done.
 """
 
+import contextlib
 import hashlib
 import itertools
 import time
@@ -348,7 +349,9 @@ class LLM:
                               num_preprocess_workers, limit_images_per_prompt)
         self.engine = LLMEngine(self.model, self.tokenizer, image_config, config)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (vLLM's shape); use_tqdm shows a progress bar (rich)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -362,10 +365,12 @@ class LLM:
         try:
             for p, sp, pp in zip(prompts, params_list, prepared):
                 ids.append(self.engine.add_request(p, sp, prepared=pp))
-            while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+            with _progress(use_tqdm, len(ids)) as advance:
+                while len(finished) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            advance()
         except BaseException:  # Ctrl-C or a bug: leave nothing of this call behind in the engine
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -387,6 +392,18 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int):
+    """A rich progress bar over finished requests, or nothing."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("generate", total=total)
+        yield lambda: bar.advance(task)
 
 
 def _check_params(params, name: str) -> SamplingParams:

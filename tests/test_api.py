@@ -132,3 +132,12 @@ def test_bad_add_request_leaves_running_requests_untouched(llm):
     for rid, prompt in zip(ids, good):
         assert finished[rid].outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
     assert_engine_idle(llm)
+
+
+def test_progress_bar_does_not_change_outputs(llm, capsys):
+    prompts = [chat_prompt(f"progress {i}") for i in range(3)]
+    plain = llm.generate(prompts, GREEDY)
+    shown = llm.generate(prompts, GREEDY, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
+    assert "3/3" in capsys.readouterr().out
+    assert_engine_idle(llm)

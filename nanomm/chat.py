@@ -1,0 +1,230 @@
+"""nanomm-chat: a multi-turn chat with a Qwen2-VL model about your images, in one file.
+
+    nanomm-chat --demo                                  # offline: a small random-weight model, made on first use
+    nanomm-chat --model Qwen/Qwen2-VL-2B-Instruct --image cat.png
+    echo "Describe it" | nanomm-chat --demo --image cat.png   # scriptable: one user turn per line
+
+Text lines are user turns; /image PATH attaches an image to the next turn; /reset, /stats, /help, /quit.
+Replies stream token by token, and a one-line summary follows each: time to first token split into
+preprocess / encode (or "cached") / prefill, tokens per second, visual tokens, prefix-cached tokens. Ask a
+second question about the same picture and watch the encoder and prefix caches make it cheaper
+(lessons/07-encoder-cache.md explains the numbers).
+
+It is a thin layer over `nanomm.LLM`: the chat template, the streaming `engine.add_request` / `engine.step`
+loop, and the request metrics are all the library's.
+"""
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from rich.console import Console
+
+DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
+HELP = """commands:
+  /image PATH   attach an image to your next message (repeatable)
+  /reset        forget the conversation
+  /stats        engine counters (KV blocks, cache hit rates, tokens/s)
+  /help         this text
+  /quit         leave (Ctrl-D works too)"""
+
+
+def demo_checkpoint(console: Console) -> Path:
+    """A tiny random-weight Qwen2-VL checkpoint, generated once into a cache folder (no network needed)."""
+    from nanomm.checkpoint import make_checkpoint
+
+    cache = Path(os.environ.get("NANOMM_CACHE", Path.home() / ".cache" / "nanomm"))
+    folder = cache / "demo-tiny"
+    if not (folder / "model.safetensors").is_file():
+        with console.status(f"generating the demo model in {folder} ..."):
+            make_checkpoint(folder, preset="tiny")
+    return folder
+
+
+def load_llm(args, console: Console):
+    """The LLM the user asked for; the demo model when asked, or when there is no --model and no network."""
+    from nanomm import LLM
+    from nanomm.errors import CheckpointError
+
+    kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels)
+    model = args.model
+    if args.demo:
+        model = str(demo_checkpoint(console))
+    try:
+        with console.status(f"loading {model or DEFAULT_MODEL} ..."):
+            return LLM(model or DEFAULT_MODEL, **kwargs), bool(args.demo)
+    except CheckpointError as exc:
+        if model is not None or "cannot download" not in str(exc):
+            raise
+        console.print(f"[yellow]could not reach the Hugging Face hub for {DEFAULT_MODEL}; "
+                      "starting the offline demo model instead (--demo)[/yellow]")
+        folder = demo_checkpoint(console)
+        with console.status(f"loading {folder} ..."):
+            return LLM(str(folder), **kwargs), True
+
+
+class Chat:
+    """The conversation so far, and one turn at a time through the engine's streaming API."""
+
+    def __init__(self, llm, params, console: Console, interactive: bool):
+        self.llm, self.params, self.console, self.interactive = llm, params, console, interactive
+        self.messages: list[dict] = []
+        self.pending_images: list[str] = []
+
+    def attach(self, path: str) -> None:
+        from nanomm.image import load_image
+
+        load_image(path, name=path)  # fail now, with a clear sentence, not after the user typed a question
+        self.pending_images.append(path)
+        self.say(f"attached {path} to your next message")
+
+    def turn(self, text: str) -> None:
+        content = [{"type": "image", "image": p} for p in self.pending_images] + [{"type": "text", "text": text}]
+        messages = self.messages + [{"role": "user", "content": content}]
+        prompt_text, images = self.llm.tokenizer.apply_chat_template(messages)
+        prompt = {"prompt": prompt_text, "multi_modal_data": {"image": images}} if images else prompt_text
+        final = self._stream(self.llm.engine.add_request(prompt, self.params))
+        completion = final.outputs[0]
+        if completion.finish_reason == "error":
+            self.say(f"[red]error: {completion.error}[/red]")
+            return
+        self.messages = messages + [{"role": "assistant", "content": completion.text}]
+        self.pending_images = []
+        if self.interactive:
+            self.console.print(f"[dim]{summary(final)}[/dim]")
+
+    def _stream(self, request_id: str):
+        engine, final = self.llm.engine, None
+        if self.interactive:
+            self.console.print("[bold green]assistant>[/bold green] ", end="")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    if self.interactive:
+                        self.console.print(out.outputs[0].delta_text, end="", markup=False, highlight=False)
+                    final = out if out.finished else final
+        if self.interactive:
+            self.console.print()
+        else:
+            print(final.outputs[0].text.replace("\n", " "), flush=True)
+        return final
+
+    def reset(self) -> None:
+        self.messages, self.pending_images = [], []
+        self.say("conversation reset")
+
+    def stats(self) -> None:
+        for key, value in self.llm.stats().items():
+            self.say(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+
+    def say(self, text: str) -> None:
+        if self.interactive:
+            self.console.print(text)
+        else:
+            self.console.print(text, markup=True, highlight=False)
+
+
+def summary(out) -> str:
+    """TTFT split into preprocess / encode (or cached) / prefill, tokens/s, visual and prefix-cached tokens."""
+    m = out.metrics
+    ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
+    encode = "cached" if m.num_visual_tokens and m.encode_s == 0 else ms(m.encode_s)
+    decode_tps = 1 / m.tpot_s if m.tpot_s else 0.0
+    return (f"TTFT {ms(m.ttft_s)} (preprocess {ms(m.preprocess_s)}, encode {encode}, prefill {ms(m.prefill_s)}) | "
+            f"{decode_tps:.1f} tok/s | {m.num_visual_tokens} visual tokens | "
+            f"{m.num_cached_tokens} prefix-cached tokens")
+
+
+def run(chat: Chat, lines) -> None:
+    """One line at a time: a command, or a user turn. An error in one turn never ends the chat."""
+    from nanomm.errors import InvalidInputError
+
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        command, _, rest = line.partition(" ")
+        try:
+            if command == "/quit":
+                return
+            elif command == "/help":
+                chat.say(HELP)
+            elif command == "/reset":
+                chat.reset()
+            elif command == "/stats":
+                chat.stats()
+            elif command == "/image":
+                chat.attach(rest.strip())
+            elif line.startswith("/"):
+                chat.say(f"unknown command {command}; /help lists them")
+            else:
+                chat.turn(line)
+        except InvalidInputError as exc:
+            chat.say(f"[red]{exc}[/red]")
+
+
+def interactive_lines(console: Console):
+    while True:
+        try:
+            yield console.input("[bold blue]you>[/bold blue] ")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="nanomm-chat", description="Chat with a Qwen2-VL model about your images.")
+    p.add_argument("--model", help=f"local checkpoint folder or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--demo", action="store_true", help="a small random-weight model made locally (offline)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH", help="attach to the first turn")
+    p.add_argument("--max-pixels", type=int, help="the dynamic-resolution cap (visual tokens ~ pixels / 784)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on cuda, f32 on cpu")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    interactive = sys.stdin.isatty()
+    # Replies go to stdout; in a pipe everything else goes to stderr, so stdout is just the replies.
+    console = Console() if interactive else Console(stderr=True)
+    try:
+        from nanomm import InvalidInputError, SamplingParams
+
+        llm, demo = load_llm(args, console)
+        if demo:
+            console.print("[yellow]demo model: random weights made on this machine. The replies are noise; "
+                          "the engine is real.[/yellow]")
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        chat = Chat(llm, params, console, interactive)
+        for path in args.image:
+            try:
+                chat.attach(path)
+            except InvalidInputError as exc:
+                chat.say(f"[red]{exc}[/red]")
+        if interactive:
+            console.print("type a message, or /help")
+        run(chat, interactive_lines(console) if interactive else sys.stdin)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one sentence for the user; --debug for the traceback
+        if args.debug:
+            traceback.print_exc()
+        console.print(f"[red]error: {one_sentence(exc)}[/red]")
+        return 1
+
+
+def one_sentence(exc: Exception) -> str:
+    name = type(exc).__name__
+    if "OutOfMemory" in name or isinstance(exc, MemoryError):
+        return "out of memory while loading the model; try --dtype bfloat16, a smaller model, or --device cpu"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    return text if name in ("CheckpointError", "InvalidInputError", "ValueError") else f"{name}: {text}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
