@@ -108,7 +108,7 @@ class Chat:
         if self.interactive:
             self.console.print()
         else:
-            print(final.outputs[0].text.replace("\n", " "), flush=True)
+            print(" ".join(final.outputs[0].text.splitlines()), flush=True)  # one reply, one line
         return final
 
     def reset(self) -> None:
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     interactive = sys.stdin.isatty()
     # Replies go to stdout; in a pipe everything else goes to stderr, so stdout is just the replies.
-    console = Console() if interactive else Console(stderr=True)
+    console = Console() if interactive else Console(stderr=True, soft_wrap=True)  # logs: never wrap a line
     try:
         from nanomm import InvalidInputError, SamplingParams
 
