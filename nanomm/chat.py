@@ -120,10 +120,7 @@ class Chat:
             self.say(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
 
     def say(self, text: str) -> None:
-        if self.interactive:
-            self.console.print(text)
-        else:
-            self.console.print(text, markup=True, highlight=False)
+        self.console.print(text, highlight=self.interactive)  # no colour guesses in logs
 
 
 def summary(out) -> str:

@@ -32,8 +32,7 @@ class PreparedPrompt:
     image_spans: list[ImageSpan]
     positions: torch.Tensor  # (3, len(token_ids)) M-RoPE ids
     rope_delta: int  # generated token i (0-based over the whole sequence) has position i + rope_delta
-    preprocess_s: float  # time spent validating, decoding, resizing, tokenising (excluding pool queueing)
-    ready_time: float = 0.0  # time.perf_counter() when it was ready to schedule
+    ready_time: float  # time.perf_counter() when it was ready to schedule
     arrival_time: float | None = None  # when the caller handed it in (set by the engine)
 
     @property
@@ -49,7 +48,6 @@ class ValidatedPrompt:
     token_ids: list[int]  # one <|image_pad|> per image, not expanded yet
     raw_images: list
     pixel_kwargs: dict
-    validate_s: float
 
 
 class InputProcessor:
@@ -66,7 +64,6 @@ class InputProcessor:
         return self.preprocess(self.validate(prompt, name))
 
     def validate(self, prompt, name: str = "prompt") -> ValidatedPrompt:
-        start = time.perf_counter()
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -84,11 +81,11 @@ class InputProcessor:
         if placeholders != len(images):
             raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
                                     f"{len(images)} image(s) were given")
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, time.perf_counter() - start)
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs)
 
     def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
-        start, name = time.perf_counter(), validated.name
+        name = validated.name
         images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **validated.pixel_kwargs)
                   for i, image in enumerate(validated.raw_images)]
         try:
@@ -101,9 +98,7 @@ class InputProcessor:
         spans = _image_spans(ids, images, self.model_config.image_token_id)
         positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
                                            self.model_config.vision.spatial_merge_size)
-        now = time.perf_counter()
-        return PreparedPrompt(validated.text, ids, images, spans, positions, delta,
-                              validated.validate_s + now - start, now)
+        return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
 
     def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
         if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
