@@ -26,8 +26,9 @@ from nanomm.model import Qwen2VL
 from nanomm.model_runner import ModelRunner
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanomm.preprocess_pool import PreprocessPool
-from nanomm.sampling import SamplingParams, sample
+from nanomm.sampling import SamplingParams, probabilities
 from nanomm.scheduler import Request, ScheduledChunk, Scheduler, Status
+from nanomm.speculative import SpeculativeConfig, accept_greedy, accept_sampled, make_proposer, proposal_budget
 from nanomm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
@@ -46,11 +47,12 @@ class EngineConfig:
     max_num_encoder_tokens: int = 2048  # visual tokens the vision tower may encode in one step
     num_preprocess_workers: int = 2  # threads decoding and resizing images; 0 = inline in add_request
     limit_images_per_prompt: int = 16
+    speculative: SpeculativeConfig | None = None
 
 
 class LLMEngine:
     def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
-                 config: EngineConfig):
+                 config: EngineConfig, draft_model: Qwen2VL | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
@@ -65,12 +67,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens)
         self.pool = PreprocessPool(config.num_preprocess_workers)
+        self.proposer = None if config.speculative is None else make_proposer(
+            config.speculative, draft_model, config.num_kv_blocks, config.block_size, text.vocab_size,
+            config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self._preprocessing: dict[str, tuple[ValidatedPrompt, SamplingParams, float]] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._early_outputs: list[RequestOutput] = []  # aborts and preprocessing errors, reported by step()
         self._ids = itertools.count()
-        self.counters = dict(steps=0, step_s=0.0, generated_tokens=0, computed_tokens=0)
+        self.counters = dict(steps=0, step_s=0.0, generated_tokens=0, computed_tokens=0, decode_steps=0,
+                             decode_tokens=0, draft_tokens=0, accepted_tokens=0)
 
     # -- requests in ---------------------------------------------------------------------------------------
 
@@ -197,7 +203,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.status is Status.FINISHED:
             return
-        self.scheduler.finish(request, "abort")
+        self._finish(request, "abort")
         self._early_outputs.append(self._output(request, []))
 
     def has_unfinished_requests(self) -> bool:
@@ -210,54 +216,100 @@ class LLMEngine:
         self._collect_preprocessed(wait_s=0.0 if self.scheduler.has_work() else 0.05)
         start = time.perf_counter()
         outputs, self._early_outputs = self._early_outputs, []
+        if self.proposer is not None:
+            self._propose()
         chunks = self.scheduler.schedule()
         if chunks:
             logits = self.runner.run(chunks)
             sampling = [c for c in chunks if c.samples]
-            tokens = self._sample(sampling, logits)
+            emitted = dict(zip(map(id, sampling), self._next_tokens(sampling, logits)))
             for chunk in chunks:
-                self.scheduler.commit(chunk)
-            for chunk, token in zip(sampling, tokens):
-                outputs.append(self._append_token(chunk.request, token))
+                request, tokens = chunk.request, emitted.get(id(chunk), [])
+                num_rejected = len(chunk.draft_tokens) - (len(tokens) - 1) if tokens else 0
+                if tokens:
+                    self._count_decode_step(request, chunk, tokens)
+                tokens, reason = self._cut_at_finish(request, tokens)
+                request.token_ids += tokens
+                self.scheduler.commit(chunk, num_rejected)
+                if tokens:
+                    outputs.append(self._emit(request, tokens, reason))
             self.counters["computed_tokens"] += sum(c.num_tokens for c in chunks)
         self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - start
         return outputs
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
-        """Greedy rows in one argmax; each sampled row with its own request's generator."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, chunk in enumerate(chunks):
-            request = chunk.request
-            if not request.params.greedy:
-                tokens[row] = sample(logits[row], request.params, request.generator)
-        return tokens
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every decoding request, verified by this step's forward pass."""
+        running = self.scheduler.running
+        for request in running:
+            request.draft_tokens, request.draft_probs = [], None
+        decoding = [r for r in running if r.num_remaining == 1]
+        k = self.config.speculative.num_speculative_tokens
+        budgets = [proposal_budget(r, k, self.config.max_model_len) for r in decoding]
+        for request, proposal in zip(decoding, self.proposer.propose(decoding, budgets)):
+            request.draft_tokens, request.draft_probs = proposal.tokens, proposal.probs
 
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
+    def _next_tokens(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each sampling chunk emits: without proposals, the one token its row picks; with k
+        proposals (k + 1 rows), the accepted ones and then the target's own token (speculative.py).
+        Greedy rows share one argmax; sampled ones use their own request's generator."""
+        argmax = logits.argmax(dim=-1).tolist()
+        emitted, row = [], 0
+        for chunk in chunks:
+            request, rows = chunk.request, 1 + len(chunk.draft_tokens)
+            if request.params.greedy:
+                emitted.append(accept_greedy(chunk.draft_tokens, argmax[row:row + rows]))
+            else:
+                p = probabilities(logits[row:row + rows], request.params)  # (rows, vocab)
+                q = None if request.draft_probs is None else request.draft_probs[:rows - 1]
+                emitted.append(accept_sampled(chunk.draft_tokens, p, q, request.generator))
+            row += rows
+        return emitted
+
+    def _count_decode_step(self, request: Request, chunk: ScheduledChunk, tokens: list[int]) -> None:
+        """Speculation metrics: proposals made, proposals the target accepted, tokens per decode step."""
+        if not request.output_token_ids:
+            return  # the prefill's first token is not a decode step
+        m, c = request.metrics, self.counters
+        m.num_decode_steps, c["decode_steps"] = m.num_decode_steps + 1, c["decode_steps"] + 1
+        m.num_decode_tokens, c["decode_tokens"] = m.num_decode_tokens + len(tokens), c["decode_tokens"] + len(tokens)
+        m.num_draft_tokens, c["draft_tokens"] = (m.num_draft_tokens + len(chunk.draft_tokens),
+                                                 c["draft_tokens"] + len(chunk.draft_tokens))
+        m.num_accepted_tokens, c["accepted_tokens"] = m.num_accepted_tokens + len(tokens) - 1, \
+            c["accepted_tokens"] + len(tokens) - 1
+
+    def _cut_at_finish(self, request: Request, tokens: list[int]) -> tuple[list[int], str | None]:
+        """The tokens up to the first that finishes the request (a stop token, max_tokens, max_model_len)."""
+        for i, token in enumerate(tokens, start=1):
+            if token in request.stop_token_ids:
+                return tokens[:i], "stop"
+            if (len(request.output_token_ids) + i >= request.params.max_tokens
+                    or request.num_tokens + i >= self.config.max_model_len):
+                return tokens[:i], "length"
+        return tokens, None
+
+    def _emit(self, request: Request, tokens: list[int], reason: str | None) -> RequestOutput:
+        """Stream the tokens this step appended; finish the request if one of them ended it."""
         now = time.perf_counter()
-        request.token_ids.append(token)
-        self.counters["generated_tokens"] += 1
+        self.counters["generated_tokens"] += len(tokens)
         metrics = request.metrics
         if metrics.first_token_time is None:  # TTFT = preprocess + queue + encode + prefill
             metrics.first_token_time = now
             metrics.ttft_s = now - metrics.arrival_time
             metrics.queue_s = metrics.first_scheduled_time - request.prompt.ready_time
             metrics.prefill_s = now - metrics.first_scheduled_time - metrics.encode_s
-        reason = self._finish_reason(request, token)
         if reason:
-            self.scheduler.finish(request, reason)
+            self._finish(request, reason)
             metrics.e2e_s = now - metrics.arrival_time
             num_out = len(request.output_token_ids)
             metrics.tpot_s = (now - metrics.first_token_time) / (num_out - 1) if num_out > 1 else None
-        return self._output(request, [token])
+        return self._output(request, tokens)
 
-    def _finish_reason(self, request: Request, token: int) -> str | None:
-        if token in request.stop_token_ids:
-            return "stop"
-        if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        if self.proposer is not None:
+            self.proposer.release(request)
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         rid = request.request_id
@@ -299,6 +351,10 @@ class LLMEngine:
             "visual_tokens_encoded": self.runner.visual_tokens_encoded,
             "encode_s": self.runner.encode_s,
             "visual_tokens_per_s": self.runner.visual_tokens_encoded / self.runner.encode_s if self.runner.encode_s else 0.0,
+            "spec_draft_tokens": c["draft_tokens"],
+            "spec_accepted_tokens": c["accepted_tokens"],
+            "spec_acceptance_rate": c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0,
+            "mean_tokens_per_decode_step": c["decode_tokens"] / c["decode_steps"] if c["decode_steps"] else 0.0,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }
@@ -315,8 +371,7 @@ class LLM:
                  encoder_cache_size: int = 16384, max_num_encoder_tokens: int | None = None,
                  num_preprocess_workers: int = 2, limit_images_per_prompt: int = 16,
                  speculative: dict | None = None, revision: str | None = None):
-        if speculative is not None:
-            raise NotImplementedError("speculative decoding is not implemented yet (see the issue tracker)")
+        speculative = None if speculative is None else SpeculativeConfig.from_dict(speculative)
         max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
         _check_engine_args(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            block_size=block_size, encoder_cache_size=encoder_cache_size,
@@ -328,8 +383,12 @@ class LLM:
         dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         folder = resolve_checkpoint(model, revision)
         self.model = load_model(folder, device=device, dtype=dtype)
-        if packed_linear_available(self.model.device, self.model.dtype):
-            pack_linear_layers(self.model)  # CPU float32: oneDNN's blocked weights (nanomm/cpu_linear.py)
+        self.draft_model = None
+        if speculative is not None and speculative.method == "draft":
+            self.draft_model = load_model(resolve_checkpoint(speculative.model, None), device=device, dtype=dtype)
+        for m in (self.model, self.draft_model):
+            if m is not None and packed_linear_available(m.device, m.dtype):
+                pack_linear_layers(m)  # CPU float32: oneDNN's blocked weights (nanomm/cpu_linear.py)
         self.tokenizer = Tokenizer.from_pretrained(
             folder, image_token_id=self.model.config.image_token_id,
             vision_start_token_id=self.model.config.vision_start_token_id,
@@ -339,15 +398,16 @@ class LLM:
         image_config = replace(image_config, **pixel_cap)
         text = self.model.config.text
         max_model_len = max_model_len or text.max_position_embeddings
-        per_block = block_size * kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
-                                                    self.model.dtype)
+        per_block = block_size * sum(kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
+                                                        m.config.text.head_dim, m.dtype)
+                                     for m in (self.model, self.draft_model) if m is not None)  # a draft: its KV too
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, gpu_memory_utilization, kv_cache_memory_gib,
                                                   max_num_seqs * -(-max_model_len // block_size))
         config = EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks,
                               enable_prefix_caching, seed, encoder_cache_size, max_num_encoder_tokens,
-                              num_preprocess_workers, limit_images_per_prompt)
-        self.engine = LLMEngine(self.model, self.tokenizer, image_config, config)
+                              num_preprocess_workers, limit_images_per_prompt, speculative)
+        self.engine = LLMEngine(self.model, self.tokenizer, image_config, config, self.draft_model)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -47,12 +47,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward the packed chunks; float32 logits (num sampling chunks, vocab), in chunk order."""
+        """Forward the packed chunks; float32 logits (rows, vocab), in chunk order: 1 + len(draft_tokens) rows
+        for each chunk that samples."""
         self._encode_images(chunks)
         step = self._pack(chunks)
         hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
                             step.visual_tokens, step.image_mask)  # (tokens, hidden)
-        return self.model.compute_logits(hidden[step.sample_rows])  # (sampling chunks, vocab)
+        return self.model.compute_logits(hidden[step.sample_rows])  # (sample rows, vocab)
 
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
@@ -60,7 +61,7 @@ class ModelRunner:
         offset = context_offset = 0  # where this chunk starts in the packed tokens / in the packed contexts
         for chunk in chunks:
             request = chunk.request
-            ids += request.token_ids[chunk.start:chunk.end]
+            ids += chunk.token_ids
             positions.append(request.positions(chunk.start, chunk.end))  # (3, chunk tokens)
             contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))  # (chunk.end,)
             sequences.append(SequenceSlice(offset, chunk.num_tokens, context_offset, chunk.end))
@@ -68,8 +69,8 @@ class ModelRunner:
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
             offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
-            if chunk.samples:
-                sample_rows.append(offset - 1)  # the chunk's last token predicts the next one
+            if chunk.samples:  # the last known token predicts the next one, and each proposal the one after it
+                sample_rows += range(offset - 1 - len(chunk.draft_tokens), offset)
         new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True

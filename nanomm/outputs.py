@@ -25,6 +25,19 @@ class RequestMetrics:
     encoder_cache_hits: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Decode steps (every step after the first token) and speculative decoding (lessons/08).
+    num_decode_steps: int = 0
+    num_decode_tokens: int = 0  # tokens those steps emitted: 1 each without speculation
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # proposals the target accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_decode_step(self) -> float:
+        return self.num_decode_tokens / self.num_decode_steps if self.num_decode_steps else 0.0
 
 
 @dataclass

@@ -64,8 +64,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from float32 logits (vocab,)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: softmax of the temperature-scaled logits after top-k and
+    top-p. logits (..., vocab) -> probabilities (..., vocab). Speculative verification compares these."""
+    return torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), dim=-1)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

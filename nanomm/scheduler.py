@@ -52,6 +52,10 @@ class Request:
     image_keys: list[str] = field(default_factory=list)  # encoder-cache key of each image
     held_images: dict[int, str] = field(default_factory=dict)  # image index -> cache key held until prefill passes it
     num_preemptions: int = 0
+    # Speculative decoding (speculative.py): this step's proposed next tokens and, from a sampling draft model,
+    # the distributions they were drawn from (len(draft_tokens), vocab).
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt.token_ids)
@@ -86,16 +90,22 @@ class Request:
 class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
-    num_tokens: int
+    num_tokens: int  # positions computed this step, proposals included
+    draft_tokens: list[int] = field(default_factory=list)  # proposals to verify, at the positions after the known tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def token_ids(self) -> list[int]:
+        """The tokens at positions start..end-1: known ones, then the proposals."""
+        return (self.request.token_ids + self.draft_tokens)[self.start:self.end]
+
+    @property
     def samples(self) -> bool:
-        """A chunk that reaches the last known token yields logits for the next one."""
-        return self.end == self.request.num_tokens
+        """A chunk that reaches the last known token yields logits for the next one (and one more per proposal)."""
+        return self.end - len(self.draft_tokens) == self.request.num_tokens
 
 
 class Scheduler:
@@ -128,9 +138,11 @@ class Scheduler:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._fit_encoder_budget(request, request.num_computed_tokens, min(request.num_remaining, budget))
-            if n and self._grow(request, n, chunks):
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-                budget -= n
+            # A decode verifies its proposals in the same pass: one more position each, as far as the budget goes.
+            drafts = request.draft_tokens[:budget - n] if request.num_remaining == 1 else []
+            if n and self._grow(request, n + len(drafts), chunks):
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(drafts), drafts))
+                budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
@@ -218,10 +230,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def commit(self, chunk: ScheduledChunk) -> None:
-        """After the model ran a chunk: its positions are computed; name the blocks that are now full."""
+    def commit(self, chunk: ScheduledChunk, num_rejected: int = 0) -> None:
+        """After the model ran a chunk and its new tokens were appended: its positions are computed, except the
+        rejected proposals at its end, whose blocks go back to the pool (speculative rollback by position).
+        Then name the blocks that are now full, so only committed tokens are ever found by the prefix cache."""
         request = chunk.request
-        request.num_computed_tokens = chunk.end
+        request.num_computed_tokens = min(chunk.end - num_rejected, request.num_tokens)
+        keep = self.blocks.blocks_needed(request.num_computed_tokens)
+        self.blocks.free(request.block_table[keep:])
+        del request.block_table[keep:]
         bs = self.blocks.block_size
         request.block_hashes = self.blocks.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         request.num_computed_tokens // bs, request.block_hashes)
