@@ -5,6 +5,11 @@ a Hub checkpoint (config.json, generation_config.json, preprocessor_config.json,
 files) but holds random weights. transformers loads these folders with no missing or unexpected keys, so the
 same folder feeds both nanomm and the oracle.
 
+Two more kinds of folder serve speculative decoding, whose draft model is "any Qwen2-VL or Qwen2 checkpoint with
+the same tokenizer": `make_checkpoint(..., text_only=True)` writes a text-only Qwen2 checkpoint
+(Qwen2ForCausalLM layout, model_type "qwen2") with the same tokenizer and text shapes, and
+`make_draft_checkpoint` cuts an existing checkpoint down to its first decoder layers.
+
 The folder can imitate each variant a real loader meets: the original flat config.json or the nested one that
 transformers 5 writes; the original weight names (`model.*`, `visual.*`) or the ones of transformers ~4.52-4.57
 (`model.language_model.*`, `model.visual.*`); tied or untied embeddings; one file or several shards; float32
@@ -15,6 +20,7 @@ depend only on its name and shape, never on which other tensors exist or how the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -28,6 +34,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from nanomm.config import ModelConfig
+from nanomm.loader import canonical_name, resolve_checkpoint, safetensors_files
 from nanomm.tokenizer import CHAT_TEMPLATE
 
 # Qwen2-VL's special tokens, in vocabulary order (ids 151643..151656 in the real tokenizer).
@@ -68,8 +76,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def make_checkpoint(out_dir, preset="tiny", *, seed=0, layout="original", config_style="flat",
                     preprocessor_style="old", tie_word_embeddings=None, num_shards=1, tokenizer="auto",
-                    overrides: dict | None = None, dtype="float32") -> Path:
-    """Write a random Qwen2-VL checkpoint folder and return its path."""
+                    overrides: dict | None = None, dtype="float32", text_only: bool = False) -> Path:
+    """Write a random Qwen2-VL checkpoint folder and return its path.
+
+    text_only=True writes a text-only Qwen2 checkpoint instead (Qwen2ForCausalLM: no vision tower, no
+    preprocessor_config.json, 1-D RoPE), with the preset's text shapes and the same tokenizer files. Its text
+    weights equal the Qwen2-VL checkpoint's of the same preset and seed (values depend on names only).
+    """
     _check_choice("preset", preset, PRESETS)
     _check_choice("layout", layout, ("original", "new"))
     _check_choice("config_style", config_style, ("flat", "nested"))
@@ -77,7 +90,10 @@ def make_checkpoint(out_dir, preset="tiny", *, seed=0, layout="original", config
     _check_choice("dtype", dtype, DTYPES)
     tokenizer = ("tiny" if preset == "tiny" else "qwen") if tokenizer == "auto" else tokenizer
     _check_choice("tokenizer", tokenizer, ("tiny", "qwen"))
-    spec = model_spec(preset, overrides, tie_word_embeddings)  # validate everything before writing anything
+    if text_only and (layout, config_style) != ("original", "flat"):
+        raise ValueError("a text-only Qwen2 checkpoint has one layout (model.*, lm_head.weight) and a flat "
+                         "config.json: use layout='original', config_style='flat'")
+    spec = model_spec(preset, overrides, tie_word_embeddings, text_only)  # validate before writing anything
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -88,10 +104,14 @@ def make_checkpoint(out_dir, preset="tiny", *, seed=0, layout="original", config
     if spec["vocab_size"] < tokenizer_size:
         raise ValueError(f"vocab_size {spec['vocab_size']} is smaller than the tokenizer ({tokenizer_size} ids)")
 
-    config = flat_config(spec, special_ids, dtype) if config_style == "flat" else nested_config(spec, special_ids, dtype)
+    if text_only:
+        config = text_only_config(spec, special_ids["<|endoftext|>"], special_ids["<|im_end|>"], dtype)
+    else:
+        config = (flat_config if config_style == "flat" else nested_config)(spec, special_ids, dtype)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(special_ids))
-    _write_json(out / "preprocessor_config.json", preprocessor_config(spec, preprocessor_style))
+    if not text_only:
+        _write_json(out / "preprocessor_config.json", preprocessor_config(spec, preprocessor_style))
 
     weights = random_weights(spec, seed)
     weights = {rename(name, layout): t.to(DTYPES[dtype]) for name, t in weights.items()}
@@ -103,14 +123,20 @@ def make_checkpoint(out_dir, preset="tiny", *, seed=0, layout="original", config
 # Model shape
 
 
-def model_spec(preset: str, overrides: dict | None = None, tie_word_embeddings: bool | None = None) -> dict:
-    """The preset's fields with overrides applied. Vision fields: {"vision_config": {...}} or "vision_config.depth"."""
+def model_spec(preset: str, overrides: dict | None = None, tie_word_embeddings: bool | None = None,
+               text_only: bool = False) -> dict:
+    """The preset's fields with overrides applied. Vision fields: {"vision_config": {...}} or "vision_config.depth".
+
+    text_only: the text fields only (a Qwen2ForCausalLM has no vision tower, and 1-D RoPE: no mrope_section).
+    """
     spec = copy.deepcopy(PRESETS[preset])
+    if text_only:
+        del spec["vision_config"], spec["mrope_section"]
+    vision = spec.get("vision_config", {})
     for key, value in _dotted(overrides or {}).items():
-        fields, name = (spec["vision_config"], key.removeprefix("vision_config.")) \
-            if key.startswith("vision_config.") else (spec, key)
+        fields, name = (vision, key.removeprefix("vision_config.")) if key.startswith("vision_config.") else (spec, key)
         if name not in fields or name == "vision_config":
-            known = [k for k in spec if k != "vision_config"] + [f"vision_config.{k}" for k in spec["vision_config"]]
+            known = [k for k in spec if k != "vision_config"] + [f"vision_config.{k}" for k in vision]
             raise ValueError(f"unknown model field {key!r}; known fields: {', '.join(known)}")
         fields[name] = value
     if tie_word_embeddings is not None:
@@ -131,19 +157,27 @@ def _dotted(overrides: dict) -> dict:
 
 
 def _check_spec(spec: dict) -> None:
-    vision = spec["vision_config"]
     heads, kv = spec["num_attention_heads"], spec["num_key_value_heads"]
     if spec["hidden_size"] % heads or heads % kv:
         raise ValueError("hidden_size must divide by num_attention_heads, and that by num_key_value_heads")
     head_dim = spec["hidden_size"] // heads
-    if 2 * sum(spec["mrope_section"]) != head_dim:
+    if "mrope_section" in spec and 2 * sum(spec["mrope_section"]) != head_dim:
         raise ValueError(f"mrope_section {spec['mrope_section']} must sum to head_dim/2 = {head_dim // 2}")
-    if vision["embed_dim"] % vision["num_heads"] or (vision["embed_dim"] // vision["num_heads"]) % 4:
+    vision = spec.get("vision_config")
+    if vision and (vision["embed_dim"] % vision["num_heads"] or (vision["embed_dim"] // vision["num_heads"]) % 4):
         raise ValueError("vision embed_dim/num_heads must be a whole multiple of 4 (2-D rotary halves)")
 
 
 def param_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, by its on-disk name in the original layout, with its shape."""
+    shapes = text_param_shapes(spec)
+    if "vision_config" in spec:  # absent: a text-only Qwen2 checkpoint
+        shapes.update(vision_param_shapes(spec))
+    return shapes
+
+
+def text_param_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
+    """The language model's tensors: embeddings, decoder layers, final norm, LM head unless tied."""
     H, I, V = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
     kv_dim = spec["num_key_value_heads"] * (H // spec["num_attention_heads"])
     shapes = {"model.embed_tokens.weight": (V, H)}
@@ -160,11 +194,15 @@ def param_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (H,)
     if not spec["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, H)
+    return shapes
 
-    vc = spec["vision_config"]
+
+def vision_param_shapes(spec: dict) -> dict[str, tuple[int, ...]]:
+    """The vision tower's tensors: patch embedding, ViT blocks, and the merger that projects to hidden_size."""
+    H, vc = spec["hidden_size"], spec["vision_config"]
     E, P, T, C = vc["embed_dim"], vc["patch_size"], vc["temporal_patch_size"], vc["in_channels"]
     F, M = E * vc["mlp_ratio"], E * vc["spatial_merge_size"] ** 2  # MLP width; merger input (2x2 patches)
-    shapes["visual.patch_embed.proj.weight"] = (E, C, T, P, P)
+    shapes = {"visual.patch_embed.proj.weight": (E, C, T, P, P)}
     for n in range(vc["depth"]):
         p = f"visual.blocks.{n}."
         shapes.update({
@@ -274,6 +312,107 @@ def checkpoint_size(folder) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Draft models: the target's first decoder layers
+
+# Files a draft shares with its target: the tokenizer (a draft must tokenize exactly as the target does) and the
+# generation defaults; the image preprocessor too when the draft keeps the vision tower.
+SHARED_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
+PREPROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def make_draft_checkpoint(target_dir, out_dir, num_layers: int, text_only: bool = False) -> Path:
+    """Write a draft model made of the target's first `num_layers` decoder layers and return its folder.
+
+    The draft keeps the target's embeddings, those layers, the final norm, the LM head (or the tie) and, unless
+    text_only, the vision tower, all unchanged (same names, same dtype); with num_layers equal to the target's
+    it computes exactly what the target computes. text_only=True writes a text-only Qwen2 checkpoint
+    (Qwen2ForCausalLM names, model_type "qwen2"). The tokenizer files are copied, so the draft tokenizes as
+    the target does. Weights are read and written with safetensors; the target may be a hub id.
+    """
+    target = resolve_checkpoint(target_dir)
+    config = ModelConfig.from_pretrained(target)
+    total = config.text.num_hidden_layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be an int from 1 to {total} (the target's decoder layers), "
+                         f"got {num_layers!r}")
+    out = Path(out_dir)
+    if out.resolve() == target.resolve():
+        raise ValueError(f"the draft must go to another folder than its target ({target})")
+    keep_vision = config.has_vision and not text_only
+    weights = draft_weights(target, num_layers, keep_vision, qwen2_names=not keep_vision)
+
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    if config.has_vision and not keep_vision:
+        draft_config = _qwen2_config_from(raw, config, num_layers, dtype=_dtype_name(weights))
+    else:
+        draft_config = _with_num_layers(raw, num_layers)
+    _write_json(out / "config.json", draft_config)
+    for name in SHARED_FILES + (PREPROCESSOR_FILES if keep_vision else ()):
+        if (target / name).is_file():
+            shutil.copyfile(target / name, out / name)
+    write_safetensors(out, weights)
+    return out
+
+
+def draft_weights(target: Path, num_layers: int, keep_vision: bool, qwen2_names: bool) -> dict[str, torch.Tensor]:
+    """The target's tensors minus decoder layers >= num_layers (and the vision tower unless keep_vision).
+
+    Names stay as the target has them, or become Qwen2ForCausalLM's (`model.*`, `lm_head.weight`) if qwen2_names.
+    """
+    weights = {}
+    for file in safetensors_files(target):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                key = canonical_name(name)  # language_model.*, visual.* or lm_head.weight; None: not a weight
+                if key is None or not _draft_keeps(key, num_layers, keep_vision):
+                    continue
+                weights[_qwen2_name(key) if qwen2_names else name] = f.get_tensor(name)
+    return weights
+
+
+def _qwen2_name(key: str) -> str:
+    """nanomm's module name -> Qwen2ForCausalLM's on-disk name (language_model.* -> model.*)."""
+    return "model." + key.removeprefix("language_model.") if key.startswith("language_model.") else key
+
+
+def _draft_keeps(key: str, num_layers: int, keep_vision: bool) -> bool:
+    if key.startswith("visual."):
+        return keep_vision
+    if key.startswith("language_model.layers."):
+        return int(key.split(".")[2]) < num_layers  # language_model.layers.<n>.<rest>
+    return True  # embeddings, final norm, LM head
+
+
+def _with_num_layers(raw: dict, num_layers: int) -> dict:
+    """A copy of config.json with the decoder cut to num_layers, wherever the layout keeps the layer count."""
+    config = copy.deepcopy(raw)
+    (config.get("text_config") or config)["num_hidden_layers"] = num_layers  # where config.py reads it
+    for part in (config, config.get("text_config") or {}):  # some exports repeat text fields at the top level
+        if "num_hidden_layers" in part:
+            part["num_hidden_layers"] = num_layers
+        if part.get("layer_types") is not None:
+            part["layer_types"] = part["layer_types"][:num_layers]
+        if part.get("max_window_layers") is not None:
+            part["max_window_layers"] = min(part["max_window_layers"], num_layers)
+    return config
+
+
+def _qwen2_config_from(raw: dict, config: ModelConfig, num_layers: int, dtype: str) -> dict:
+    """A text-only Qwen2 config.json for the language model of a Qwen2-VL `config`, cut to num_layers."""
+    text_raw = raw.get("text_config") or raw
+    spec = dict(dataclasses.asdict(config.text), num_hidden_layers=num_layers,
+                tie_word_embeddings=config.tie_word_embeddings)
+    eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
+    return text_only_config(spec, text_raw.get("bos_token_id", raw.get("bos_token_id")), eos, dtype)
+
+
+def _dtype_name(weights: dict[str, torch.Tensor]) -> str:
+    return str(next(iter(weights.values())).dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # JSON files
 
 
@@ -318,6 +457,17 @@ def nested_config(spec: dict, ids: dict[str, int], dtype: str) -> dict:
     return {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "dtype": dtype,
             "text_config": text, "vision_config": vision, **_token_id_fields(ids),
             "tie_word_embeddings": spec["tie_word_embeddings"]}
+
+
+def text_only_config(spec: dict, bos_token_id: int | None, eos_token_id, dtype: str) -> dict:
+    """config.json of a text-only Qwen2 checkpoint (Qwen2ForCausalLM), as the Qwen2 / Qwen2.5 Hub models have it.
+
+    It names no image or vision token ids (real Qwen2 configs do not); nanomm then assumes Qwen2-VL's.
+    """
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_text_fields(spec),
+            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "rope_theta": float(spec["rope_theta"]),
+            "sliding_window": spec["max_position_embeddings"], "max_window_layers": spec["num_hidden_layers"],
+            "use_sliding_window": False, "tie_word_embeddings": spec["tie_word_embeddings"], "torch_dtype": dtype}
 
 
 def _text_fields(spec: dict) -> dict:

@@ -5,6 +5,11 @@ notes): the original flat one (text fields at the top level, `rope_scaling: {"ty
 nested one newer transformers writes (`text_config`, `vision_config`, `rope_parameters`). Both parse into
 the same `ModelConfig`. Missing fields take transformers' class defaults, so a sparse config means the same
 model here as there.
+
+Text-only Qwen2 checkpoints (model_type "qwen2", transformers' Qwen2ForCausalLM) parse into the same
+`ModelConfig` with `vision=None`: they serve as draft models for speculative decoding. Their language model
+is Qwen2-VL's minus M-RoPE; with `mrope_section = (head_dim/2, 0, 0)` every rotary band follows the first
+position axis, which is ordinary 1-D RoPE.
 """
 
 import json
@@ -13,7 +18,9 @@ from pathlib import Path
 
 from nanomm.errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2")  # Qwen2-VL, and text-only Qwen2 / Qwen2.5
+# Rotary variants nanomm computes; others (yarn, dynamic, ...) would silently change the positions.
+SUPPORTED_ROPE_TYPES = ("default", "mrope")
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,12 @@ class TextConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+# transformers' Qwen2Config class defaults, which differ from Qwen2-VL's text defaults above.
+QWEN2_TEXT_DEFAULTS = TextConfig(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
+                                 rope_theta=10_000.0, mrope_section=(64, 0, 0), max_position_embeddings=32768)
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     text: TextConfig
-    vision: VisionConfig
+    vision: VisionConfig | None  # None: a text-only Qwen2 checkpoint (no vision tower)
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
@@ -70,23 +83,29 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in (informational)
 
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
+
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
-                f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL (model_type 'qwen2_vl') only"
+                f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL (model_type 'qwen2_vl') "
+                f"and text-only Qwen2 (model_type 'qwen2', as draft models) only"
             )
         text_raw = raw.get("text_config") or raw  # the original checkpoints keep text fields at the top level
-        text = _parse_text_config(text_raw)
-        vision = _parse_vision_config(raw.get("vision_config") or {})
-        if vision.hidden_size != text.hidden_size:
-            raise CheckpointError(
-                f"vision_config.hidden_size={vision.hidden_size} must equal the text hidden_size={text.hidden_size}"
-            )
+        text = _parse_text_config(text_raw, model_type)
+        vision = None
+        if model_type == "qwen2_vl":
+            vision = _parse_vision_config(raw.get("vision_config") or {})
+            if vision.hidden_size != text.hidden_size:
+                raise CheckpointError(f"vision_config.hidden_size={vision.hidden_size} must equal the text "
+                                      f"hidden_size={text.hidden_size}")
         tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
         ids = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                   "vision_end_token_id") if k in raw}
+                                   "vision_end_token_id") if k in raw}  # absent from qwen2: Qwen2-VL's ids
         eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
         return cls(text=text, vision=vision, tie_word_embeddings=tie, eos_token_ids=_as_tuple(eos),
                    torch_dtype=raw.get("torch_dtype", raw.get("dtype", text_raw.get("dtype"))), **ids)
@@ -105,7 +124,8 @@ class ModelConfig:
         return config
 
 
-def _parse_text_config(raw: dict) -> TextConfig:
+def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
+    """The language model's fields; the ones `raw` lacks take the class defaults of `model_type`."""
     fields = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                   "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                                   "max_position_embeddings", "hidden_act") if raw.get(k) is not None}
@@ -113,6 +133,9 @@ def _parse_text_config(raw: dict) -> TextConfig:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     # rope lives in `rope_parameters` (new), `rope_scaling` + top-level `rope_theta` (original), or nowhere.
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(f"rope type {rope_type!r} is not supported (nanomm computes plain RoPE and M-RoPE)")
     theta = rope.get("rope_theta", raw.get("rope_theta"))
     if theta is not None:
         fields["rope_theta"] = float(theta)
@@ -120,9 +143,15 @@ def _parse_text_config(raw: dict) -> TextConfig:
         fields["mrope_section"] = tuple(int(s) for s in rope["mrope_section"])
     if raw.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
-    text = TextConfig(**fields)
+    text = replace(QWEN2_TEXT_DEFAULTS if model_type == "qwen2" else TextConfig(), **fields)
+    if model_type == "qwen2":
+        # 1-D RoPE: M-RoPE with every band on the first axis. A stray mrope_section is ignored, as in transformers.
+        text = replace(text, mrope_section=(text.head_dim // 2, 0, 0))
     if text.hidden_act != "silu":
-        raise CheckpointError(f"text hidden_act={text.hidden_act!r} is not supported (Qwen2-VL uses 'silu')")
+        raise CheckpointError(f"text hidden_act={text.hidden_act!r} is not supported (Qwen2 uses 'silu')")
+    if raw.get("head_dim") not in (None, text.head_dim):
+        raise CheckpointError(f"head_dim={raw['head_dim']} is not supported: nanomm needs head_dim = "
+                              f"hidden_size / num_attention_heads = {text.head_dim}")
     if sum(text.mrope_section) * 2 != text.head_dim:
         raise CheckpointError(f"mrope_section {text.mrope_section} must sum to head_dim/2 = {text.head_dim // 2}")
     return text
@@ -149,7 +178,7 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path.parent} is not a Qwen2-VL checkpoint: it has no {path.name}") from None
+        raise CheckpointError(f"{path.parent} is not a Qwen2-VL or Qwen2 checkpoint: it has no {path.name}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 

@@ -1,4 +1,4 @@
-"""Load a Qwen2-VL checkpoint (Hugging Face layout, safetensors only) from a local folder or a hub id.
+"""Load a Qwen2-VL or text-only Qwen2 checkpoint (HF layout, safetensors only) from a local folder or a hub id.
 
 Lesson: lessons/02-vision-encoder.md (where the weights come from).
 
@@ -6,6 +6,8 @@ Two on-disk name layouts exist. The original checkpoints use `model.*` (language
 `lm_head.weight`; checkpoints saved by transformers ~4.52-4.57 use `model.language_model.*` and
 `model.visual.*`. Both map onto nanomm's module names `language_model.*`, `visual.*`, `lm_head.weight`.
 Tied checkpoints (Qwen2-VL-2B) store no `lm_head.weight`: the head reuses the token embedding.
+Text-only Qwen2 checkpoints (Qwen2ForCausalLM: `model.*`, `lm_head.weight`) load through the same path into a
+`Qwen2VL` with no vision tower (see config.py); they serve as draft models for speculative decoding.
 
 Weights are read with safetensors, never unpickled. The model is built on the meta device and the loaded
 tensors are assigned directly, so a checkpoint is held in memory once, in the requested dtype and device.
@@ -90,7 +92,7 @@ def read_state_dict(folder: Path, device, dtype: torch.dtype) -> dict[str, torch
                     continue
                 state[key] = f.get_tensor(name).to(dtype)
     if unexpected:
-        raise CheckpointError(f"{folder} has weights a Qwen2-VL model does not: {unexpected[:5]}")
+        raise CheckpointError(f"{folder} has weights a Qwen2-VL or Qwen2 model does not: {unexpected[:5]}")
     return state
 
 

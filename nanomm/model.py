@@ -4,6 +4,9 @@ Lessons: lessons/02-vision-encoder.md (images -> visual tokens), lessons/03-mrop
 
 The glue is two things: visual tokens replace the embeddings of the expanded <|image_pad|> tokens, in
 order, and positions are M-RoPE (3, tokens) ids computed by `rope.mrope_positions`.
+
+The same class holds a text-only Qwen2 checkpoint (a draft model for speculative decoding): `visual` is None,
+`encode_images` refuses, and positions are `rope.text_positions` (equal rows: 1-D RoPE).
 """
 
 import torch
@@ -19,7 +22,7 @@ class Qwen2VL(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.visual = VisionTransformer(config.vision)
+        self.visual = VisionTransformer(config.vision) if config.has_vision else None
         self.language_model = Qwen2Model(config.text)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.tie_weights()
@@ -38,6 +41,9 @@ class Qwen2VL(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor, image_grids) -> list[torch.Tensor]:
         """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
+        if self.visual is None:
+            name = getattr(self, "name_or_path", "this model")
+            raise ValueError(f"{name} is a text-only Qwen2 model (no vision tower): it cannot encode images")
         return self.visual(pixel_values, [tuple(g) for g in image_grids])
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,

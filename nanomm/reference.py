@@ -11,7 +11,7 @@ import torch
 
 from nanomm.attention import causal_attention
 from nanomm.model import Qwen2VL
-from nanomm.rope import mrope_positions
+from nanomm.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, sample
 
 
@@ -48,7 +48,10 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     if images:
         pixels = torch.cat([im.pixel_values for im in images]).to(device)
         image_embeds = torch.cat(model.encode_images(pixels, grids))
-    positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
+    if cfg.has_vision:
+        positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
+    else:  # a text-only Qwen2 model: every token is text
+        positions, delta = text_positions(len(prompt_ids)), 0
     kv = ContiguousKVCache(cfg.text.num_hidden_layers)
     generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))

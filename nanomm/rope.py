@@ -63,6 +63,14 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
     return positions, delta
 
 
+def text_positions(num_tokens: int, start: int = 0) -> torch.Tensor:
+    """(3, num_tokens) positions of plain text, start, start+1, ... on all three axes: 1-D RoPE.
+
+    A text-only Qwen2 model uses these for every token (it has no images, so an <|image_pad|> id is text).
+    """
+    return torch.arange(start, start + num_tokens).expand(3, -1)
+
+
 def _grid_positions(t: int, h: int, w: int) -> torch.Tensor:
     """(3, t*h*w) grid coordinates in token order: t-major, then rows, then columns."""
     tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
@@ -80,7 +88,8 @@ def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_se
     """cos/sin (tokens, head_dim) for M-RoPE positions (3, tokens), cast to the activation dtype.
 
     Band j of the head_dim/2 frequency bands takes its angle from the t, h or w axis according to
-    mrope_section; the second half of head_dim mirrors the first (rotate_half layout).
+    mrope_section; the second half of head_dim mirrors the first (rotate_half layout). A band may be empty:
+    text-only Qwen2 uses (head_dim/2, 0, 0), every band on the t axis, which is plain 1-D RoPE.
     """
     inv_freq = inverse_frequencies(head_dim, theta, positions.device)
     angles = positions[..., None].float() * inv_freq  # (3, tokens, head_dim/2)

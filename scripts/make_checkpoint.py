@@ -3,8 +3,14 @@
     python scripts/make_checkpoint.py --preset tiny --out checkpoints/tiny
     python scripts/make_checkpoint.py --preset small --out checkpoints/small --layout new --config-style nested \
         --shards 2 --dtype bfloat16 --seed 0 --set num_hidden_layers=2 --set vision_config.depth=1
+    python scripts/make_checkpoint.py --preset tiny --text-only --out checkpoints/tiny-text   # Qwen2ForCausalLM
 
-The work is done by nanomm.checkpoint.make_checkpoint; this is its command line.
+Draft models for speculative decoding, made of a target's first decoder layers (the target may be a hub id):
+
+    python scripts/make_checkpoint.py --draft-from checkpoints/small --draft-layers 2 --out checkpoints/small-draft
+    python scripts/make_checkpoint.py --draft-from checkpoints/small --draft-layers 2 --text-only --out ...
+
+The work is done by nanomm.checkpoint.make_checkpoint and make_draft_checkpoint; this is their command line.
 """
 
 import argparse
@@ -18,7 +24,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanomm.checkpoint import PRESETS, checkpoint_size, make_checkpoint
+from nanomm.checkpoint import PRESETS, checkpoint_size, make_checkpoint, make_draft_checkpoint
+from nanomm.config import ModelConfig
 
 
 def parse_set(item: str) -> tuple[str, object]:
@@ -47,20 +54,34 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
                    help="override a model field, e.g. num_hidden_layers=2 or vision_config.depth=1 (repeatable)")
+    p.add_argument("--text-only", action="store_true",
+                   help="write a text-only Qwen2 checkpoint (Qwen2ForCausalLM, no vision tower), same tokenizer")
+    p.add_argument("--draft-from", metavar="TARGET",
+                   help="a draft model instead: the first --draft-layers decoder layers of this checkpoint "
+                        "(folder or hub id; the random-weight options above do not apply)")
+    p.add_argument("--draft-layers", type=int, metavar="N", help="decoder layers the draft keeps (with --draft-from)")
     args = p.parse_args(argv)
+    if (args.draft_from is None) != (args.draft_layers is None):
+        p.error("--draft-from and --draft-layers go together")
 
     start = time.perf_counter()
     try:
-        folder = make_checkpoint(args.out, args.preset, seed=args.seed, layout=args.layout,
-                                 config_style=args.config_style, preprocessor_style=args.preprocessor_style,
-                                 tie_word_embeddings=None if args.tie == "preset" else args.tie == "true",
-                                 num_shards=args.shards, tokenizer=args.tokenizer, overrides=dict(args.overrides),
-                                 dtype=args.dtype)
+        if args.draft_from:
+            folder = make_draft_checkpoint(args.draft_from, args.out, args.draft_layers, text_only=args.text_only)
+            what = f"first {args.draft_layers} layers of {args.draft_from}"
+        else:
+            folder = make_checkpoint(args.out, args.preset, seed=args.seed, layout=args.layout,
+                                     config_style=args.config_style, preprocessor_style=args.preprocessor_style,
+                                     tie_word_embeddings=None if args.tie == "preset" else args.tie == "true",
+                                     num_shards=args.shards, tokenizer=args.tokenizer,
+                                     overrides=dict(args.overrides), dtype=args.dtype, text_only=args.text_only)
+            what = f"{args.preset}, {args.dtype}"
     except (ValueError, RuntimeError) as e:  # a bad field or value: say so without a traceback
         p.error(str(e))
     params, nbytes = checkpoint_size(folder)
-    print(f"wrote {folder}  ({args.preset}: {params:,} parameters, {nbytes / 2**20:,.1f} MiB of {args.dtype} "
-          f"weights, {time.perf_counter() - start:.1f} s)")
+    kind = "vision-language" if ModelConfig.from_pretrained(folder).has_vision else "text-only"
+    print(f"wrote {folder}  ({what}, {kind}: {params:,} parameters, {nbytes / 2**20:,.1f} MiB of weights, "
+          f"{time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
