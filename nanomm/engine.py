@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nanomm.cpu_linear import pack_linear_layers, packed_linear_available
-from nanomm.errors import InvalidInputError
+from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.image import ImageProcessorConfig
 from nanomm.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.inputs import InputProcessor, PreparedPrompt, ValidatedPrompt
@@ -225,11 +225,12 @@ class LLMEngine:
             emitted = dict(zip(map(id, sampling), self._next_tokens(sampling, logits)))
             for chunk in chunks:
                 request, tokens = chunk.request, emitted.get(id(chunk), [])
-                num_rejected = len(chunk.draft_tokens) - (len(tokens) - 1) if tokens else 0
-                if tokens:
-                    self._count_decode_step(request, chunk, tokens)
+                num_accepted = max(0, len(tokens) - 1)  # every emitted token but the last was a proposal
                 tokens, reason = self._cut_at_finish(request, tokens)
+                if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
+                    self._count_decode_step(request.metrics, len(chunk.draft_tokens), num_accepted, len(tokens))
                 request.token_ids += tokens
+                num_rejected = len(chunk.draft_tokens) - num_accepted
                 self.scheduler.commit(chunk, num_rejected)
                 if tokens:
                     outputs.append(self._emit(request, tokens, reason))
@@ -244,7 +245,7 @@ class LLMEngine:
         running = self.scheduler.running
         for request in running:
             request.draft_tokens, request.draft_probs = [], None
-        decoding = [r for r in running if r.num_remaining == 1]
+        decoding = [r for r in running if r.num_remaining == 1 and r.output_token_ids]  # not the prefill's last chunk
         k = self.config.speculative.num_speculative_tokens
         budgets = [proposal_budget(r, k, self.config.max_model_len) for r in decoding]
         for request, proposal in zip(decoding, self.proposer.propose(decoding, budgets)):
@@ -267,17 +268,16 @@ class LLMEngine:
             row += rows
         return emitted
 
-    def _count_decode_step(self, request: Request, chunk: ScheduledChunk, tokens: list[int]) -> None:
-        """Speculation metrics: proposals made, proposals the target accepted, tokens per decode step."""
-        if not request.output_token_ids:
-            return  # the prefill's first token is not a decode step
-        m, c = request.metrics, self.counters
-        m.num_decode_steps, c["decode_steps"] = m.num_decode_steps + 1, c["decode_steps"] + 1
-        m.num_decode_tokens, c["decode_tokens"] = m.num_decode_tokens + len(tokens), c["decode_tokens"] + len(tokens)
-        m.num_draft_tokens, c["draft_tokens"] = (m.num_draft_tokens + len(chunk.draft_tokens),
-                                                 c["draft_tokens"] + len(chunk.draft_tokens))
-        m.num_accepted_tokens, c["accepted_tokens"] = m.num_accepted_tokens + len(tokens) - 1, \
-            c["accepted_tokens"] + len(tokens) - 1
+    def _count_decode_step(self, metrics: RequestMetrics, num_draft: int, num_accepted: int, num_emitted: int):
+        """Speculation metrics, per request and for the engine: proposals verified, proposals the target
+        accepted, tokens emitted per decode step."""
+        metrics.num_decode_steps += 1
+        metrics.num_decode_tokens += num_emitted
+        metrics.num_draft_tokens += num_draft
+        metrics.num_accepted_tokens += num_accepted
+        for key, n in (("decode_steps", 1), ("decode_tokens", num_emitted), ("draft_tokens", num_draft),
+                       ("accepted_tokens", num_accepted)):
+            self.counters[key] += n
 
     def _cut_at_finish(self, request: Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """The tokens up to the first that finishes the request (a stop token, max_tokens, max_model_len)."""
@@ -383,6 +383,9 @@ class LLM:
         dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         folder = resolve_checkpoint(model, revision)
         self.model = load_model(folder, device=device, dtype=dtype)
+        if not self.model.config.has_vision:
+            raise CheckpointError(f"{model} is a text-only Qwen2 model; nanomm serves Qwen2-VL (a Qwen2 checkpoint "
+                                  "can be the draft model of speculative decoding)")
         self.draft_model = None
         if speculative is not None and speculative.method == "draft":
             self.draft_model = load_model(resolve_checkpoint(speculative.model, None), device=device, dtype=dtype)

@@ -1,0 +1,393 @@
+"""Speculative decoding: greedy outputs identical to the engine without it (and to the dense reference) under
+batching, chunked prefill, preemption and prefix caching; rollback by position; the rejection-sampling rule
+checked statistically (and shown to catch wrong rules); proposers; metrics; configuration errors."""
+
+import pytest
+import torch
+
+from helpers import assert_engine_matches_reference, chat_prompt, random_workload, reference_tokens
+from nanomm import LLM, SamplingParams
+from nanomm import speculative
+from nanomm.checkpoint import make_checkpoint, make_draft_checkpoint
+from nanomm.errors import CheckpointError
+from nanomm.reference import generate as reference_generate
+from nanomm.sampling import probabilities
+from nanomm.speculative import Proposal, SpeculativeConfig, accept_greedy, accept_sampled, ngram_lookup
+
+MAX_PIXELS = 28 * 28 * 16
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    """A different random model with the same tokenizer: a deliberately bad draft."""
+    return make_checkpoint(tmp_path_factory.mktemp("other"), preset="tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def weak_ckpt(ckpt, tmp_path_factory):
+    """The target's first decoder layer (of 2), its embeddings, head and vision tower: a draft that is often right."""
+    return make_draft_checkpoint(ckpt, tmp_path_factory.mktemp("weak"), num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def text_only_ckpt(ckpt, tmp_path_factory):
+    """The whole target's language model as a text-only Qwen2 checkpoint (no vision tower)."""
+    return make_draft_checkpoint(ckpt, tmp_path_factory.mktemp("text"), num_layers=2, text_only=True)
+
+
+def make_llm(ckpt, speculative=None, **kwargs):
+    kwargs.setdefault("max_pixels", MAX_PIXELS)
+    return LLM(str(ckpt), device="cpu", dtype="float32", speculative=speculative, **kwargs)
+
+
+def proposer_config(name, ckpt, other_ckpt):
+    return {"ngram": NGRAM,
+            "draft-identical": dict(method="draft", model=str(ckpt), num_speculative_tokens=3),
+            "draft-bad": dict(method="draft", model=str(other_ckpt), num_speculative_tokens=2)}[name]
+
+
+def assert_all_blocks_free(llm):
+    llm.engine.blocks.check_no_leaks()
+    llm.engine.proposer.check_no_leaks()
+
+
+# -- the engine with speculation against the dense reference --------------------------------------------------
+
+SETTINGS = {
+    "default": dict(),
+    "block-1": dict(block_size=1),
+    "tiny-budget-chunked": dict(block_size=16, max_num_batched_tokens=7),
+    "tiny-pool-preemption": dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24),
+    "no-prefix-cache": dict(enable_prefix_caching=False, block_size=2, max_num_batched_tokens=11),
+    "few-seqs": dict(max_num_seqs=2, block_size=8),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("proposer", ["ngram", "draft-identical", "draft-bad"])
+def test_greedy_outputs_match_reference_in_mixed_batches(ckpt, other_ckpt, proposer, setting):
+    llm = make_llm(ckpt, proposer_config(proposer, ckpt, other_ckpt), **SETTINGS[setting])
+    prompts = random_workload(seed=2, num_prompts=8)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * (i % 4), ignore_eos=True) for i in range(8)]
+    # Seeded sampled requests share the batches: they must not disturb the greedy ones.
+    sampled = [SamplingParams(temperature=0.9, top_k=20, max_tokens=8, seed=i, ignore_eos=True) for i in range(3)]
+    outputs = llm.generate(prompts + prompts[:3], greedy + sampled)
+    for i, (prompt, params, out) in enumerate(zip(prompts, greedy, outputs)):
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
+    for out, params in zip(outputs, greedy + sampled):
+        assert len(out.outputs[0].token_ids) == params.max_tokens
+        assert out.metrics.num_decode_tokens + 1 == params.max_tokens  # every token after the first: a decode step
+    assert_all_blocks_free(llm)
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] > 0
+    if proposer == "draft-identical":
+        assert all(o.metrics.acceptance_rate == 1.0 for o in outputs[:8] if o.metrics.num_draft_tokens)
+    else:  # proposals are rejected (rollback ran); n-gram ones are also accepted (verification emitted several)
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+        assert stats["spec_accepted_tokens"] > 0 or proposer == "draft-bad"
+    if setting == "tiny-pool-preemption":
+        assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-bad"])
+def test_same_outputs_as_engine_without_speculation(ckpt, other_ckpt, proposer):
+    prompts = random_workload(seed=3, num_prompts=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    plain = make_llm(ckpt, block_size=4).generate(prompts, params)
+    spec = make_llm(ckpt, proposer_config(proposer, ckpt, other_ckpt), block_size=4).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_prefix_cache_hits_after_speculation_stay_exact(ckpt):
+    """A second round of the same prompts reuses blocks written during speculative steps: only committed
+    tokens were ever registered, so the hits are right."""
+    llm = make_llm(ckpt, NGRAM, block_size=2)
+    prompts = [chat_prompt(text) for text in ("the cat sat on the mat", "a dog looked at the sky", "red house")]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    first = llm.generate(prompts, params)
+    # Each prompt plus its output: the cached blocks include blocks of tokens generated speculatively.
+    follow_ups = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in first]
+    outputs = assert_engine_matches_reference(llm, follow_ups, [params[0]] * len(follow_ups))
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    assert sum(o.metrics.num_cached_tokens for o in outputs) > 0
+    assert_all_blocks_free(llm)
+
+
+def test_identical_draft_accepts_everything(ckpt):
+    llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=4))
+    prompts = [chat_prompt("the cat sat on the mat"), *random_workload(seed=5, num_prompts=3)]
+    outputs = assert_engine_matches_reference(
+        llm, prompts, [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)] * len(prompts))
+    for out in outputs:
+        assert out.metrics.num_draft_tokens == 20 - out.metrics.num_decode_steps  # k per step, less the last step's
+        assert out.metrics.acceptance_rate == 1.0
+        assert out.metrics.num_decode_steps == 4  # 20 decode tokens in 4 steps of 5
+    assert llm.stats()["mean_tokens_per_decode_step"] == 5.0
+    # Sampled: the draft's q and the target's p agree up to rounding, so (nearly) every proposal stands.
+    sampled = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=21, seed=i, ignore_eos=True)
+                                     for i in range(len(prompts))])
+    assert sum(o.metrics.num_accepted_tokens for o in sampled) >= 0.99 * sum(o.metrics.num_draft_tokens for o in sampled)
+    assert_all_blocks_free(llm)
+
+
+# -- rollback -------------------------------------------------------------------------------------------------
+
+class WrongProposer:
+    """Proposes the same unlikely token k times: the target rejects (almost) all of it."""
+
+    def __init__(self, token, k):
+        self.token, self.k = token, k
+
+    def propose(self, requests, budgets):
+        return [Proposal([self.token] * min(self.k, b)) for b in budgets]
+
+    def release(self, request):
+        pass
+
+    def check_no_leaks(self):
+        pass
+
+
+def test_rejected_positions_roll_back_blocks_and_hashes(ckpt):
+    llm = make_llm(ckpt, NGRAM, block_size=2, max_num_batched_tokens=64)
+    engine = llm.engine
+    engine.proposer = WrongProposer(token=3, k=6)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = chat_prompt("a b c d e f g")
+    request_id = engine.add_request(prompt, params)
+    request = engine.requests[request_id]
+    engine.step()  # prefill + first token
+    rejected_somewhere = False
+    while request.status.value != "finished":
+        engine.step()
+        if request.status.value == "finished":
+            break
+        accepted = request.metrics.num_accepted_tokens
+        # Only the committed tokens keep blocks, and only full committed blocks are named for the prefix cache.
+        assert len(request.block_table) == engine.blocks.blocks_needed(request.num_computed_tokens)
+        assert request.num_computed_tokens == request.num_tokens - 1
+        assert len(engine.blocks.cached) == request.num_computed_tokens // 2
+        rejected_somewhere |= request.metrics.num_draft_tokens > accepted
+    assert rejected_somewhere
+    engine.blocks.check_no_leaks()
+    out = llm.generate(prompt, params)[0]  # and the tokens are still the reference's
+    assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params)
+
+
+def test_stop_token_inside_accepted_proposals_ends_there(ckpt):
+    """A stop token among accepted proposals ends the request at that token; later ones are dropped."""
+    llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=4))
+    prompt = chat_prompt("the cat sat")
+    free_run = reference_tokens(llm, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stop = free_run[6]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
+                                              ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == free_run[:free_run.index(stop) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert_all_blocks_free(llm)
+
+
+# -- acceptance rules -------------------------------------------------------------------------------------------
+
+def test_accept_greedy_keeps_the_matching_prefix_and_adds_one():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # correction at the first mismatch
+    assert accept_greedy([5, 6, 7], [1, 6, 7, 8]) == [1]
+    assert accept_greedy([], [4]) == [4]
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit; cells expecting fewer than 5 are pooled into one."""
+    n = counts.sum()
+    expected = expected_probs * n
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+        expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    dof = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
+
+
+P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03], dtype=torch.float64)
+Q = torch.tensor([0.05, 0.10, 0.20, 0.30, 0.30, 0.05], dtype=torch.float64)
+
+
+def stream_of_tokens(num_tokens: int, k: int, draft_q: torch.Tensor | None, seed: int = 0) -> torch.Tensor:
+    """Speculative steps against a target whose next-token distribution is always P: the emitted stream must
+    be i.i.d. P whatever the draft. draft_q None = a deterministic proposer that always proposes token 0."""
+    g = torch.Generator().manual_seed(seed)
+    emitted = []
+    while len(emitted) < num_tokens:
+        if draft_q is None:
+            proposed, q = [0] * k, None
+        else:
+            proposed = torch.multinomial(draft_q, k, replacement=True, generator=g).tolist()
+            q = draft_q.expand(k, -1)
+        emitted += accept_sampled(proposed, P.expand(k + 1, -1), q, g)
+    return torch.bincount(torch.tensor(emitted[:num_tokens]), minlength=len(P)).double()
+
+
+WRONG_RULES = {
+    "always-accept": dict(acceptance_probability=lambda p_x, q_x: torch.ones_like(p_x)),
+    "accept-with-p": dict(acceptance_probability=lambda p_x, q_x: p_x),
+    "resample-from-p": dict(residual_distribution=lambda p, q: p),
+}
+
+
+@pytest.mark.parametrize("draft", ["draft-q", "one-hot"])
+def test_rejection_sampling_reproduces_the_target_distribution(draft):
+    counts = stream_of_tokens(20000, k=3, draft_q=Q if draft == "draft-q" else None)
+    assert chi_square_p_value(counts, P) > 1e-3
+
+
+@pytest.mark.parametrize("rule", list(WRONG_RULES))
+def test_chi_square_catches_a_wrong_acceptance_rule(monkeypatch, rule):
+    for name, wrong in WRONG_RULES[rule].items():
+        monkeypatch.setattr(speculative, name, wrong)
+    counts = stream_of_tokens(20000, k=3, draft_q=Q)
+    assert chi_square_p_value(counts, P) < 1e-6
+
+
+def test_without_proposals_accept_sampled_is_plain_sampling():
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    draws = [accept_sampled([], P[None], None, g1)[0] for _ in range(50)]
+    assert draws == [int(torch.multinomial(P, 1, generator=g2)) for _ in range(50)]
+
+
+def target_joint_distribution(llm, prompt_ids, params):
+    """P(t1, t2) of the target model under params, from the dense reference's logits: (vocab, vocab), sparse."""
+    model, greedy_one = llm.model, SamplingParams(temperature=0.0, max_tokens=1)
+
+    def next_probs(ids):
+        logits = reference_generate(model, ids, (), greedy_one, keep_logits=True).logits[0]
+        return probabilities(logits.double(), params)
+
+    p1 = next_probs(prompt_ids)
+    joint = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = next_probs(prompt_ids + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def engine_sample_p_value(llm, prompt, params_list, joint) -> float:
+    outputs = llm.generate([prompt] * len(params_list), params_list)
+    cells = sorted(joint)
+    counts = torch.zeros(len(cells), dtype=torch.float64)
+    for out in outputs:
+        pair = tuple(out.outputs[0].token_ids[:2])
+        if pair not in joint:
+            return 0.0  # a pair the target can never produce
+        counts[cells.index(pair)] += 1
+    return chi_square_p_value(counts, torch.tensor([joint[c] for c in cells], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("proposer", ["draft-weak", "ngram"])
+def test_engine_sampled_distribution_matches_target(ckpt, weak_ckpt, monkeypatch, proposer):
+    """Many seeded requests through the engine with speculation: the (first, second) token pairs follow the
+    target's exact joint distribution (chi-square), and the same test fails with a wrong acceptance rule.
+    The second token comes out of a verification step (max_tokens=3 leaves room for one proposal)."""
+    spec = NGRAM if proposer == "ngram" else dict(method="draft", model=str(weak_ckpt), num_speculative_tokens=1)
+    llm = make_llm(ckpt, spec, max_num_seqs=256, block_size=4)
+    prompt_ids = llm.engine.prepare(chat_prompt("red blue red blue red blue"), None).token_ids
+    # The model's own greedy continuation, appended: it loops, so prompt lookup finds proposals that often hold.
+    prompt_ids += reference_generate(llm.model, prompt_ids, (), SamplingParams(temperature=0, max_tokens=48)).token_ids
+    prompt = {"prompt_token_ids": prompt_ids}
+    params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, seed=i, ignore_eos=True) for i in range(1500)]
+    joint = target_joint_distribution(llm, prompt_ids, params[0])
+    assert engine_sample_p_value(llm, prompt, params, joint) > 1e-3
+    assert llm.stats()["spec_draft_tokens"] > 300 and 0 < llm.stats()["spec_accepted_tokens"]
+    monkeypatch.setattr(speculative, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
+    assert engine_sample_p_value(make_llm(ckpt, spec, max_num_seqs=256, block_size=4), prompt, params, joint) < 1e-6
+
+
+# -- proposers ----------------------------------------------------------------------------------------------------
+
+def test_ngram_lookup():
+    # The longest suffix that occurred before wins, at its most recent earlier occurrence.
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], k=2, min_n=1, max_n=3) == [7, 5]
+    assert ngram_lookup([4, 2, 3, 8, 1, 2, 3], k=3, min_n=1, max_n=3) == [8, 1, 2]
+    assert ngram_lookup([1, 2, 3, 4], k=2, min_n=1, max_n=3) == []  # the last token never occurred before
+    assert ngram_lookup([5, 1, 2, 6, 2], k=2, min_n=2, max_n=3) == []  # only a 1-gram matches; min is 2
+    # A short cycle continues for all k tokens (the copy runs into its own proposals).
+    assert ngram_lookup([7, 1, 2, 1, 2], k=5, min_n=2, max_n=2) == [1, 2, 1, 2, 1]
+    assert ngram_lookup([3], k=2, min_n=1, max_n=3) == []
+
+
+def test_proposals_stop_at_max_tokens_and_max_model_len(ckpt):
+    llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=8), max_model_len=64)
+    prompt = chat_prompt("hello there")
+    n_prompt = len(llm.engine.prepare(prompt, None).token_ids)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 7 and out.metrics.num_draft_tokens == 5  # 6 left after the first: 5 + bonus
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0]
+    assert n_prompt + len(out.outputs[0].token_ids) == 64 and out.outputs[0].finish_reason == "length"
+    assert_all_blocks_free(llm)
+
+
+def test_draft_without_room_in_its_pool_just_proposes_nothing(ckpt):
+    llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=3), block_size=4)
+    draft = llm.engine.proposer
+    draft.blocks.allocate(draft.blocks.num_free_blocks - 2)  # someone else holds almost all of the draft's pool
+    prompt = chat_prompt("a much longer prompt than two blocks of four tokens can hold")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(prompt, params)[0]
+    assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params)
+    assert out.metrics.num_draft_tokens == 0
+    assert not draft.sequences
+
+
+# -- configuration -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad,message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "larger"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "draft", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
+    ("ngram", "dict"),
+])
+def test_bad_speculative_config_raises(ckpt, bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(ckpt, bad)
+
+
+def test_missing_draft_checkpoint_is_a_clear_error(ckpt, tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        make_llm(ckpt, {"method": "draft", "model": str(tmp_path / "nope"), "num_speculative_tokens": 2})
+
+
+def test_config_defaults():
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 4)
+
+
+def test_text_only_draft_sees_image_pads_and_stays_exact(ckpt, text_only_ckpt):
+    """A Qwen2 (text-only) draft: on text prompts it is the target's language model exactly, so it is always
+    right; on image prompts it sees <|image_pad|> tokens instead of the picture, guesses worse, and the
+    output is still the target's."""
+    llm = make_llm(ckpt, dict(method="draft", model=str(text_only_ckpt), num_speculative_tokens=3))
+    assert llm.engine.proposer.model.visual is None
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    text = assert_engine_matches_reference(llm, [chat_prompt("the cat sat on the mat")], [params])[0]
+    assert text.metrics.acceptance_rate == 1.0
+    images = random_workload(seed=6, num_prompts=4, max_images=2)
+    outputs = assert_engine_matches_reference(llm, images, [params] * len(images))
+    assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+    assert_all_blocks_free(llm)
+
+
+def test_text_only_model_cannot_be_the_target(text_only_ckpt):
+    with pytest.raises(CheckpointError, match="text-only"):
+        make_llm(text_only_ckpt)
