@@ -2,6 +2,7 @@
 
     nanomm-chat --demo                                  # offline: a small random-weight model, made on first use
     nanomm-chat --model Qwen/Qwen2-VL-2B-Instruct --image cat.png
+    nanomm-chat --demo --speculative ngram              # speculative decoding: prompt lookup (or a draft folder)
     echo "Describe it" | nanomm-chat --demo --image cat.png   # scriptable: one user turn per line
 
 Text lines are user turns; /image PATH attaches an image to the next turn; /reset, /stats, /help, /quit.
@@ -48,7 +49,8 @@ def load_llm(args, console: Console):
     from nanomm import LLM
     from nanomm.errors import CheckpointError
 
-    kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels)
+    kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels,
+                  speculative=speculative_config(args.speculative, args.num_speculative_tokens))
     model = args.model
     if args.demo:
         model = str(demo_checkpoint(console))
@@ -63,6 +65,15 @@ def load_llm(args, console: Console):
         folder = demo_checkpoint(console)
         with console.status(f"loading {folder} ..."):
             return LLM(str(folder), **kwargs), True
+
+
+def speculative_config(choice: str | None, k: int) -> dict | None:
+    """--speculative ngram -> prompt lookup; --speculative DRAFT (a folder or hub id) -> that draft model."""
+    if choice is None:
+        return None
+    if choice == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    return {"method": "draft", "model": choice, "num_speculative_tokens": k}
 
 
 class Chat:
@@ -129,9 +140,12 @@ def summary(out) -> str:
     ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
     encode = "cached" if m.num_visual_tokens and m.encode_s == 0 else ms(m.encode_s)
     decode_tps = 1 / m.tpot_s if m.tpot_s else 0.0
-    return (f"TTFT {ms(m.ttft_s)} (preprocess {ms(m.preprocess_s)}, encode {encode}, prefill {ms(m.prefill_s)}) | "
+    line = (f"TTFT {ms(m.ttft_s)} (preprocess {ms(m.preprocess_s)}, encode {encode}, prefill {ms(m.prefill_s)}) | "
             f"{decode_tps:.1f} tok/s | {m.num_visual_tokens} visual tokens | "
             f"{m.num_cached_tokens} prefix-cached tokens")
+    if m.num_draft_tokens:  # speculative decoding (lessons/08-speculative-decoding.md)
+        line += f" | {m.acceptance_rate:.0%} of proposals accepted, {m.mean_tokens_per_decode_step:.2f} tokens/step"
+    return line
 
 
 def run(chat: Chat, lines) -> None:
@@ -179,6 +193,9 @@ def parse_args(argv=None):
     p.add_argument("--max-pixels", type=int, help="the dynamic-resolution cap (visual tokens ~ pixels / 784)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--speculative", metavar="ngram|DRAFT",
+                   help="speculative decoding: 'ngram' (prompt lookup) or a draft model's folder or hub id")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="proposals per step (default 4)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on cuda, f32 on cpu")
     p.add_argument("--debug", action="store_true", help="show tracebacks")

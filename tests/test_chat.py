@@ -120,6 +120,23 @@ def test_bad_image_on_the_command_line_is_one_sentence(env, tmp_path):
     assert len(replies) == 1, replies
 
 
+def test_speculative_ngram_chat_replies_as_without_it(env, tmp_path):
+    stdin = "tell me about the cat on the mat\n/stats\n"
+    args = ["--demo", "--max-tokens", "24"]
+    rc, plain, err = chat(args, stdin, env, tmp_path)
+    assert rc == 0, err
+    rc, spec, err = chat(args + ["--speculative", "ngram", "--num-speculative-tokens", "3"], stdin, env, tmp_path)
+    assert rc == 0, err
+    assert spec == plain  # greedy: speculation changes the speed, never the reply
+    assert stat(err, "spec_draft_tokens")[0] > 0, err
+
+
+def test_bad_speculative_option_exits_1_with_one_sentence(env, tmp_path):
+    rc, _, err = chat(["--demo", "--speculative", "ngram", "--num-speculative-tokens", "0"], "hi\n", env, tmp_path)
+    assert rc == 1
+    assert "num_speculative_tokens must be a positive int" in err and "Traceback" not in err
+
+
 def test_missing_model_folder_exits_1_with_one_sentence(env, tmp_path):
     rc, replies, err = chat(["--model", "/no/such/dir"], "hello\n", env, tmp_path)
     assert rc == 1
