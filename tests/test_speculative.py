@@ -136,6 +136,35 @@ def test_identical_draft_accepts_everything(ckpt):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("draft", ["bad", "text-only"])
+def test_draft_proposals_are_the_draft_models_own_continuation(ckpt, other_ckpt, text_only_ckpt, draft):
+    """Whatever was rejected before, the draft's KV is rolled back right: every proposal is exactly what the
+    draft model alone (dense reference, fresh cache) generates greedily from the request's committed tokens."""
+    path = {"bad": other_ckpt, "text-only": text_only_ckpt}[draft]
+    llm = make_llm(ckpt, dict(method="draft", model=str(path), num_speculative_tokens=3), block_size=2,
+                   max_num_batched_tokens=16)
+    proposer = llm.engine.proposer
+    seen, propose = [], proposer.propose
+
+    def recording(requests, budgets):
+        proposals = propose(requests, budgets)
+        seen.extend((r.prompt, list(r.token_ids), p.tokens) for r, p in zip(requests, proposals) if p.tokens)
+        return proposals
+
+    proposer.propose = recording
+    prompts = random_workload(seed=8, num_prompts=4, max_images=2)
+    outputs = assert_engine_matches_reference(
+        llm, prompts, [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * len(prompts))
+    assert sum(o.metrics.num_draft_tokens - o.metrics.num_accepted_tokens for o in outputs) > 10  # rejections
+    assert len(seen) > 10
+    for prompt, tokens, proposed in seen:
+        images = prompt.images if proposer.sees_images else ()
+        expected = reference_generate(proposer.model, tokens, images, SamplingParams(temperature=0.0,
+                                      max_tokens=len(proposed), ignore_eos=True)).token_ids
+        assert proposed == expected
+    assert_all_blocks_free(llm)
+
+
 # -- rollback -------------------------------------------------------------------------------------------------
 
 class WrongProposer:
