@@ -228,7 +228,8 @@ class LLMEngine:
                 num_accepted = max(0, len(tokens) - 1)  # every emitted token but the last was a proposal
                 tokens, reason = self._cut_at_finish(request, tokens)
                 if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
-                    self._count_decode_step(request.metrics, len(chunk.draft_tokens), num_accepted, len(tokens))
+                    self._count_decode_step(request.metrics, len(chunk.draft_tokens), min(num_accepted, len(tokens)),
+                                            len(tokens))
                 request.token_ids += tokens
                 num_rejected = len(chunk.draft_tokens) - num_accepted
                 self.scheduler.commit(chunk, num_rejected)

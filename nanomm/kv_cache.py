@@ -71,8 +71,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks nobody references, oldest-freed first: the eviction order. Cached blocks stay here, findable
-        # by hash, until they are handed out again.
+        # Blocks nobody references, in the order they are handed out: blocks holding nothing findable first,
+        # then cached blocks oldest-freed first (the eviction order). Cached blocks stay here, findable by
+        # hash, until they are handed out again.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.hit_tokens = self.queried_tokens = 0  # prefix-cache counters
@@ -139,7 +140,7 @@ class BlockManager:
         assert n <= self.num_free_blocks, "caller must check can_allocate first"
         out = []
         for _ in range(n):
-            block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
+            block_id, _ = self.free_blocks.popitem(last=False)  # an empty block, else the least recently freed
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict: its contents are about to be overwritten
                 del self.cached[block.block_hash]
@@ -156,6 +157,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
+                if block.block_hash is None:  # nothing in it anyone can find: hand it out before evicting one
+                    self.free_blocks.move_to_end(block_id, last=False)
 
     def check_no_leaks(self) -> None:
         """Every block is free again (for tests and for the end of LLM.generate)."""

@@ -1,7 +1,9 @@
 """Sampling parameters and the per-request sampler: greedy, temperature, top-k, top-p, seeds.
 
 Every request samples with its own `torch.Generator`, so a seeded request draws the same tokens whatever else
-shares its batch. Greedy is temperature 0: a plain argmax, no randomness consumed.
+shares its batch. (With speculative decoding the draws come in another order and how many proposals a step
+verifies can depend on the batch, so a seed's tokens differ from those without it, in the same distribution;
+lessons/08-speculative-decoding.md.) Greedy is temperature 0: a plain argmax, no randomness consumed.
 """
 
 import math

@@ -100,7 +100,7 @@ class ScheduledChunk:
     @property
     def token_ids(self) -> list[int]:
         """The tokens at positions start..end-1: known ones, then the proposals."""
-        return (self.request.token_ids + self.draft_tokens)[self.start:self.end]
+        return self.request.token_ids[self.start:self.end - len(self.draft_tokens)] + self.draft_tokens
 
     @property
     def samples(self) -> bool:
@@ -138,9 +138,8 @@ class Scheduler:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._fit_encoder_budget(request, request.num_computed_tokens, min(request.num_remaining, budget))
-            # A decode verifies its proposals in the same pass: one more position each, as far as the budget goes.
-            drafts = request.draft_tokens[:budget - n] if request.num_remaining == 1 else []
-            if n and self._grow(request, n + len(drafts), chunks):
+            if n and self._grow(request, n, chunks):
+                drafts = self._room_for_proposals(request, n, budget) if request.num_remaining == 1 else []
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(drafts), drafts))
                 budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -166,6 +165,18 @@ class Scheduler:
             self.preempt(victims[-1] if victims else request)
             if not victims:
                 return False
+
+    def _room_for_proposals(self, request: Request, n: int, budget: int) -> list[int]:
+        """A decode verifies its speculative proposals in the same pass, one more position each: as many as the
+        token budget and the free blocks allow. Proposals are optional, so nobody is preempted for them."""
+        drafts = request.draft_tokens[:budget - n]
+        while drafts:
+            needed = self.blocks.blocks_needed(request.num_computed_tokens + n + len(drafts)) - len(request.block_table)
+            if self.blocks.can_allocate(needed):
+                request.block_table += self.blocks.allocate(needed)
+                break
+            drafts = drafts[:-1]
+        return drafts
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         bs = self.blocks.block_size

@@ -52,12 +52,16 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"speculative must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
                              f"got {type(raw).__name__}")
-        unknown = set(raw) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
-        if unknown:
-            raise ValueError(f"speculative: unknown keys {sorted(unknown)}")
         method = raw.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
+        allowed = {"method", "num_speculative_tokens"} | (
+            {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram" else {"model"})
+        if set(raw) - allowed:
+            raise ValueError(f"speculative: keys {sorted(set(raw) - allowed)} are not for method {method!r} "
+                             f"(it takes {sorted(allowed)})")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative: num_speculative_tokens is required (how many tokens to propose per step)")
         config = cls(**raw)
         _check_positive("num_speculative_tokens", config.num_speculative_tokens)
         if method == "ngram":
@@ -66,8 +70,6 @@ class SpeculativeConfig:
             if config.prompt_lookup_min > config.prompt_lookup_max:
                 raise ValueError(f"speculative: prompt_lookup_min={config.prompt_lookup_min} is larger than "
                                  f"prompt_lookup_max={config.prompt_lookup_max}")
-            if config.model is not None:
-                raise ValueError("speculative: 'model' is for method 'draft'; the n-gram proposer needs none")
         elif not isinstance(config.model, str) or not config.model:
             raise ValueError("speculative method 'draft' needs 'model': a checkpoint folder or hub id")
         return config
@@ -148,6 +150,7 @@ class DraftProposer:
                  encoder_cache_size: int):
         self.model, self.target_vocab_size = model, target_vocab_size
         text = model.config.text
+        self.vocab_size = text.vocab_size
         self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=False)
         kv_cache = allocate_kv_cache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
                                      text.head_dim, model.dtype, model.device)
@@ -193,9 +196,12 @@ class DraftProposer:
                           image_keys=[encoder_cache_key(im.content_hash, self.identity) for im in prompt.images])
             self.sequences[request.request_id] = seq
         shared = _common_prefix_length(seq.token_ids, request.token_ids)
-        seq.token_ids = list(request.token_ids)
         # Keep the KV of the shared prefix, but always feed at least the last token: its logits propose.
         seq.num_computed_tokens = min(seq.num_computed_tokens, shared, request.num_tokens - 1)
+        seq.token_ids = list(request.token_ids)
+        if max(seq.token_ids[seq.num_computed_tokens:]) >= self.vocab_size:
+            self._drop(request.request_id)  # an id the draft's smaller vocabulary lacks: it cannot read this text
+            return False
         self._resize(seq, seq.num_computed_tokens)  # rollback: forget rejected proposals
         needed = self.blocks.blocks_needed(request.num_tokens + k - 1) - len(seq.block_table)
         if not self.blocks.can_allocate(needed):
@@ -275,10 +281,12 @@ def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """After a rejection, draw from max(0, p - q), normalised: exactly the mass p has that q over-proposed
-    too little of. (It is never all zero after a rejection: p(x) < q(x) leaves p - q > 0 somewhere.)"""
+    """After a rejection, draw from max(0, p - q), normalised: the part of p that q proposed too rarely.
+    In exact arithmetic it is never all zero after a rejection (p(x) < q(x) leaves p - q > 0 somewhere); in
+    float32, p and q a rounding error apart can make it so, and then p itself is the right distribution."""
     residual = torch.clamp(p - q, min=0.0)
-    return residual / residual.sum()
+    total = residual.sum()
+    return residual / total if total > 0 else p
 
 
 def accept_sampled(proposed: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -2,6 +2,8 @@
 batching, chunked prefill, preemption and prefix caching; rollback by position; the rejection-sampling rule
 checked statistically (and shown to catch wrong rules); proposers; metrics; configuration errors."""
 
+import sys
+
 import pytest
 import torch
 
@@ -244,23 +246,41 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
 
 
-P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03], dtype=torch.float64)
-Q = torch.tensor([0.05, 0.10, 0.20, 0.30, 0.30, 0.05], dtype=torch.float64)
+# A target and a draft over 4 tokens whose next-token distributions depend on the previous token (Markov
+# chains): row a of M is the target's p(. | a), row a of N the draft's q(. | a). Each row of p and q in a
+# verification step is then different, so a rule that reads the wrong row cannot pass.
+M = torch.tensor([[0.50, 0.30, 0.15, 0.05],
+                  [0.10, 0.20, 0.30, 0.40],
+                  [0.25, 0.25, 0.25, 0.25],
+                  [0.05, 0.05, 0.10, 0.80]], dtype=torch.float64)
+N = torch.tensor([[0.10, 0.20, 0.30, 0.40],
+                  [0.40, 0.30, 0.20, 0.10],
+                  [0.70, 0.10, 0.10, 0.10],
+                  [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
 
 
-def stream_of_tokens(num_tokens: int, k: int, draft_q: torch.Tensor | None, seed: int = 0) -> torch.Tensor:
-    """Speculative steps against a target whose next-token distribution is always P: the emitted stream must
-    be i.i.d. P whatever the draft. draft_q None = a deterministic proposer that always proposes token 0."""
+def transition_counts(num_tokens: int, k: int, deterministic_draft: bool, seed: int = 0) -> torch.Tensor:
+    """Speculative steps against the Markov target M: counts of (token, next token) over the emitted stream,
+    which must follow M whatever the draft. A deterministic draft proposes (previous token + 1) mod 4."""
     g = torch.Generator().manual_seed(seed)
-    emitted = []
-    while len(emitted) < num_tokens:
-        if draft_q is None:
-            proposed, q = [0] * k, None
-        else:
-            proposed = torch.multinomial(draft_q, k, replacement=True, generator=g).tolist()
-            q = draft_q.expand(k, -1)
-        emitted += accept_sampled(proposed, P.expand(k + 1, -1), q, g)
-    return torch.bincount(torch.tensor(emitted[:num_tokens]), minlength=len(P)).double()
+    stream = [0]
+    while len(stream) < num_tokens:
+        proposed, q_rows = [], []
+        for _ in range(k):
+            last = (proposed or stream)[-1]
+            token = (last + 1) % 4 if deterministic_draft else int(torch.multinomial(N[last], 1, generator=g))
+            proposed.append(token)
+            q_rows.append(N[last])
+        p_rows = M[[stream[-1]] + proposed]  # (k + 1, vocab): p after the last token, then after each proposal
+        stream += accept_sampled(proposed, p_rows, None if deterministic_draft else torch.stack(q_rows), g)
+    pairs = torch.tensor(stream[:num_tokens])
+    return torch.bincount(pairs[:-1] * 4 + pairs[1:], minlength=16).double().view(4, 4)
+
+
+def markov_p_value(counts: torch.Tensor) -> float:
+    """Chi-square of every row of transition counts against M's row (the rows' totals as given)."""
+    expected = (counts.sum(1, keepdim=True) * M).flatten()
+    return chi_square_p_value(counts.flatten(), expected / expected.sum())
 
 
 WRONG_RULES = {
@@ -270,70 +290,91 @@ WRONG_RULES = {
 }
 
 
-@pytest.mark.parametrize("draft", ["draft-q", "one-hot"])
+@pytest.mark.parametrize("draft", ["sampled-draft", "deterministic"])
 def test_rejection_sampling_reproduces_the_target_distribution(draft):
-    counts = stream_of_tokens(20000, k=3, draft_q=Q if draft == "draft-q" else None)
-    assert chi_square_p_value(counts, P) > 1e-3
+    counts = transition_counts(40000, k=3, deterministic_draft=draft == "deterministic")
+    assert markov_p_value(counts) > 1e-3
 
 
 @pytest.mark.parametrize("rule", list(WRONG_RULES))
 def test_chi_square_catches_a_wrong_acceptance_rule(monkeypatch, rule):
     for name, wrong in WRONG_RULES[rule].items():
         monkeypatch.setattr(speculative, name, wrong)
-    counts = stream_of_tokens(20000, k=3, draft_q=Q)
-    assert chi_square_p_value(counts, P) < 1e-6
+    assert markov_p_value(transition_counts(40000, k=3, deterministic_draft=False)) < 1e-6
+
+
+def test_chi_square_catches_a_bonus_token_from_the_wrong_row(monkeypatch):
+    right = speculative.accept_sampled
+
+    def bonus_from_first_row(proposed, target_probs, draft_probs, generator):
+        emitted = right(proposed, target_probs, draft_probs, generator)
+        if len(emitted) == len(proposed) + 1:  # all accepted: redraw the bonus from row 0 instead of row k
+            emitted[-1] = int(torch.multinomial(target_probs[0], 1, generator=generator))
+        return emitted
+
+    monkeypatch.setattr(sys.modules[__name__], "accept_sampled", bonus_from_first_row)
+    assert markov_p_value(transition_counts(40000, k=3, deterministic_draft=False)) < 1e-6
 
 
 def test_without_proposals_accept_sampled_is_plain_sampling():
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    draws = [accept_sampled([], P[None], None, g1)[0] for _ in range(50)]
-    assert draws == [int(torch.multinomial(P, 1, generator=g2)) for _ in range(50)]
+    draws = [accept_sampled([], M[:1], None, g1)[0] for _ in range(50)]
+    assert draws == [int(torch.multinomial(M[0], 1, generator=g2)) for _ in range(50)]
 
 
-def target_joint_distribution(llm, prompt_ids, params):
-    """P(t1, t2) of the target model under params, from the dense reference's logits: (vocab, vocab), sparse."""
+def test_residual_of_p_and_q_a_rounding_error_apart_falls_back_to_p():
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.50000006, 0.5])  # p - q <= 0 everywhere in float32
+    assert torch.equal(speculative.residual_distribution(p, q), p)
+
+
+def target_joint_distribution(llm, prompt_ids, params, length=3):
+    """P(t1, ..., t_length) of the target model under params, from the dense reference's logits: a dict over
+    the sequences with non-zero probability (top-k keeps it small)."""
     model, greedy_one = llm.model, SamplingParams(temperature=0.0, max_tokens=1)
 
     def next_probs(ids):
         logits = reference_generate(model, ids, (), greedy_one, keep_logits=True).logits[0]
         return probabilities(logits.double(), params)
 
-    p1 = next_probs(prompt_ids)
-    joint = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = next_probs(prompt_ids + [t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    joint = {(): 1.0}
+    for _ in range(length):
+        joint = {seq + (t,): prob * float(p[t]) for seq, prob in joint.items()
+                 for p in [next_probs(prompt_ids + list(seq))] for t in p.nonzero().flatten().tolist()}
     return joint
 
 
 def engine_sample_p_value(llm, prompt, params_list, joint) -> float:
     outputs = llm.generate([prompt] * len(params_list), params_list)
     cells = sorted(joint)
+    length = len(cells[0])
     counts = torch.zeros(len(cells), dtype=torch.float64)
     for out in outputs:
-        pair = tuple(out.outputs[0].token_ids[:2])
-        if pair not in joint:
-            return 0.0  # a pair the target can never produce
-        counts[cells.index(pair)] += 1
+        seq = tuple(out.outputs[0].token_ids[:length])
+        if seq not in joint:
+            return 0.0  # a sequence the target can never produce
+        counts[cells.index(seq)] += 1
     return chi_square_p_value(counts, torch.tensor([joint[c] for c in cells], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("proposer", ["draft-weak", "ngram"])
 def test_engine_sampled_distribution_matches_target(ckpt, weak_ckpt, monkeypatch, proposer):
-    """Many seeded requests through the engine with speculation: the (first, second) token pairs follow the
-    target's exact joint distribution (chi-square), and the same test fails with a wrong acceptance rule.
-    The second token comes out of a verification step (max_tokens=3 leaves room for one proposal)."""
-    spec = NGRAM if proposer == "ngram" else dict(method="draft", model=str(weak_ckpt), num_speculative_tokens=1)
+    """Many seeded requests through the engine with speculation: the first three tokens follow the target's
+    exact joint distribution (chi-square), and the same test fails with a wrong acceptance rule. Token 1 comes
+    from the prefill; with one proposal per step, token 2 is an accepted proposal or a draw from the residual,
+    and token 3 the bonus after an acceptance, or the next step's."""
+    spec = (dict(NGRAM, num_speculative_tokens=1) if proposer == "ngram"
+            else dict(method="draft", model=str(weak_ckpt), num_speculative_tokens=1))
     llm = make_llm(ckpt, spec, max_num_seqs=256, block_size=4)
     prompt_ids = llm.engine.prepare(chat_prompt("red blue red blue red blue"), None).token_ids
     # The model's own greedy continuation, appended: it loops, so prompt lookup finds proposals that often hold.
     prompt_ids += reference_generate(llm.model, prompt_ids, (), SamplingParams(temperature=0, max_tokens=48)).token_ids
     prompt = {"prompt_token_ids": prompt_ids}
-    params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, seed=i, ignore_eos=True) for i in range(1500)]
+    params = [SamplingParams(temperature=1.5, top_k=3, max_tokens=4, seed=i, ignore_eos=True) for i in range(2000)]
     joint = target_joint_distribution(llm, prompt_ids, params[0])
     assert engine_sample_p_value(llm, prompt, params, joint) > 1e-3
-    assert llm.stats()["spec_draft_tokens"] > 300 and 0 < llm.stats()["spec_accepted_tokens"]
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] > 500 and 200 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     monkeypatch.setattr(speculative, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
     assert engine_sample_p_value(make_llm(ckpt, spec, max_num_seqs=256, block_size=4), prompt, params, joint) < 1e-6
 
@@ -382,9 +423,11 @@ def test_draft_without_room_in_its_pool_just_proposes_nothing(ckpt):
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "larger"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "not for method 'ngram'"),
     ({"method": "draft", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown"),
+    ({"method": "draft", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "not for method 'draft'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
     ("ngram", "dict"),
 ])
 def test_bad_speculative_config_raises(ckpt, bad, message):
@@ -420,3 +463,65 @@ def test_text_only_draft_sees_image_pads_and_stays_exact(ckpt, text_only_ckpt):
 def test_text_only_model_cannot_be_the_target(text_only_ckpt):
     with pytest.raises(CheckpointError, match="text-only"):
         make_llm(text_only_ckpt)
+
+
+def test_draft_with_a_smaller_vocabulary_skips_ids_it_lacks(ckpt, tmp_path):
+    """A target whose vocabulary is wider than the draft's (151936 vs 152064 in real pairs): ids past the
+    draft's end, in the prompt or generated, make the draft stand aside for that request; nothing crashes."""
+    draft_vocab = llm_vocab = make_llm(ckpt).model.config.text.vocab_size
+    wide = make_checkpoint(tmp_path / "wide", preset="tiny", overrides={"vocab_size": llm_vocab + 256})
+    llm = make_llm(wide, dict(method="draft", model=str(ckpt), num_speculative_tokens=3))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 2, 3, draft_vocab + 5, 4, 5]}, {"prompt_token_ids": [1, 2, 3, 4, 5]}]
+    outputs = assert_engine_matches_reference(llm, prompts, [params] * 2)
+    assert any(t >= draft_vocab for t in outputs[1].outputs[0].token_ids)  # the target generated one too
+    assert outputs[0].metrics.num_draft_tokens == 0
+    assert_all_blocks_free(llm)
+
+
+def test_abort_during_speculation_frees_both_pools(ckpt, other_ckpt):
+    llm = make_llm(ckpt, dict(method="draft", model=str(other_ckpt), num_speculative_tokens=3), block_size=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = random_workload(seed=9, num_prompts=3, max_images=1)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while not all(engine.requests.get(i) and engine.requests[i].metrics.num_draft_tokens for i in ids[:2]):
+        engine.step()
+    assert engine.proposer.sequences  # the draft holds state for the running requests
+    engine.abort_request(ids[0])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[ids[0]].outputs[0].finish_reason == "abort"
+    for i in ids[1:]:
+        assert finished[i].outputs[0].token_ids == reference_tokens(llm, prompts[ids.index(i)], params)
+    assert not engine.proposer.sequences
+    assert_all_blocks_free(llm)
+
+
+def test_proposals_never_cause_preemption(ckpt):
+    """Proposals are optional: a decode that fits without them is never preempted (nor makes others be) for
+    their sake, even when every proposal is wrong and the pool is tight."""
+    prompts = [chat_prompt("a b c d e f g h i j"), chat_prompt("k l m n o p q r s t"), chat_prompt("u v w x")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for num_kv_blocks in (20, 26, 32):
+        counts = []
+        for k in (0, 6):  # no proposals (the plain engine), then 6 wrong ones every step
+            llm = make_llm(ckpt, NGRAM, block_size=4, num_kv_blocks=num_kv_blocks, enable_prefix_caching=False)
+            llm.engine.proposer = WrongProposer(token=3, k=k)
+            outputs = llm.generate(prompts, params)
+            counts.append(llm.stats()["preemptions"])
+            assert [o.outputs[0].token_ids for o in outputs] == [reference_tokens(llm, p, params) for p in prompts]
+        assert counts[1] <= counts[0], f"{num_kv_blocks} blocks: {counts[0]} preemptions plain, {counts[1]} with proposals"
+
+
+def test_rejected_proposals_do_not_evict_the_prefix_cache(ckpt, other_ckpt):
+    """Blocks freed by rollback hold nothing findable, so they are handed out again before any cached block."""
+    cached = []
+    prompt, other = chat_prompt("the quick brown fox jumps over the lazy dog and runs far"), chat_prompt("x y z")
+    for spec in (None, dict(method="draft", model=str(other_ckpt), num_speculative_tokens=3)):
+        llm = make_llm(ckpt, spec, block_size=4, num_kv_blocks=60)
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        llm.generate(other, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+        cached.append(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))[0].metrics.num_cached_tokens)
+    assert cached[1] == cached[0] > 0
