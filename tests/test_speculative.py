@@ -2,6 +2,7 @@
 batching, chunked prefill, preemption and prefix caching; rollback by position; the rejection-sampling rule
 checked statistically (and shown to catch wrong rules); proposers; metrics; configuration errors."""
 
+import random
 import sys
 
 import pytest
@@ -390,6 +391,29 @@ def test_ngram_lookup():
     # A short cycle continues for all k tokens (the copy runs into its own proposals).
     assert ngram_lookup([7, 1, 2, 1, 2], k=5, min_n=2, max_n=2) == [1, 2, 1, 2, 1]
     assert ngram_lookup([3], k=2, min_n=1, max_n=3) == []
+
+
+def obvious_ngram_lookup(token_ids, k, min_n, max_n):
+    """The same rule as ngram_lookup, written as plainly as possible: the oracle for its byte search."""
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
+        for start in range(len(token_ids) - n - 1, -1, -1):
+            if token_ids[start:start + n] == token_ids[-n:]:
+                sequence = list(token_ids)
+                for i in range(k):
+                    sequence.append(sequence[start + n + i])
+                return sequence[len(token_ids):]
+    return []
+
+
+def test_ngram_lookup_byte_search_matches_the_obvious_loop():
+    rng = random.Random(0)
+    # Ids like 256 and 65536 share bytes with 0 and 1: a byte match that straddles two tokens must not count.
+    alphabet = [0, 1, 2, 256, 65536, 2**20, 151655]
+    for _ in range(5000):
+        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(0, 40))]
+        k, min_n = rng.randrange(1, 6), rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 5)
+        assert ngram_lookup(tokens, k, min_n, max_n) == obvious_ngram_lookup(tokens, k, min_n, max_n), tokens
 
 
 def test_proposals_stop_at_max_tokens_and_max_model_len(ckpt):
