@@ -45,6 +45,8 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
     blocks, start, i, k = [], 0, 0, 0
     while i < len(input_ids):
         if input_ids[i] == image_token_id:
+            if k == len(image_grids):
+                raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
             grid = (t, h // spatial_merge_size, w // spatial_merge_size)
             blocks.append(_grid_positions(*grid) + start)  # (3, T*H*W)

@@ -67,3 +67,8 @@ def test_text_only_is_plain_rope():
 def test_image_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="image spans"):
         mrope_positions([1, START, IMAGE, END], [(1, 2, 2), (1, 2, 2)], IMAGE, 2)
+
+
+def test_more_image_spans_than_grids_is_a_clear_error():
+    with pytest.raises(ValueError, match="image spans"):
+        mrope_positions([1, 5, 5, 2], [], image_token_id=5, spatial_merge_size=2)
