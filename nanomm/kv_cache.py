@@ -149,6 +149,21 @@ class BlockManager:
             out.append(block_id)
         return out
 
+    def grow_to(self, block_table: list[int], num_tokens: int) -> bool:
+        """Append blocks to a block table until it holds num_tokens; False, and nothing taken, if the pool
+        lacks them."""
+        needed = self.blocks_needed(num_tokens) - len(block_table)
+        if not self.can_allocate(needed):
+            return False
+        block_table += self.allocate(needed)
+        return True
+
+    def shrink_to(self, block_table: list[int], num_tokens: int) -> None:
+        """Free the blocks of a block table past those num_tokens need (speculative rollback)."""
+        keep = self.blocks_needed(num_tokens)
+        self.free(block_table[keep:])
+        del block_table[keep:]
+
     def free(self, block_table: list[int]) -> None:
         # Tail blocks first: they are the least likely to be shared, so they should be evicted first.
         for block_id in reversed(block_table):

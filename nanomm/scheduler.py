@@ -154,9 +154,7 @@ class Scheduler:
     def _grow(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         """Make room in request's block table for n more positions, preempting newer requests if needed."""
         while True:
-            needed = self.blocks.blocks_needed(request.num_computed_tokens + n) - len(request.block_table)
-            if self.blocks.can_allocate(needed):
-                request.block_table += self.blocks.allocate(needed)
+            if self.blocks.grow_to(request.block_table, request.num_computed_tokens + n):
                 return True
             # Only requests admitted after this one, not yet given work this step: the newest goes first.
             scheduled = {id(c.request) for c in chunks}
@@ -170,11 +168,7 @@ class Scheduler:
         """A decode verifies its speculative proposals in the same pass, one more position each: as many as the
         token budget and the free blocks allow. Proposals are optional, so nobody is preempted for them."""
         drafts = request.draft_tokens[:budget - n]
-        while drafts:
-            needed = self.blocks.blocks_needed(request.num_computed_tokens + n + len(drafts)) - len(request.block_table)
-            if self.blocks.can_allocate(needed):
-                request.block_table += self.blocks.allocate(needed)
-                break
+        while drafts and not self.blocks.grow_to(request.block_table, request.num_computed_tokens + n + len(drafts)):
             drafts = drafts[:-1]
         return drafts
 
@@ -247,9 +241,7 @@ class Scheduler:
         Then name the blocks that are now full, so only committed tokens are ever found by the prefix cache."""
         request = chunk.request
         request.num_computed_tokens = min(chunk.end - num_rejected, request.num_tokens)
-        keep = self.blocks.blocks_needed(request.num_computed_tokens)
-        self.blocks.free(request.block_table[keep:])
-        del request.block_table[keep:]
+        self.blocks.shrink_to(request.block_table, request.num_computed_tokens)
         bs = self.blocks.block_size
         request.block_hashes = self.blocks.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         request.num_computed_tokens // bs, request.block_hashes)

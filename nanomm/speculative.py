@@ -209,18 +209,11 @@ class DraftProposer:
         if max(seq.token_ids[seq.num_computed_tokens:]) >= self.vocab_size:
             self._drop(request.request_id)  # an id the draft's smaller vocabulary lacks: it cannot read this text
             return False
-        self._resize(seq, seq.num_computed_tokens)  # rollback: forget rejected proposals
-        needed = self.blocks.blocks_needed(request.num_tokens + k - 1) - len(seq.block_table)
-        if not self.blocks.can_allocate(needed):
+        self.blocks.shrink_to(seq.block_table, seq.num_computed_tokens)  # rollback: forget rejected proposals
+        if not self.blocks.grow_to(seq.block_table, request.num_tokens + k - 1):
             self._drop(request.request_id)  # no room: no proposals this step; it catches up from scratch later
             return False
-        seq.block_table += self.blocks.allocate(needed)
         return True
-
-    def _resize(self, seq: Request, num_tokens: int) -> None:
-        keep = self.blocks.blocks_needed(num_tokens)
-        self.blocks.free(seq.block_table[keep:])
-        del seq.block_table[keep:]
 
     def _draw(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """The draft's token for one row: its argmax for a greedy request; a sample from its own filtered
