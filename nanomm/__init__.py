@@ -3,8 +3,9 @@
 Start with lessons/README.md. The public API is re-exported here.
 """
 
+from nanomm.engine.engine import LLMEngine
 from nanomm.errors import CheckpointError, InvalidInputError
-from nanomm.engine import LLM, LLMEngine
+from nanomm.llm import LLM
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
 

@@ -34,7 +34,7 @@ HELP = """commands:
 
 def demo_checkpoint(console: Console) -> Path:
     """A tiny random-weight Qwen2-VL checkpoint, generated once into a cache folder (no network needed)."""
-    from nanomm.checkpoint import make_checkpoint
+    from nanomm.tools.random_checkpoint import make_checkpoint
 
     cache = Path(os.environ.get("NANOMM_CACHE", Path.home() / ".cache" / "nanomm"))
     folder = cache / "demo-tiny"
@@ -85,7 +85,7 @@ class Chat:
         self.pending_images: list[str] = []
 
     def attach(self, path: str) -> None:
-        from nanomm.image import load_image
+        from nanomm.inputs.image import load_image
 
         load_image(path, name=path)  # fail now, with a clear sentence, not after the user typed a question
         self.pending_images.append(path)

@@ -4,6 +4,8 @@ Everything wrong with what a caller sends (a prompt, an image, a sampling parame
 `InvalidInputError` with a message naming the input, before any model compute runs.
 """
 
+import operator
+
 
 class InvalidInputError(ValueError):
     """Something the caller sent is invalid; the message says what and which input."""
@@ -11,3 +13,18 @@ class InvalidInputError(ValueError):
 
 class CheckpointError(ValueError):
     """A folder or hub id that does not hold a usable Qwen2-VL checkpoint."""
+
+
+def check_int(value, name: str, *, minimum: int = 1, error: type[ValueError] = ValueError) -> int:
+    """`value` as an int >= minimum, or `error` naming it and quoting what the caller gave.
+
+    Python and numpy integers pass; bools, floats and strings never do (True is not a block size).
+    """
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        as_int = None
+    if isinstance(value, bool) or as_int is None or as_int < minimum:
+        wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise error(f"{name} must be {wanted}, got {value!r}")
+    return as_int

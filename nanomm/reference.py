@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanomm.attention import causal_attention
-from nanomm.model import Qwen2VL
-from nanomm.rope import mrope_positions, text_positions
+from nanomm.engine.attention import causal_attention
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.model.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, sample
 
 
@@ -40,7 +40,7 @@ class ReferenceOutput:
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False) -> ReferenceOutput:
-    """Generate from an expanded prompt and its preprocessed images (`nanomm.image.ProcessedImage`)."""
+    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`)."""
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
     grids = [tuple(im.grid_thw) for im in images]
@@ -52,12 +52,12 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
         positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
-    kv = ContiguousKVCache(cfg.text.num_hidden_layers)
+    kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers)
     generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
 
     ids = torch.tensor(prompt_ids, device=device)
-    hidden = model(ids, positions.to(device), kv, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
+    hidden = model(ids, positions.to(device), kv_cache, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
         logits = model.compute_logits(hidden[-1])
@@ -71,4 +71,4 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
         if len(out.token_ids) >= params.max_tokens:
             return out
         position = len(prompt_ids) + len(out.token_ids) - 1 + delta  # the same on all three axes
-        hidden = model(torch.tensor([token], device=device), torch.full((3, 1), position, device=device), kv)
+        hidden = model(torch.tensor([token], device=device), torch.full((3, 1), position, device=device), kv_cache)

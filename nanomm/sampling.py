@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.errors import InvalidInputError
+from nanomm.errors import InvalidInputError, check_int
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -28,19 +28,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-               and math.isfinite(self.temperature) and self.temperature >= 0,
+        _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple))
-                                               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.top_k = check_int(self.top_k, "top_k (0 or -1 = off)", minimum=-1, error=InvalidInputError)
+        self.max_tokens = check_int(self.max_tokens, "max_tokens", error=InvalidInputError)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids or ():
+            check_int(token_id, f"every stop_token_ids entry (in {self.stop_token_ids!r})", minimum=0,
+                      error=InvalidInputError)
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
-               f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if self.seed is not None:
+            self.seed = check_int(self.seed, "seed", minimum=-2**63, error=InvalidInputError)
+            _check(self.seed < 2**64, f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
 
     def validate(self) -> "SamplingParams":
         """Check again (the fields are plain attributes: a caller may have changed one after construction)."""
@@ -53,8 +54,8 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str):

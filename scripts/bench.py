@@ -41,10 +41,10 @@ from rich.console import Console
 from rich.table import Table
 
 from nanomm import LLM, SamplingParams
-from nanomm.checkpoint import PRESETS, make_checkpoint
-from nanomm.tokenizer import IMAGE_PLACEHOLDER
-from nanomm.cpu_linear import PackedLinear, packed_linear_available
-from nanomm.model import Qwen2VL
+from nanomm.tools.random_checkpoint import PRESETS, make_checkpoint
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
+from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+from nanomm.model.qwen2_vl import Qwen2VL
 
 WORDS = ("the a cat dog sat on mat and looked at picture of red blue green house tree sky river boat "
          "mountain city street window small large old new bright dark quickly slowly under over").split()
@@ -151,7 +151,7 @@ def measure_roofline(bw_mib: int, matmul_n: int, repeats: int) -> dict:
     per 4 bytes, far below the vector units' rate, so it is limited by DRAM; decode reads weights the same way.
     Copy bandwidth (read + write) is reported too, for reference. Matmul: an n x n @ n x n float32 product,
     2 n^3 FLOPs, timed with torch.mm (MKL) and, on CPU, with the oneDNN packed kernel nanomm's linear layers
-    use (nanomm/cpu_linear.py); the machine's rate is the faster of the two, so neither engine is measured
+    use (nanomm/model/fast_linear.py); the machine's rate is the faster of the two, so neither engine is measured
     against a roof its own library could beat."""
     n = bw_mib * 2**20 // 4
     x, y = torch.ones(n), torch.empty(n)

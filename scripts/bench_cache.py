@@ -30,7 +30,7 @@ from bench import chat_prompt, load_checkpoint, machine_info, random_image  # no
 from rich.console import Console  # noqa: E402
 
 from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.tokenizer import IMAGE_PLACEHOLDER  # noqa: E402
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

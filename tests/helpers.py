@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from nanomm.reference import generate as reference_generate
-from nanomm.tokenizer import IMAGE_PLACEHOLDER
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 
 WORDS = "the a cat dog sat on mat and looked at picture of red blue green house tree sky".split()
 
@@ -52,7 +52,7 @@ def assert_engine_matches_reference(llm, prompts, params_list):
     for i, (prompt, params, out) in enumerate(zip(prompts, params_list, outputs)):
         assert out.finished
         assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
-    llm.engine.blocks.check_no_leaks()
+    llm.engine.block_manager.check_no_leaks()
     return outputs
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from helpers import chat_prompt, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, RequestOutput, SamplingParams
-from nanomm.checkpoint import make_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -18,7 +18,7 @@ def llm(tmp_path_factory):
 
 def assert_engine_idle(llm):
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
-    llm.engine.blocks.check_no_leaks()
+    llm.engine.block_manager.check_no_leaks()
 
 
 def test_unknown_engine_argument_is_a_type_error(llm):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nanomm import checkpoint as ckpt
-from nanomm.checkpoint import PRESETS, checkpoint_size, make_checkpoint, model_spec, num_parameters
+from nanomm.tools import random_checkpoint as ckpt
+from nanomm.tools.random_checkpoint import PRESETS, checkpoint_size, make_checkpoint, model_spec, num_parameters
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration  # noqa: E402
@@ -144,7 +144,7 @@ def test_writing_is_deterministic_and_seeded(tmp_path):
     assert digest(a)["model.safetensors"] != digest(c)["model.safetensors"]
     assert digest(a)["tokenizer.json"] == digest(c)["tokenizer.json"]
     # Tokenizer training must not depend on the process either (hash seeds, thread scheduling).
-    code = "import sys; from nanomm.checkpoint import build_tiny_tokenizer; sys.stdout.write(build_tiny_tokenizer().to_str())"
+    code = "import sys; from nanomm.tools.random_checkpoint import build_tiny_tokenizer; sys.stdout.write(build_tiny_tokenizer().to_str())"
     other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert other == ckpt.build_tiny_tokenizer().to_str()
 

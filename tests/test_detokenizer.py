@@ -2,8 +2,8 @@
 
 import pytest
 
-from nanomm.checkpoint import write_qwen_tokenizer
-from nanomm.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanomm.tools.random_checkpoint import write_qwen_tokenizer
+from nanomm.inputs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["héllo wörld", "你好，世界！这是一个测试。", "emoji 🎉🫠🦜 and ñ", "plain ascii text", "mixed 日本語 ok 𓀀"]
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
-from nanomm.checkpoint import checkpoint_size, make_checkpoint, make_draft_checkpoint
-from nanomm.image import ImageProcessorConfig, preprocess_image
-from nanomm.loader import load_model
+from nanomm.tools.random_checkpoint import checkpoint_size, make_checkpoint, make_draft_checkpoint
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.model.loader import load_model
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
-from nanomm.tokenizer import Tokenizer
+from nanomm.inputs.tokenizer import Tokenizer
 from tests.helpers import random_image
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import torch
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
-from nanomm.checkpoint import make_checkpoint
-from nanomm.encoder_cache import EncoderCache, encoder_cache_key
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -26,7 +26,7 @@ def make_llm(ckpt, **kwargs):
 
 
 def assert_clean(llm):
-    llm.engine.blocks.check_no_leaks()
+    llm.engine.block_manager.check_no_leaks()
     llm.engine.encoder_cache.check_no_holds()
 
 

@@ -1,4 +1,4 @@
-"""nanomm.image against transformers' Qwen2VLImageProcessorPil (the oracle), and every kind of bad input."""
+"""nanomm.inputs.image against transformers' Qwen2VLImageProcessorPil (the oracle), and every kind of bad input."""
 
 import base64
 import contextlib
@@ -15,7 +15,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from helpers import data_url, png_header_only
 from nanomm.errors import CheckpointError, InvalidInputError
-from nanomm.image import (
+from nanomm.inputs.image import (
     ImageProcessorConfig,
     ProcessedImage,
     load_image,

@@ -2,7 +2,7 @@
 problem, and odd but legitimate image formats are served token for token like the dense reference.
 
 Every file is built here, in code, in a temporary folder: nothing is downloaded and nothing is committed.
-tests/test_image.py covers the same inputs one level down (nanomm.image); this file checks the whole path:
+tests/test_image.py covers the same inputs one level down (nanomm.inputs.image); this file checks the whole path:
 LLM.generate (validate everything before any compute), LLMEngine.add_request / step (the worker pool turns an
 image that fails to decode into an "error" result for that request alone), and that no KV block, encoder-cache
 hold or request is left behind either way.
@@ -20,7 +20,7 @@ from PIL import Image
 
 from helpers import chat_prompt, data_url, png_header_only, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.checkpoint import make_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 LIMIT = 4  # limit_images_per_prompt
@@ -48,7 +48,7 @@ def assert_engine_idle(llm):
     assert not engine.has_unfinished_requests()
     assert not engine.requests
     assert (stats["running"], stats["waiting"], stats["preprocess_queue"]) == (0, 0, 0)
-    engine.blocks.check_no_leaks()
+    engine.block_manager.check_no_leaks()
     engine.encoder_cache.check_no_holds()
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanomm.checkpoint import make_checkpoint
-from nanomm.config import ModelConfig
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.model.config import ModelConfig
 from nanomm.errors import CheckpointError
-from nanomm.loader import canonical_name, load_model
+from nanomm.model.loader import canonical_name, load_model
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from nanomm.checkpoint import make_checkpoint
-from nanomm.cpu_linear import pack_linear_layers
-from nanomm.image import ImageProcessorConfig, preprocess_image
-from nanomm.loader import load_model
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.model.fast_linear import pack_linear_layers
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.model.loader import load_model
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
-from nanomm.tokenizer import Tokenizer
+from nanomm.inputs.tokenizer import Tokenizer
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 

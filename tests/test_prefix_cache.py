@@ -4,8 +4,9 @@ import pytest
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
-from nanomm.checkpoint import make_checkpoint
-from nanomm.kv_cache import BlockManager, ImageSpan, hash_block
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.engine.kv_cache import BlockManager, hash_block
+from nanomm.inputs.prompt import ImageSpan
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from nanomm.rope import inverse_frequencies, mrope_cos_sin, mrope_positions
+from nanomm.model.rope import inverse_frequencies, mrope_cos_sin, mrope_positions
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 IMAGE, START, END = 955, 952, 953

@@ -10,12 +10,12 @@ import torch
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
-from nanomm import speculative
-from nanomm.checkpoint import make_checkpoint, make_draft_checkpoint
+from nanomm.engine import speculative
+from nanomm.tools.random_checkpoint import make_checkpoint, make_draft_checkpoint
 from nanomm.errors import CheckpointError
 from nanomm.reference import generate as reference_generate
 from nanomm.sampling import probabilities
-from nanomm.speculative import Proposal, SpeculativeConfig, accept_greedy, accept_sampled, ngram_lookup
+from nanomm.engine.speculative import Proposal, SpeculativeConfig, accept_greedy, accept_sampled, ngram_lookup
 
 MAX_PIXELS = 28 * 28 * 16
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -56,7 +56,7 @@ def proposer_config(name, ckpt, other_ckpt):
 
 
 def assert_all_blocks_free(llm):
-    llm.engine.blocks.check_no_leaks()
+    llm.engine.block_manager.check_no_leaks()
     llm.engine.proposer.check_no_leaks()
 
 
@@ -202,12 +202,12 @@ def test_rejected_positions_roll_back_blocks_and_hashes(ckpt):
             break
         accepted = request.metrics.num_accepted_tokens
         # Only the committed tokens keep blocks, and only full committed blocks are named for the prefix cache.
-        assert len(request.block_table) == engine.blocks.blocks_needed(request.num_computed_tokens)
+        assert len(request.block_table) == engine.block_manager.blocks_needed(request.num_computed_tokens)
         assert request.num_computed_tokens == request.num_tokens - 1
-        assert len(engine.blocks.cached) == request.num_computed_tokens // 2
+        assert len(engine.block_manager.cached) == request.num_computed_tokens // 2
         rejected_somewhere |= request.metrics.num_draft_tokens > accepted
     assert rejected_somewhere
-    engine.blocks.check_no_leaks()
+    engine.block_manager.check_no_leaks()
     out = llm.generate(prompt, params)[0]  # and the tokens are still the reference's
     assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params)
 
@@ -430,7 +430,7 @@ def test_proposals_stop_at_max_tokens_and_max_model_len(ckpt):
 def test_draft_without_room_in_its_pool_just_proposes_nothing(ckpt):
     llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=3), block_size=4)
     draft = llm.engine.proposer
-    draft.blocks.allocate(draft.blocks.num_free_blocks - 2)  # someone else holds almost all of the draft's pool
+    draft.block_manager.allocate(draft.block_manager.num_free_blocks - 2)  # someone else holds almost all of the draft's pool
     prompt = chat_prompt("a much longer prompt than two blocks of four tokens can hold")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = llm.generate(prompt, params)[0]

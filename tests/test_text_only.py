@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
-from nanomm.checkpoint import make_checkpoint
-from nanomm.config import ModelConfig
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.model.config import ModelConfig
 from nanomm.errors import CheckpointError
-from nanomm.image import ImageProcessorConfig, preprocess_image
-from nanomm.loader import load_model
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.model.loader import load_model
 from nanomm.reference import ContiguousKVCache, generate
-from nanomm.rope import inverse_frequencies, mrope_cos_sin, mrope_positions, text_positions
+from nanomm.model.rope import inverse_frequencies, mrope_cos_sin, mrope_positions, text_positions
 from nanomm.sampling import SamplingParams
-from nanomm.tokenizer import Tokenizer
+from nanomm.inputs.tokenizer import Tokenizer
 from tests.helpers import random_image
 
 CONFIGS = {

@@ -6,9 +6,9 @@ import json
 import pytest
 from PIL import Image
 
-from nanomm.checkpoint import make_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.errors import InvalidInputError
-from nanomm.tokenizer import CHAT_TEMPLATE, IMAGE_PLACEHOLDER, Tokenizer
+from nanomm.inputs.tokenizer import CHAT_TEMPLATE, IMAGE_PLACEHOLDER, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, Qwen2VLProcessor  # noqa: E402

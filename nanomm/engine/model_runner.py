@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.attention import PagedAttention, SequenceSlice, StepMetadata
-from nanomm.encoder_cache import EncoderCache
-from nanomm.model import Qwen2VL
-from nanomm.scheduler import ScheduledChunk
+from nanomm.engine.attention import PagedAttention, SequenceSlice, StepMetadata
+from nanomm.engine.encoder_cache import EncoderCache
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.engine.scheduler import ScheduledChunk
 
 
 @dataclass
@@ -47,13 +47,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward the packed chunks; float32 logits (rows, vocab), in chunk order: 1 + len(draft_tokens) rows
+        """Forward the packed chunks; float32 logits (rows, vocab), in chunk order: 1 + len(spec_token_ids) rows
         for each chunk that samples."""
         self._encode_images(chunks)
         step = self._pack(chunks)
         hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
                             step.visual_tokens, step.image_mask)  # (tokens, hidden)
         return self.model.compute_logits(hidden[step.sample_rows])  # (sample rows, vocab)
+
+    def stats(self) -> dict:
+        return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
+                "visual_tokens_per_s": self.visual_tokens_encoded / self.encode_s if self.encode_s else 0.0}
 
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
@@ -69,8 +73,8 @@ class ModelRunner:
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
             offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
-            if chunk.samples:  # the last known token predicts the next one, and each proposal the one after it
-                sample_rows += range(offset - 1 - len(chunk.draft_tokens), offset)
+            if chunk.samples_next_token:  # the last known token predicts the next one, and each proposal the one after it
+                sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
         new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
@@ -87,17 +91,18 @@ class ModelRunner:
         else encoded, all such images of the step in one batched vision forward (each distinct image once).
         The request holds the cache entry until its prefill has passed the image."""
         needed = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
-                  if span.start < chunk.end and span.end > chunk.start and i not in chunk.request.held_images]
-        to_encode = {}  # cache key -> ProcessedImage, in order
+                  if span.overlaps(chunk.start, chunk.end) and i not in chunk.request.held_images]
+        to_encode, hits = {}, set()  # cache key -> ProcessedImage, in order; (sequence, image) served by the cache
         for request, i in needed:
             key = request.image_keys[i]
             if key in to_encode:  # another request of this step shows the same picture: one encode serves both
                 self.encoder_cache.count_shared_hit()
-                request.metrics.encoder_cache_hits += 1
+                hits.add((id(request), i))
             elif self.encoder_cache.lookup(key) is not None:
-                request.metrics.encoder_cache_hits += 1
+                hits.add((id(request), i))
             else:
                 to_encode[key] = request.prompt.images[i]
+        share = {}  # cache key -> the encode time it is charged
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
@@ -109,11 +114,11 @@ class ModelRunner:
             self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
             self.encode_s += elapsed
             share = {key: elapsed * im.pixel_values.shape[0] / pixels.shape[0] for key, im in to_encode.items()}
-            for request, i in needed:  # each request is charged for the images encoded for it
-                request.metrics.encode_s += share.pop(request.image_keys[i], 0.0)
-        for request, i in needed:
-            self.encoder_cache.hold(request.image_keys[i])
-            request.held_images[i] = request.image_keys[i]
+        for request, i in needed:  # each request is charged for the images encoded for it
+            key = request.image_keys[i]
+            request.record_image_ready((id(request), i) in hits, share.pop(key, 0.0))
+            self.encoder_cache.hold(key)
+            request.held_images[i] = key
 
     def _visual_slices(self, chunk: ScheduledChunk) -> list[torch.Tensor]:
         """The rows of each overlapping image's visual tokens that fall inside this chunk, in order."""
@@ -122,7 +127,7 @@ class ModelRunner:
             lo, hi = max(span.start, chunk.start), min(span.end, chunk.end)
             if lo < hi:
                 key = request.held_images[i]
-                out.append(self.encoder_cache.entries[key].embeds[lo - span.start:hi - span.start])
+                out.append(self.encoder_cache.embeds(key)[lo - span.start:hi - span.start])
                 if hi == span.end:  # the prefill has passed this image: the request no longer needs it
                     del request.held_images[i]
                     self.encoder_cache.release(key)

@@ -35,7 +35,6 @@ import hashlib
 import io
 import json
 import math
-import operator
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.errors import CheckpointError, InvalidInputError, check_int
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -70,7 +69,8 @@ class ImageProcessorConfig:
 
     def __post_init__(self):
         for key in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "max_image_pixels"):
-            object.__setattr__(self, key, _positive_int(getattr(self, key), key, "image processor config"))
+            object.__setattr__(self, key, check_int(getattr(self, key), f"image processor config: {key}",
+                                                     error=InvalidInputError))
         if self.min_pixels > self.max_pixels:
             raise InvalidInputError(f"image processor config: min_pixels ({self.min_pixels}) is larger than "
                                     f"max_pixels ({self.max_pixels})")
@@ -278,16 +278,6 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
-def _positive_int(value, key: str, name: str) -> int:
-    try:
-        as_int = operator.index(value)  # ints, numpy's too; never floats or strings
-    except TypeError:
-        as_int = 0
-    if isinstance(value, bool) or as_int <= 0:
-        raise InvalidInputError(f"{name}: {key} must be a positive integer, got {value!r}")
-    return as_int
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Preprocessing
 
@@ -365,8 +355,8 @@ def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, ma
 
 
 def _pixel_cap(config: ImageProcessorConfig, min_pixels, max_pixels, name: str) -> tuple[int, int]:
-    lo = _positive_int(config.min_pixels if min_pixels is None else min_pixels, "min_pixels", name)
-    hi = _positive_int(config.max_pixels if max_pixels is None else max_pixels, "max_pixels", name)
+    lo = check_int(config.min_pixels if min_pixels is None else min_pixels, f"{name}: min_pixels", error=InvalidInputError)
+    hi = check_int(config.max_pixels if max_pixels is None else max_pixels, f"{name}: max_pixels", error=InvalidInputError)
     if lo > hi:
         raise InvalidInputError(f"{name}: min_pixels ({lo}) is larger than max_pixels ({hi})")
     return lo, hi

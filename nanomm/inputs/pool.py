@@ -7,7 +7,7 @@ every new request would stall the engine loop (and every running decode) for tha
 only validates what needs no pixels and hands the rest to a worker; `step()` keeps running the requests
 already admitted and picks up each prompt once its pixels are ready. Threads are enough: Pillow releases
 the GIL while it decodes and resizes. The workers do no torch work: the float patches are built later, on the
-engine's thread (see `nanomm.image.ProcessedImage` for why).
+engine's thread (see `nanomm.inputs.image.ProcessedImage` for why).
 
 A prompt whose image fails in a worker comes back as the exception, and the engine turns it into an error
 result for that request alone; nothing else is disturbed and nothing was allocated for it.

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanomm.config import ModelConfig
+from nanomm.model.config import ModelConfig
 from nanomm.errors import CheckpointError
-from nanomm.model import Qwen2VL
+from nanomm.model.qwen2_vl import Qwen2VL
 
 HUB_FILES = ["*.json", "*.safetensors", "merges.txt", "vocab.json", "tokenizer*"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,7 +101,7 @@ def load_model(path_or_id, device="cpu", dtype="float32", revision: str | None =
     config = ModelConfig.from_pretrained(folder)
     dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
-        model = Qwen2VL(config)
+        model = Qwen2VL(config, name_or_path=str(path_or_id))
     state = read_state_dict(folder, device, dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever the file says
@@ -116,5 +116,4 @@ def load_model(path_or_id, device="cpu", dtype="float32", revision: str | None =
             raise CheckpointError(f"{folder}: {key} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    model.name_or_path = str(path_or_id)
     return model.eval().requires_grad_(False)

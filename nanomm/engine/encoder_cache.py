@@ -8,7 +8,7 @@ the preprocessing and the model. So the cache maps
 
     key = sha256(image content hash, model identity)
 
-to the projected visual tokens (tokens, hidden). The image content hash (`nanomm.image.ProcessedImage`)
+to the projected visual tokens (tokens, hidden). The image content hash (`nanomm.inputs.image.ProcessedImage`)
 already covers the decoded pixels and every preprocessing parameter that changes them (resized size,
 min/max pixel cap, mean/std, patch and merge sizes), so the same picture given as a path, as bytes or as a
 PIL image hits, and the same picture under another `max_pixels` misses.
@@ -74,10 +74,13 @@ class EncoderCache:
             self.entries[key] = CacheEntry(embeds)
             self.num_tokens += embeds.shape[0]
 
-    def hold(self, key: str) -> torch.Tensor:
-        entry = self.entries[key]
-        entry.holders += 1
-        return entry.embeds
+    def hold(self, key: str) -> None:
+        """A running request will need this entry's tokens: it is not evicted until released."""
+        self.entries[key].holders += 1
+
+    def embeds(self, key: str) -> torch.Tensor:
+        """The tokens of an entry the caller holds (no hit counted: the lookup that found it counted one)."""
+        return self.entries[key].embeds
 
     def release(self, key: str) -> None:
         """No eviction here: the scheduler may have counted on this entry for this step. The engine trims once
@@ -88,9 +91,6 @@ class EncoderCache:
 
     def trim(self) -> None:
         """Evict least recently used entries nobody holds until the cache is within its budget."""
-        self._evict_to_capacity()
-
-    def _evict_to_capacity(self) -> None:
         for key in list(self.entries):
             if self.num_tokens <= self.capacity_tokens:
                 return
@@ -99,6 +99,17 @@ class EncoderCache:
                 del self.entries[key]
                 self.num_tokens -= entry.num_tokens
                 self.evictions += 1
+
+    def stats(self) -> dict:
+        lookups = self.hits + self.misses
+        return {
+            "encoder_cache_hits": self.hits,
+            "encoder_cache_misses": self.misses,
+            "encoder_cache_hit_rate": self.hits / lookups if lookups else 0.0,
+            "encoder_cache_evictions": self.evictions,
+            "encoder_cache_tokens": self.num_tokens,
+            "encoder_cache_bytes": self.num_bytes,
+        }
 
     def check_no_holds(self) -> None:
         held = [k[:12] for k, e in self.entries.items() if e.holders]

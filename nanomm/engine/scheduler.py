@@ -17,81 +17,18 @@ recomputed later (its finished blocks often come straight back from the prefix c
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
-import torch
-
-from nanomm.encoder_cache import EncoderCache
-from nanomm.inputs import PreparedPrompt
-from nanomm.kv_cache import BlockManager
-from nanomm.outputs import RequestMetrics
-from nanomm.sampling import SamplingParams
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: PreparedPrompt
-    params: SamplingParams
-    generator: torch.Generator | None
-    stop_token_ids: frozenset
-    metrics: RequestMetrics
-    token_ids: list[int] = field(default_factory=list)  # prompt + output, grows as tokens are sampled
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    # Hashes of its full blocks, each computed once; only blocks whose KV is computed get registered for reuse.
-    block_hashes: list[bytes] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    image_keys: list[str] = field(default_factory=list)  # encoder-cache key of each image
-    held_images: dict[int, str] = field(default_factory=dict)  # image index -> cache key held until prefill passes it
-    num_preemptions: int = 0
-    # Speculative decoding (speculative.py): this step's proposed next tokens and, from a sampling draft model,
-    # the distributions they were drawn from (len(draft_tokens), vocab).
-    draft_tokens: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
-
-    def __post_init__(self):
-        self.token_ids = list(self.prompt.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_remaining(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """(3, end - start) M-RoPE ids: the precomputed prompt ones, then index + rope delta on all axes."""
-        prompt_end = min(end, self.num_prompt_tokens)
-        parts = [self.prompt.positions[:, start:prompt_end]] if start < prompt_end else []
-        if end > self.num_prompt_tokens:
-            generated = torch.arange(max(start, self.num_prompt_tokens), end) + self.prompt.rope_delta
-            parts.append(generated.expand(3, -1))
-        return torch.cat(parts, dim=1)
+from nanomm.engine.encoder_cache import EncoderCache
+from nanomm.engine.kv_cache import BlockManager
+from nanomm.engine.request import Request, Sequence, Status
 
 
 @dataclass
 class ScheduledChunk:
-    request: Request
+    request: Sequence  # a Request, or a draft model's shadow of one (draft.py)
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_tokens: int  # positions computed this step, proposals included
-    draft_tokens: list[int] = field(default_factory=list)  # proposals to verify, at the positions after the known tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify, at the positions after the known tokens
 
     @property
     def end(self) -> int:
@@ -100,18 +37,18 @@ class ScheduledChunk:
     @property
     def token_ids(self) -> list[int]:
         """The tokens at positions start..end-1: known ones, then the proposals."""
-        return self.request.token_ids[self.start:self.end - len(self.draft_tokens)] + self.draft_tokens
+        return self.request.token_ids[self.start:self.end - len(self.spec_token_ids)] + self.spec_token_ids
 
     @property
-    def samples(self) -> bool:
+    def samples_next_token(self) -> bool:
         """A chunk that reaches the last known token yields logits for the next one (and one more per proposal)."""
-        return self.end - len(self.draft_tokens) == self.request.num_tokens
+        return self.end - len(self.spec_token_ids) == self.request.num_tokens
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, encoder_cache: EncoderCache, max_num_seqs: int,
                  max_num_batched_tokens: int, max_num_encoder_tokens: int):
-        self.blocks, self.encoder_cache = block_manager, encoder_cache
+        self.block_manager, self.encoder_cache = block_manager, encoder_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_encoder_tokens = max_num_encoder_tokens  # visual tokens the vision tower may encode per step
@@ -139,9 +76,9 @@ class Scheduler:
                 continue
             n = self._fit_encoder_budget(request, request.num_computed_tokens, min(request.num_remaining, budget))
             if n and self._grow(request, n, chunks):
-                drafts = self._room_for_proposals(request, n, budget) if request.num_remaining == 1 else []
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(drafts), drafts))
-                budget -= n + len(drafts)
+                proposals = self._room_for_proposals(request, n, budget) if request.num_remaining == 1 else []
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(proposals), proposals))
+                budget -= n + len(proposals)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
@@ -154,7 +91,7 @@ class Scheduler:
     def _grow(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         """Make room in request's block table for n more positions, preempting newer requests if needed."""
         while True:
-            if self.blocks.grow_to(request.block_table, request.num_computed_tokens + n):
+            if self.block_manager.grow_to(request.block_table, request.num_computed_tokens + n):
                 return True
             # Only requests admitted after this one, not yet given work this step: the newest goes first.
             scheduled = {id(c.request) for c in chunks}
@@ -167,31 +104,31 @@ class Scheduler:
     def _room_for_proposals(self, request: Request, n: int, budget: int) -> list[int]:
         """A decode verifies its speculative proposals in the same pass, one more position each: as many as the
         token budget and the free blocks allow. Proposals are optional, so nobody is preempted for them."""
-        drafts = request.draft_tokens[:budget - n]
-        while drafts and not self.blocks.grow_to(request.block_table, request.num_computed_tokens + n + len(drafts)):
-            drafts = drafts[:-1]
-        return drafts
+        proposals = request.spec_token_ids[:budget - n]
+        end = request.num_computed_tokens + n
+        while proposals and not self.block_manager.grow_to(request.block_table, end + len(proposals)):
+            proposals = proposals[:-1]
+        return proposals
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        bs = self.blocks.block_size
+        bs = self.block_manager.block_size
         # The last prompt token is always computed (its logits pick the first output), so at most
         # (num_tokens - 1) // block_size full blocks can come from the cache.
-        request.block_hashes = self.blocks.block_hashes(request.token_ids, request.prompt.image_spans,
+        request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         (request.num_tokens - 1) // bs, request.block_hashes)
-        cached = self.blocks.find_cached_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
+        cached = self.block_manager.find_cached_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
         num_cached = len(cached) * bs
         n = self._fit_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))
-        new_blocks = self.blocks.blocks_needed(num_cached + n) - len(cached)
-        if n == 0 or not self.blocks.can_allocate(new_blocks, cached):
+        new_blocks = self.block_manager.blocks_needed(num_cached + n) - len(cached)
+        if n == 0 or not self.block_manager.can_allocate(new_blocks, cached):
             return None
-        self.blocks.take_cached(cached)
-        request.block_table = cached + self.blocks.allocate(new_blocks)
+        self.block_manager.take_cached(cached)
+        request.block_table = cached + self.block_manager.allocate(new_blocks)
         request.num_computed_tokens = num_cached
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.perf_counter()
             request.metrics.num_cached_tokens = num_cached
-            self.blocks.queried_tokens += request.num_tokens
-            self.blocks.hit_tokens += num_cached
+            self.block_manager.count_prefix_lookup(request.num_tokens, num_cached)
         request.status = Status.RUNNING
         self.running.append(request)
         return ScheduledChunk(request, num_cached, n)
@@ -205,7 +142,7 @@ class Scheduler:
         own, or it could never run.
         """
         for i, span in enumerate(request.prompt.image_spans):
-            if span.end <= start or span.start >= start + n:
+            if not span.overlaps(start, start + n):
                 continue
             key = request.image_keys[i]
             if i in request.held_images or key in self.encoder_cache or key in self._images_this_step:
@@ -227,7 +164,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks; it goes back to the head of the queue and is recomputed later."""
         self.running.remove(request)
-        self.blocks.free(request.block_table)
+        self.block_manager.free(request.block_table)
         self.release_images(request)
         request.block_table, request.num_computed_tokens = [], 0
         request.status = Status.WAITING
@@ -241,16 +178,19 @@ class Scheduler:
         Then name the blocks that are now full, so only committed tokens are ever found by the prefix cache."""
         request = chunk.request
         request.num_computed_tokens = min(chunk.end - num_rejected, request.num_tokens)
-        self.blocks.shrink_to(request.block_table, request.num_computed_tokens)
-        bs = self.blocks.block_size
-        request.block_hashes = self.blocks.block_hashes(request.token_ids, request.prompt.image_spans,
+        self.block_manager.shrink_to(request.block_table, request.num_computed_tokens)
+        bs = self.block_manager.block_size
+        request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         request.num_computed_tokens // bs, request.block_hashes)
-        self.blocks.register(request.block_table, request.block_hashes, request.num_computed_tokens)
+        self.block_manager.register(request.block_table, request.block_hashes, request.num_computed_tokens)
+
+    def stats(self) -> dict:
+        return {"preemptions": self.num_preemptions, "running": len(self.running), "waiting": len(self.waiting)}
 
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            self.blocks.free(request.block_table)
+            self.block_manager.free(request.block_table)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.block_table = []

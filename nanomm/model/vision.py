@@ -2,7 +2,7 @@
 
 Lesson: lessons/02-vision-encoder.md.
 
-Input is what `nanomm.image` produces: the patches of one or more images concatenated into one
+Input is what `nanomm.inputs.image` produces: the patches of one or more images concatenated into one
 (num_patches, 3*2*14*14) tensor, plus each image's grid (t, h, w) in 14-px patch units. Output is one
 tensor per image of (t*h*w/4, hidden_size) visual tokens, ready to replace that image's <|image_pad|> tokens.
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanomm.config import VisionConfig
-from nanomm.rope import apply_rotary, vision_cos_sin
+from nanomm.model.config import VisionConfig
+from nanomm.model.rope import apply_rotary, vision_cos_sin
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # the original CLIP activation, not exact GELU

@@ -29,23 +29,10 @@ class Block:
     block_hash: bytes | None = None  # set once the block is full and its KV computed
 
 
-@dataclass(frozen=True)
-class ImageSpan:
-    """Where one image's tokens sit in a prompt, and what the image is (for hashing and encoding)."""
-    start: int
-    length: int
-    content_hash: str
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
 def hash_block(parent: bytes | None, token_ids, block_start: int, image_spans) -> bytes:
     """sha256 over (parent hash, token ids, [(image hash, span start - block start)] for overlapping images)."""
     block_end = block_start + len(token_ids)
-    extra = [(s.content_hash, s.start - block_start) for s in image_spans
-             if s.start < block_end and s.end > block_start]
+    extra = [(s.content_hash, s.start - block_start) for s in image_spans if s.overlaps(block_start, block_end)]
     h = hashlib.sha256(parent or b"")
     h.update(repr((tuple(token_ids), extra)).encode())
     return h.digest()  # full 32 bytes: a cache key is never truncated
@@ -101,6 +88,11 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, token_ids[start:start + self.block_size], start, image_spans))
         return hashes
+
+    def count_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Record one request's first lookup (a preempted request's second lookup is not counted again)."""
+        self.queried_tokens += num_queried_tokens
+        self.hit_tokens += num_hit_tokens
 
     def find_cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """Block ids of the longest run of leading blocks already in the pool."""
@@ -174,6 +166,16 @@ class BlockManager:
                 self.free_blocks[block_id] = None
                 if block.block_hash is None:  # nothing in it anyone can find: hand it out before evicting one
                     self.free_blocks.move_to_end(block_id, last=False)
+
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_blocks - self.num_free_blocks,
+            "kv_blocks_cached": len(self.cached),
+            "prefix_cache_queried_tokens": self.queried_tokens,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+        }
 
     def check_no_leaks(self) -> None:
         """Every block is free again (for tests and for the end of LLM.generate)."""

@@ -22,17 +22,13 @@ are right emits up to k + 1 tokens for the price of one. The pieces:
 """
 
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from nanomm.encoder_cache import EncoderCache, encoder_cache_key
-from nanomm.kv_cache import BlockManager, allocate_kv_cache
-from nanomm.model import Qwen2VL
-from nanomm.model_runner import ModelRunner
-from nanomm.outputs import RequestMetrics
+from nanomm.engine.request import Request
+from nanomm.errors import check_int
 from nanomm.sampling import probabilities
-from nanomm.scheduler import Request, ScheduledChunk
 
 METHODS = ("ngram", "draft")
 
@@ -64,21 +60,16 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ValueError("speculative: num_speculative_tokens is required (how many tokens to propose per step)")
         config = cls(**raw)
-        _check_positive("num_speculative_tokens", config.num_speculative_tokens)
+        check_int(config.num_speculative_tokens, "speculative: num_speculative_tokens")
         if method == "ngram":
-            _check_positive("prompt_lookup_min", config.prompt_lookup_min)
-            _check_positive("prompt_lookup_max", config.prompt_lookup_max)
+            check_int(config.prompt_lookup_min, "speculative: prompt_lookup_min")
+            check_int(config.prompt_lookup_max, "speculative: prompt_lookup_max")
             if config.prompt_lookup_min > config.prompt_lookup_max:
                 raise ValueError(f"speculative: prompt_lookup_min={config.prompt_lookup_min} is larger than "
                                  f"prompt_lookup_max={config.prompt_lookup_max}")
         elif not isinstance(config.model, str) or not config.model:
             raise ValueError("speculative method 'draft' needs 'model': a checkpoint folder or hub id")
         return config
-
-
-def _check_positive(key: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"speculative: {key} must be a positive int, got {value!r}")
 
 
 @dataclass
@@ -136,131 +127,6 @@ class NgramProposer:
         pass
 
 
-class DraftProposer:
-    """A small model guesses k tokens autoregressively, one batched forward per token across requests.
-
-    It has its own paged KV cache, block manager and encoder cache, and reuses the engine's ModelRunner: each
-    request has a *draft sequence*, a `Request` of the draft's own (same prompt, own block table and computed
-    count). Keeping it in step with the target is bookkeeping on that sequence:
-
-    - catch-up: the first time, the draft prefills the whole prompt; later, whatever the target committed
-      since (the accepted proposals and the target's own token) is fed in one chunk;
-    - rollback: proposals the target rejected are dropped from the sequence, its computed count falls back
-      to the longest prefix it shares with the request, and blocks past that return to the draft's pool.
-
-    A draft with a vision tower sees the same images (encoded by its own tower: its visual tokens differ from
-    the target's). A text-only draft (a Qwen2 checkpoint) sees the image span as its <|image_pad|> tokens,
-    with plain 1-D positions, which is what a text model was trained on; see the lesson for why.
-    """
-
-    def __init__(self, model: Qwen2VL, num_kv_blocks: int, block_size: int, target_vocab_size: int,
-                 encoder_cache_size: int):
-        self.model, self.target_vocab_size = model, target_vocab_size
-        text = model.config.text
-        self.vocab_size = text.vocab_size
-        self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=False)
-        kv_cache = allocate_kv_cache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
-                                     text.head_dim, model.dtype, model.device)
-        self.runner = ModelRunner(model, kv_cache, block_size, EncoderCache(encoder_cache_size))
-        self.identity = f"draft:{getattr(model, 'name_or_path', 'model')}:{model.dtype}"
-        self.sequences: dict[str, Request] = {}  # request id -> the draft's sequence for it
-
-    @property
-    def sees_images(self) -> bool:
-        return self.model.visual is not None
-
-    def propose(self, requests: list[Request], budgets: list[int]) -> list[Proposal]:
-        """requests: every decoding request of this step. Sequences of any other request (finished, preempted,
-        back in prefill) are dropped first; they catch up from scratch if they decode again."""
-        for request_id in self.sequences.keys() - {r.request_id for r in requests}:
-            self._drop(request_id)
-        active = [(r, k) for r, k in zip(requests, budgets) if k and self._sync(r, k)]
-        tokens = {r.request_id: [] for r, _ in active}
-        probs = {r.request_id: [] for r, _ in active}
-        # Round 0 feeds each sequence its catch-up tokens; round i > 0 feeds the proposal of round i - 1.
-        for round_ in range(max((k for _, k in active), default=0)):
-            batch = [(r, self.sequences[r.request_id]) for r, k in active if k > round_]
-            logits = self.runner.run([ScheduledChunk(seq, seq.num_computed_tokens, seq.num_tokens -
-                                                     seq.num_computed_tokens) for _, seq in batch])
-            logits = self._to_target_vocab(logits)  # (len(batch), target vocab)
-            for (request, seq), row in zip(batch, logits):
-                seq.num_computed_tokens = seq.num_tokens
-                token, q = self._draw(request, row)
-                seq.token_ids.append(token)
-                tokens[request.request_id].append(token)
-                probs[request.request_id].append(q)
-        self.runner.encoder_cache.trim()
-        return [Proposal(tokens[r.request_id], None if r.params.greedy else torch.stack(probs[r.request_id]))
-                if r.request_id in tokens else Proposal([]) for r in requests]
-
-    def _sync(self, request: Request, k: int) -> bool:
-        """Bring the draft sequence in line with the request's committed tokens and make room for k proposals
-        (the last one is never fed, so k - 1 new slots past them). False when the draft's pool is full."""
-        seq = self.sequences.get(request.request_id)
-        if seq is None:
-            prompt = request.prompt if self.sees_images else _without_images(request.prompt)
-            seq = Request(request.request_id, prompt, request.params, None, frozenset(), RequestMetrics(0.0),
-                          image_keys=[encoder_cache_key(im.content_hash, self.identity) for im in prompt.images])
-            self.sequences[request.request_id] = seq
-        shared = _common_prefix_length(seq.token_ids, request.token_ids)
-        # Keep the KV of the shared prefix, but always feed at least the last token: its logits propose.
-        seq.num_computed_tokens = min(seq.num_computed_tokens, shared, request.num_tokens - 1)
-        seq.token_ids = list(request.token_ids)
-        if max(seq.token_ids[seq.num_computed_tokens:]) >= self.vocab_size:
-            self._drop(request.request_id)  # an id the draft's smaller vocabulary lacks: it cannot read this text
-            return False
-        self.blocks.shrink_to(seq.block_table, seq.num_computed_tokens)  # rollback: forget rejected proposals
-        if not self.blocks.grow_to(seq.block_table, request.num_tokens + k - 1):
-            self._drop(request.request_id)  # no room: no proposals this step; it catches up from scratch later
-            return False
-        return True
-
-    def _draw(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft's token for one row: its argmax for a greedy request; a sample from its own filtered
-        distribution q (kept for the acceptance rule) for a sampled one, with the request's generator."""
-        if request.params.greedy:
-            return int(logits.argmax()), None
-        q = probabilities(logits, request.params)
-        return int(torch.multinomial(q, 1, generator=request.generator)), q
-
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Checkpoints pad their vocab differently (151936 vs 152064): cut or pad the draft's logits to the
-        target's width; padded ids can never be proposed."""
-        width = self.target_vocab_size
-        if logits.shape[-1] >= width:
-            return logits[..., :width]
-        return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
-
-    def release(self, request: Request) -> None:
-        """The request finished: its draft sequence and blocks go."""
-        self._drop(request.request_id)
-
-    def _drop(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.blocks.free(seq.block_table)
-            for key in seq.held_images.values():
-                self.runner.encoder_cache.release(key)
-            seq.held_images.clear()
-
-    def check_no_leaks(self) -> None:
-        self.blocks.check_no_leaks()
-
-
-def _without_images(prompt):
-    """The prompt as a text-only draft sees it: the <|image_pad|> tokens stay, with 1-D positions 0..n-1."""
-    n = len(prompt.token_ids)
-    return replace(prompt, images=[], image_spans=[], positions=torch.arange(n).expand(3, n), rope_delta=0)
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 # -- verification ---------------------------------------------------------------------------------------------
 
 def accept_greedy(proposed: list[int], target_argmax: list[int]) -> list[int]:
@@ -311,8 +177,29 @@ def accept_sampled(proposed: list[int], target_probs: torch.Tensor, draft_probs:
     return emitted
 
 
-def make_proposer(config: SpeculativeConfig, draft_model: Qwen2VL | None, num_kv_blocks: int, block_size: int,
-                  target_vocab_size: int, encoder_cache_size: int):
-    if config.method == "ngram":
-        return NgramProposer(config)
-    return DraftProposer(draft_model, num_kv_blocks, block_size, target_vocab_size, encoder_cache_size)
+@dataclass
+class Emitted:
+    """What one sampling chunk adds to its request this step."""
+    token_ids: list[int]  # the accepted proposals, then the target's own token
+    num_accepted: int  # how many of token_ids were proposals
+
+
+def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
+    """The tokens each sampling chunk emits, in order. logits (rows, vocab): 1 + len(spec_token_ids) rows per
+    chunk, the row after each known token and after each proposal. Without proposals this is plain sampling;
+    with them, the acceptance rules above. Greedy rows share one argmax; sampled ones use their own request's
+    generator."""
+    argmax = logits.argmax(dim=-1).tolist()
+    emitted, row = [], 0
+    for chunk in chunks:
+        request, proposed = chunk.request, chunk.spec_token_ids
+        rows = 1 + len(proposed)
+        if request.params.greedy:
+            tokens = accept_greedy(proposed, argmax[row:row + rows])
+        else:
+            p = probabilities(logits[row:row + rows], request.params)  # (rows, vocab)
+            q = None if request.spec_token_probs is None else request.spec_token_probs[:rows - 1]
+            tokens = accept_sampled(proposed, p, q, request.generator)
+        emitted.append(Emitted(tokens, len(tokens) - 1))  # every token but the last was a proposal
+        row += rows
+    return emitted

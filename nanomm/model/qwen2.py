@@ -4,7 +4,7 @@ Lesson: lessons/03-mrope.md.
 
 Tokens are flat: a forward pass takes (num_tokens, hidden) with no batch dimension, the layout a serving
 engine packs many sequences into. Who sees whom is not decided here: each attention layer hands its rotated
-q, k, v to an *attention backend* (`kv.attend(layer, q, k, v)`), which stores k/v in its cache and returns the
+q, k, v to an *attention backend* (`attention.attend(layer, q, k, v)`), which stores k/v in its cache and returns the
 attention output. The dense reference (`reference.py`) plugs in a contiguous single-sequence cache.
 """
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanomm.config import TextConfig
-from nanomm.rope import apply_rotary
+from nanomm.model.config import TextConfig
+from nanomm.model.rope import apply_rotary
 
 
 class AttentionBackend(Protocol):
@@ -44,12 +44,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, kv: AttentionBackend, layer: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, attention: AttentionBackend, layer: int) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        out = kv.attend(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        out = attention.attend(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.o_proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, heads*head_dim)
 
 
@@ -72,8 +72,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv: AttentionBackend, layer: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
+    def forward(self, x, cos, sin, attention: AttentionBackend, layer: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,8 +86,8 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, kv: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend) -> torch.Tensor:
         """x: input embeddings (tokens, hidden); cos/sin: M-RoPE angles (tokens, head_dim)."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, i)
+            x = layer(x, cos, sin, attention, i)
         return self.norm(x)

@@ -34,9 +34,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanomm.config import ModelConfig
-from nanomm.loader import canonical_name, resolve_checkpoint, safetensors_files
-from nanomm.tokenizer import CHAT_TEMPLATE
+from nanomm.model.config import ModelConfig
+from nanomm.model.loader import canonical_name, resolve_checkpoint, safetensors_files
+from nanomm.inputs.tokenizer import CHAT_TEMPLATE
 
 # Qwen2-VL's special tokens, in vocabulary order (ids 151643..151656 in the real tokenizer).
 SPECIAL_TOKENS = (

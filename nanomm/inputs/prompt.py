@@ -13,15 +13,30 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.config import ModelConfig
-from nanomm.errors import InvalidInputError
-from nanomm.image import ImageProcessorConfig, ProcessedImage, preprocess_image
-from nanomm.kv_cache import ImageSpan
-from nanomm.rope import mrope_positions
-from nanomm.tokenizer import Tokenizer
+from nanomm.model.config import ModelConfig
+from nanomm.errors import InvalidInputError, check_int
+from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
+from nanomm.model.rope import mrope_positions
+from nanomm.inputs.tokenizer import Tokenizer
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's tokens sit in a prompt, and what the image is (for hashing and encoding)."""
+    start: int
+    length: int
+    content_hash: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of this image's tokens lie in positions [start, end)."""
+        return self.start < end and self.end > start
 
 
 @dataclass
@@ -53,15 +68,12 @@ class ValidatedPrompt:
 class InputProcessor:
     """Two phases, so the slow one can run in a worker pool: `validate` (cheap, on the caller's thread)
     checks everything that needs no pixels; `preprocess` decodes and resizes the images and expands the
-    prompt. `process` runs both."""
+    prompt."""
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
                  max_model_len: int, limit_images_per_prompt: int = 16):
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
-
-    def process(self, prompt, name: str = "prompt") -> PreparedPrompt:
-        return self.preprocess(self.validate(prompt, name))
 
     def validate(self, prompt, name: str = "prompt") -> ValidatedPrompt:
         if isinstance(prompt, str):
@@ -135,8 +147,7 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: 'mm_processor_kwargs' may hold only {sorted(PIXEL_KEYS)}, "
                                     f"got {kwargs!r:.80}")
         for key, value in kwargs.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidInputError(f"{name}: mm_processor_kwargs {key} must be a positive int, got {value!r}")
+            check_int(value, f"{name}: mm_processor_kwargs {key}", error=InvalidInputError)
         # The engine's max_pixels bounds every image's visual tokens (KV memory, encoder budget): a request may
         # lower it, not raise it.
         cap = self.image_config.max_pixels

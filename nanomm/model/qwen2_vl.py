@@ -12,16 +12,17 @@ The same class holds a text-only Qwen2 checkpoint (a draft model for speculative
 import torch
 from torch import nn
 
-from nanomm.config import ModelConfig
-from nanomm.qwen2 import AttentionBackend, Qwen2Model
-from nanomm.rope import mrope_cos_sin
-from nanomm.vision import VisionTransformer
+from nanomm.model.config import ModelConfig
+from nanomm.model.qwen2 import AttentionBackend, Qwen2Model
+from nanomm.model.rope import mrope_cos_sin
+from nanomm.model.vision import VisionTransformer
 
 
 class Qwen2VL(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, name_or_path: str = "qwen2-vl"):
         super().__init__()
         self.config = config
+        self.name_or_path = name_or_path  # the folder or hub id it was loaded from: names it in cache keys and errors
         self.visual = VisionTransformer(config.vision) if config.has_vision else None
         self.language_model = Qwen2Model(config.text)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
@@ -42,8 +43,7 @@ class Qwen2VL(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor, image_grids) -> list[torch.Tensor]:
         """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
         if self.visual is None:
-            name = getattr(self, "name_or_path", "this model")
-            raise ValueError(f"{name} is a text-only Qwen2 model (no vision tower): it cannot encode images")
+            raise ValueError(f"{self.name_or_path} is a text-only Qwen2 model (no vision tower): it cannot encode images")
         return self.visual(pixel_values, [tuple(g) for g in image_grids])
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
@@ -60,13 +60,13 @@ class Qwen2VL(nn.Module):
             raise ValueError(f"{image_embeds.shape[0]} visual tokens need a mask with as many True rows")
         return x.masked_scatter(image_mask[:, None], image_embeds.to(x.dtype))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: AttentionBackend,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (tokens,), positions (3, tokens) -> final hidden states (tokens, hidden)."""
         x = self.embed(input_ids, image_embeds, image_mask)
         t = self.config.text
         cos, sin = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, x.dtype)
-        return self.language_model(x, cos, sin, kv)
+        return self.language_model(x, cos, sin, attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows given (only the positions that sample: the head is the widest matmul)."""

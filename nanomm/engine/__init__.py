@@ -1,0 +1,6 @@
+"""The serving engine: requests, the scheduler, the paged KV cache, the encoder cache, one model step, speculation.
+
+Read in this order: `request.py` (a request's state), `kv_cache.py` and `attention.py` (lesson 04),
+`scheduler.py` (lesson 05), `encoder_cache.py` (lesson 07), `model_runner.py`, `speculative.py` and `draft.py`
+(lesson 08), then `engine.py`, which ties them into `add_request` / `step`.
+"""

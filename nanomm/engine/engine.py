@@ -1,0 +1,258 @@
+"""The serving engine: `add_request` / `step` / `abort_request`, over the pieces in this folder.
+
+Lesson: lessons/05-continuous-batching.md.
+
+One `step()` = pick up requests whose images are ready (intake.py) -> propose speculative tokens
+(speculative.py, draft.py) -> schedule (scheduler.py) -> run the model once over every scheduled chunk
+(model_runner.py) -> sample and verify (speculative.py) -> commit, stream, finish (output_processor.py).
+`nanomm.llm.LLM` is the offline API on top.
+"""
+
+import hashlib
+import itertools
+import time
+
+import torch
+
+from nanomm.engine.config import EngineConfig
+from nanomm.engine.draft import DraftProposer
+from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
+from nanomm.engine.intake import RequestIntake
+from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
+from nanomm.engine.model_runner import ModelRunner
+from nanomm.engine.output_processor import OutputProcessor
+from nanomm.engine.request import Request, Status
+from nanomm.engine.scheduler import ScheduledChunk, Scheduler
+from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
+from nanomm.errors import InvalidInputError
+from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.pool import PreprocessPool
+from nanomm.inputs.prompt import InputProcessor, PreparedPrompt
+from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.outputs import RequestMetrics, RequestOutput
+from nanomm.sampling import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
+                 config: EngineConfig, draft_model: Qwen2VL | None = None):
+        """config: with every None resolved (`LLM` does that): max_model_len, num_kv_blocks, max_num_encoder_tokens."""
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        text = model.config.text
+        self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
+                                        config.limit_images_per_prompt)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.encoder_cache = EncoderCache(config.encoder_cache_size)
+        # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
+        self.model_identity = f"{model.name_or_path}:{model.dtype}"
+        kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
+                                     text.num_key_value_heads, text.head_dim, model.dtype, model.device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache)
+        self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_num_encoder_tokens)
+        self.intake = RequestIntake(self.processor, PreprocessPool(config.num_preprocess_workers),
+                                    self.block_manager, config.max_model_len)
+        self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
+        self.proposer = _make_proposer(config, draft_model, text.vocab_size)
+        self.requests: dict[str, Request] = {}  # scheduled and not finished
+        self._ids = itertools.count()
+        self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
+
+    # -- requests in ---------------------------------------------------------------------------------------
+
+    def prepare(self, prompt, params: SamplingParams | None, name: str = "prompt") -> PreparedPrompt:
+        """Validate and preprocess one prompt; raises InvalidInputError and touches nothing in the engine."""
+        params = _check_params(params, name)
+        return self.intake.prepare(self.processor.validate(prompt, name), params)
+
+    def prepare_all(self, prompts: list, params: list[SamplingParams | None]) -> list[PreparedPrompt]:
+        """`prepare` for many prompts, images decoded in parallel on the pool; the first bad prompt raises."""
+        params = [_check_params(p, f"prompt {i}") for i, p in enumerate(params)]
+        validated = [self.processor.validate(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        return self.intake.prepare_all(validated, params)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prepared: PreparedPrompt | None = None) -> str:
+        """Queue a request. Problems with the prompt itself (its shape, placeholders, limits, sampling params)
+        raise InvalidInputError here. Its images load and decode on the worker pool: an image that cannot be
+        used (wrong type, missing file, bad data URL, corrupt, a bomb...) finishes this request alone with
+        finish_reason "error" and the reason in `outputs[0].error`."""
+        arrival = time.perf_counter()
+        request_id = self._new_request_id() if request_id is None else str(request_id)
+        name = f"request {request_id}"
+        if request_id in self.requests or request_id in self.intake.preprocessing:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        params = _check_params(params, name)
+        if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
+            self.intake.check_fits(prepared, params, name)
+        else:
+            validated = self.processor.validate(prompt, name)
+            if validated.raw_images and not self.intake.pool.inline:
+                self.intake.submit(request_id, validated, params, arrival)
+                return request_id
+            try:  # text alone is cheap: preprocess here, and raise here
+                prepared = self.intake.prepare(validated, params)
+            except InvalidInputError as exc:
+                if not validated.raw_images:
+                    raise
+                # No workers: decoded here, with the pool's contract (an error result for this request).
+                self.intake.fail(request_id, validated, str(exc), arrival)
+                return request_id
+        if prepared.arrival_time is None:
+            prepared.arrival_time = arrival
+        self._admit(request_id, prepared, params)
+        return request_id
+
+    def _new_request_id(self) -> str:
+        while True:  # skip ids a caller chose for their own requests
+            request_id = str(next(self._ids))
+            if request_id not in self.requests and request_id not in self.intake.preprocessing:
+                return request_id
+
+    def _admit(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
+        """A prepared request becomes the scheduler's."""
+        seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
+        generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        metrics = RequestMetrics(arrival_time=prepared.arrival_time,
+                                 preprocess_s=prepared.ready_time - prepared.arrival_time,
+                                 num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
+        request = Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
+                          params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics)
+        self.requests[request_id] = request
+        self.output_processor.add(request)
+        self.scheduler.add(request)
+
+    def encoder_cache_key_for(self, image) -> str:
+        """The encoder-cache key of a preprocessed image on this engine's model."""
+        return encoder_cache_key(image.content_hash, self.model_identity)
+
+    def forget_outputs(self, request_ids) -> None:
+        """Drop pending outputs of these requests (LLM.generate cleaning up after an error: nobody reads them)."""
+        self.intake.forget_outputs(request_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        request_id = str(request_id)
+        if self.intake.cancel(request_id):
+            return
+        request = self.requests.get(request_id)
+        if request is None or request.status is Status.FINISHED:
+            return
+        self._finish(request, "abort")
+        self.intake.early_outputs.append(self._output(request, []))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or self.intake.has_pending()
+
+    # -- one step --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        # With nothing to run, wait a little for a worker instead of spinning (not counted as step time).
+        self.intake.collect(wait_s=0.0 if self.scheduler.has_work() else 0.05, admit=self._admit)
+        start = time.perf_counter()
+        outputs = self.intake.take_early_outputs()
+        if self.proposer is not None:
+            self._propose()
+        chunks = self.scheduler.schedule()
+        if chunks:
+            logits = self.runner.run(chunks)  # (rows that sample, vocab)
+            sampling = [c for c in chunks if c.samples_next_token]
+            emitted = dict(zip(map(id, sampling), sample_and_verify(sampling, logits)))
+            for chunk in chunks:
+                output = self._commit(chunk, emitted.get(id(chunk), Emitted([], 0)))
+                if output is not None:
+                    outputs.append(output)
+            self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
+        self.num_steps += 1
+        self.step_s += time.perf_counter() - start
+        return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every decoding request, verified by this step's forward pass."""
+        running = self.scheduler.running
+        for request in running:
+            request.spec_token_ids, request.spec_token_probs = [], None
+        decoding = [r for r in running if r.num_remaining == 1 and r.output_token_ids]  # not the prefill's last chunk
+        k = self.config.speculative.num_speculative_tokens
+        budgets = [proposal_budget(r, k, self.config.max_model_len) for r in decoding]
+        for request, proposal in zip(decoding, self.proposer.propose(decoding, budgets)):
+            request.spec_token_ids, request.spec_token_probs = proposal.tokens, proposal.probs
+
+    def _commit(self, chunk: ScheduledChunk, emitted: Emitted) -> RequestOutput | None:
+        """Append what the chunk emitted (up to a finish), commit its positions, and stream the new tokens."""
+        request = chunk.request
+        tokens, reason = self.output_processor.cut_at_finish(request, emitted.token_ids)
+        if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
+            self.output_processor.count_decode_step(request.metrics, len(chunk.spec_token_ids),
+                                                    min(emitted.num_accepted, len(tokens)), len(tokens))
+        request.token_ids += tokens
+        self.scheduler.commit(chunk, num_rejected=len(chunk.spec_token_ids) - emitted.num_accepted)
+        if not tokens:
+            return None
+        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
+        if reason:
+            self._finish(request, reason)
+        return self._output(request, tokens)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        if self.proposer is not None:
+            self.proposer.release(request)
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        output = self.output_processor.make_output(request, new_tokens)
+        if output.finished:  # the engine forgets finished requests; the caller holds the output
+            del self.requests[request.request_id]
+        return output
+
+    # -- counters and shutdown ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Engine counters: each component reports its own."""
+        t = self.model.config.text
+        generated = self.output_processor.counters["generated_tokens"]
+        return {
+            **self.block_manager.stats(),
+            "kv_bytes_per_token": kv_bytes_per_token(t.num_hidden_layers, t.num_key_value_heads, t.head_dim,
+                                                     self.model.dtype),
+            **self.scheduler.stats(),
+            "steps": self.num_steps,
+            "computed_tokens": self.num_computed_tokens,
+            "tokens_per_s": generated / self.step_s if self.step_s else 0.0,
+            **self.output_processor.stats(),
+            **self.encoder_cache.stats(),
+            **self.intake.stats(),
+            **self.runner.stats(),
+        }
+
+    def close(self) -> None:
+        """Stop the preprocessing workers (LLM.close)."""
+        self.intake.close()
+
+
+def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target_vocab_size: int):
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target_vocab_size,
+                         config.encoder_cache_size)
+
+
+def _check_params(params, name: str) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
+    try:
+        return params.validate()
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{name}: {exc}") from None
+
+
+def _derived_seed(engine_seed: int, request_id: str) -> int:
+    """A reproducible per-request seed for requests that set none (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(f"{engine_seed}:{request_id}".encode()).digest()[:8], "little") >> 1

@@ -1,0 +1,6 @@
+"""Stage 1 of the request path: what a caller sends -> what the engine runs.
+
+`prompt.py` validates a prompt and expands its image placeholders, `tokenizer.py` holds the tokenizer and chat
+template, `image_io.py` loads untrusted images safely, `image.py` resizes and patchifies them (lesson 01) and
+`pool.py` does the image work on worker threads (lesson 07). Nothing here runs the model.
+"""

@@ -1,0 +1,154 @@
+"""The offline API, vLLM's shape: `LLM(model, **engine_args)`, then `generate(prompts, params)` or `chat(messages)`.
+
+Lesson: lessons/09-capstone.md (the whole request path through this API).
+
+`LLM` loads the model and its tokenizer, sizes the KV pool from a memory budget, builds the engine
+(engine/engine.py) and drives it: validate everything first, then add all requests and step until they are done.
+"""
+
+import contextlib
+from dataclasses import replace
+
+import torch
+
+from nanomm.engine.config import EngineConfig
+from nanomm.engine.engine import LLMEngine
+from nanomm.engine.kv_cache import kv_bytes_per_token
+from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
+from nanomm.model.loader import load_model, resolve_checkpoint
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.outputs import RequestOutput
+from nanomm.sampling import SamplingParams
+
+CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
+
+
+class LLM:
+    """`LLM(path_or_hub_id, **engine_args)`: the engine arguments are the fields of `EngineConfig`."""
+
+    def __init__(self, model: str, **engine_args):
+        config = EngineConfig.from_kwargs(engine_args)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = config.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+        folder = resolve_checkpoint(model, config.revision)
+        self.model = load_model(folder, device=device, dtype=dtype)
+        if not self.model.config.has_vision:
+            raise CheckpointError(f"{model} is a text-only Qwen2 model; nanomm serves Qwen2-VL (a Qwen2 checkpoint "
+                                  "can be the draft model of speculative decoding)")
+        self.draft_model = None
+        if config.speculative is not None and config.speculative.method == "draft":
+            self.draft_model = load_model(resolve_checkpoint(config.speculative.model), device=device, dtype=dtype)
+        if config.cpu_fast_linear:
+            for m in (self.model, self.draft_model):
+                if m is not None and packed_linear_available(m.device, m.dtype):
+                    pack_linear_layers(m)  # CPU float32 only: oneDNN's blocked weights (model/fast_linear.py)
+        self.tokenizer = Tokenizer.from_pretrained(
+            folder, image_token_id=self.model.config.image_token_id,
+            vision_start_token_id=self.model.config.vision_start_token_id,
+            vision_end_token_id=self.model.config.vision_end_token_id)
+        image_config = ImageProcessorConfig.from_pretrained(folder)
+        pixel_cap = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k) is not None}
+        image_config = replace(image_config, **pixel_cap)
+        self.engine = LLMEngine(self.model, self.tokenizer, image_config, self._resolve(config), self.draft_model)
+
+    def _resolve(self, config: EngineConfig) -> EngineConfig:
+        """Fill in what depends on the loaded model: context length, encoder budget, KV pool size."""
+        max_model_len = config.max_model_len or self.model.config.text.max_position_embeddings
+        num_kv_blocks = config.num_kv_blocks
+        if num_kv_blocks is None:
+            per_block = config.block_size * sum(  # a draft model's KV lives in the same budget
+                kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
+                                   m.config.text.head_dim, m.dtype) for m in (self.model, self.draft_model) if m)
+            useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+            num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, config.gpu_memory_utilization,
+                                                  config.kv_cache_memory_gib, useful)
+        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                       max_num_encoder_tokens=config.max_num_encoder_tokens or config.max_num_batched_tokens)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (vLLM's shape); use_tqdm shows a progress bar (rich)."""
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        params_list = [p or SamplingParams() for p in params_list]
+        # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
+        prepared = self.engine.prepare_all(prompts, params_list)
+        ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
+        try:
+            for p, sp, pp in zip(prompts, params_list, prepared):
+                ids.append(self.engine.add_request(p, sp, prepared=pp))
+            with _progress(use_tqdm, len(ids)) as advance:
+                while len(finished) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            advance()
+        except BaseException:  # Ctrl-C or a bug: leave nothing of this call behind in the engine
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self.engine.forget_outputs(ids)
+            raise
+        return [finished[i] for i in ids]
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations; generates the assistant turn."""
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text, images = self.tokenizer.apply_chat_template(conversation)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"conversation {i}: {exc}") from None
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self.generate(prompts, params)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the preprocessing worker threads. Also done by `with LLM(...) as llm:` on the way out."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int):
+    """A rich progress bar over finished requests, or nothing."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("generate", total=total)
+        yield lambda: bar.advance(task)
+
+
+def _kv_blocks_for_memory(model: Qwen2VL, bytes_per_block: int, gpu_memory_utilization: float,
+                          kv_cache_memory_gib: float | None, useful_blocks: int) -> int:
+    """Size the KV pool from a memory budget, capped at what max_num_seqs full-length sequences could use."""
+    device = model.device
+    if kv_cache_memory_gib is not None:
+        budget = kv_cache_memory_gib * 2**30
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Leave (1 - utilization) of the card, plus headroom for activations, to everything else.
+        budget = total * gpu_memory_utilization - used - 2**30
+    else:
+        budget = CPU_KV_CACHE_GIB * 2**30
+    blocks = min(int(budget // bytes_per_block), useful_blocks)
+    if blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower the model size or raise gpu_memory_utilization")
+    return blocks
