@@ -85,7 +85,7 @@ class Chat:
         self.pending_images: list[str] = []
 
     def attach(self, path: str) -> None:
-        from nanomm.inputs.image import load_image
+        from nanomm.inputs.image_io import load_image
 
         load_image(path, name=path)  # fail now, with a clear sentence, not after the user typed a question
         self.pending_images.append(path)

@@ -41,7 +41,8 @@ from rich.console import Console
 from rich.table import Table
 
 from nanomm import LLM, SamplingParams
-from nanomm.tools.random_checkpoint import PRESETS, make_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.tools.weights import PRESETS
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 from nanomm.model.fast_linear import PackedLinear, packed_linear_available
 from nanomm.model.qwen2_vl import Qwen2VL

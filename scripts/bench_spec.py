@@ -38,7 +38,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.tools.random_checkpoint import make_draft_checkpoint  # noqa: E402
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
 
 SEED_TEXT = "Describe the old river boat that sails slowly under the bright city bridge every morning."
 FRESH_TEXT = "Write a short story about a small dog who looks at the dark window of a large house."

@@ -10,7 +10,8 @@ Draft models for speculative decoding, made of a target's first decoder layers (
     python scripts/make_checkpoint.py --draft-from checkpoints/small --draft-layers 2 --out checkpoints/small-draft
     python scripts/make_checkpoint.py --draft-from checkpoints/small --draft-layers 2 --text-only --out ...
 
-The work is done by nanomm.tools.random_checkpoint.make_checkpoint and make_draft_checkpoint; this is their command line.
+The work is done by nanomm.tools.random_checkpoint.make_checkpoint and
+nanomm.tools.draft_checkpoint.make_draft_checkpoint; this is their command line.
 """
 
 import argparse
@@ -24,7 +25,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanomm.tools.random_checkpoint import PRESETS, checkpoint_size, make_checkpoint, make_draft_checkpoint
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.tools.weights import PRESETS, checkpoint_size
 from nanomm.model.config import ModelConfig
 
 

@@ -1,6 +1,10 @@
 """The LLM API (vLLM's offline shape) and its front door: every bad input is an InvalidInputError, before compute."""
 
+import re
+import threading
+
 import pytest
+import torch
 
 from helpers import chat_prompt, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, RequestOutput, SamplingParams
@@ -141,3 +145,57 @@ def test_progress_bar_does_not_change_outputs(llm, capsys):
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
     assert "3/3" in capsys.readouterr().out
     assert_engine_idle(llm)
+
+
+def test_unknown_engine_arguments_are_named(tmp_path):
+    with pytest.raises(TypeError, match=r"\['max_num_sequences', 'no_such_option'\]"):
+        LLM("unused", max_num_sequences=8, no_such_option=True)  # before any loading: the folder does not exist
+
+
+@pytest.mark.parametrize("name,value", [
+    ("num_preprocess_workers", -1), ("max_num_seqs", 0), ("block_size", 2.5), ("max_num_batched_tokens", True),
+    ("encoder_cache_size", "big"), ("max_num_encoder_tokens", 0), ("limit_images_per_prompt", -3),
+    ("max_model_len", 0), ("num_kv_blocks", -2), ("gpu_memory_utilization", 1.5), ("kv_cache_memory_gib", 0),
+    ("enable_prefix_caching", "yes"), ("cpu_fast_linear", 1), ("max_pixels", 0), ("seed", 1.0),
+])
+def test_bad_engine_arguments_name_the_value_given(name, value):
+    with pytest.raises(ValueError, match=rf"{name}.*got {re.escape(repr(value))}$"):
+        LLM("unused", **{name: value})
+
+
+def test_engine_arguments_fill_the_config_by_name(llm):
+    config = llm.engine.config
+    assert (config.max_pixels, config.max_model_len, config.num_kv_blocks, config.block_size) == (28 * 28 * 16, 512, 64, 4)
+    assert config.max_num_encoder_tokens == config.max_num_batched_tokens == 2048  # resolved from the token budget
+    assert config.device == "cpu" and config.dtype == "float32"
+
+
+def preprocess_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("nanomm-preprocess")]
+
+
+def test_close_and_context_manager_stop_the_worker_pool(tmp_path):
+    folder = make_checkpoint(tmp_path / "tiny", preset="tiny")
+    before = set(preprocess_threads())
+    with LLM(str(folder), device="cpu", max_model_len=256, num_kv_blocks=32, num_preprocess_workers=2) as llm:
+        llm.generate([chat_prompt("a", [random_image(40, 40, i)]) for i in range(3)], GREEDY)  # workers start
+        assert set(preprocess_threads()) - before
+    assert not set(preprocess_threads()) - before  # every worker of this LLM has exited
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(chat_prompt("a", [random_image(40, 40, 9)]), GREEDY)
+    llm.close()  # a second close is harmless
+
+
+def test_cpu_fast_linear_switch(llm, tmp_path):
+    """The fast path is on by default for CPU float32 and off with cpu_fast_linear=False: then every layer is the
+    plain nn.Linear the lessons read. Both give the dense reference's tokens."""
+    from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+    plain = LLM(str(make_checkpoint(tmp_path / "tiny", preset="tiny")), device="cpu", max_pixels=28 * 28 * 16,
+                max_model_len=512, num_kv_blocks=64, block_size=4, cpu_fast_linear=False)
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    if packed_linear_available(llm.model.device, llm.model.dtype):
+        assert not any(isinstance(m, torch.nn.Linear) for m in llm.model.modules())
+    prompts = [chat_prompt("what is it?", [random_image(56, 84, 3)]), chat_prompt("hello there")]
+    for engine in (llm, plain):
+        for prompt, out in zip(prompts, engine.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == reference_tokens(engine, prompt, GREEDY)

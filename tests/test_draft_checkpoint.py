@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
-from nanomm.tools.random_checkpoint import checkpoint_size, make_checkpoint, make_draft_checkpoint
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.tools.weights import checkpoint_size
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.model.loader import load_model
 from nanomm.reference import generate

@@ -1,4 +1,5 @@
-"""nanomm.inputs.image against transformers' Qwen2VLImageProcessorPil (the oracle), and every kind of bad input."""
+"""nanomm.inputs.image against transformers' Qwen2VLImageProcessorPil (the oracle), and every kind of bad input
+(nanomm.inputs.image_io)."""
 
 import base64
 import contextlib
@@ -18,11 +19,11 @@ from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import (
     ImageProcessorConfig,
     ProcessedImage,
-    load_image,
     preprocess_image,
     smart_resize,
     to_rgb,
 )
+from nanomm.inputs.image_io import load_image
 
 HUB_MAX = 16384 * 28 * 28  # what the real Qwen2-VL preprocessor_config.json says
 HF_CLASS_MAX = 28 * 28 * 1280  # HF's class default

@@ -2,10 +2,10 @@
 problem, and odd but legitimate image formats are served token for token like the dense reference.
 
 Every file is built here, in code, in a temporary folder: nothing is downloaded and nothing is committed.
-tests/test_image.py covers the same inputs one level down (nanomm.inputs.image); this file checks the whole path:
-LLM.generate (validate everything before any compute), LLMEngine.add_request / step (the worker pool turns an
-image that fails to decode into an "error" result for that request alone), and that no KV block, encoder-cache
-hold or request is left behind either way.
+tests/test_image.py covers the same inputs one level down (nanomm.inputs.image_io and nanomm.inputs.image); this
+file checks the whole path: LLM.generate (validate everything before any compute), LLMEngine.add_request / step
+(the worker pool turns an image that fails to decode into an "error" result for that request alone), and that no
+KV block, encoder-cache hold or request is left behind either way.
 """
 
 import base64
@@ -488,8 +488,8 @@ def test_huge_jpeg_is_downscaled_to_the_cap(llm, good):
 
 
 def test_exif_orientation_is_not_applied(llm, good):
-    """image.py's documented choice (like HF's processor given Image.open): the stored pixels are used as they are,
-    so the EXIF-rotated JPEG is served exactly like the same JPEG without the tag."""
+    """image_io.py's documented choice (like HF's processor given Image.open): the stored pixels are used as they
+    are, so the EXIF-rotated JPEG is served exactly like the same JPEG without the tag."""
     rotated, plain = assert_served(llm, [with_images("which way up?", [as_form(good, "exif_rot6.jpg", "path")]),
                                          with_images("which way up?", [as_form(good, "no_exif.jpg", "bytes")])])
     assert rotated.prompt_token_ids == plain.prompt_token_ids

@@ -11,7 +11,8 @@ import torch
 from helpers import assert_engine_matches_reference, chat_prompt, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import speculative
-from nanomm.tools.random_checkpoint import make_checkpoint, make_draft_checkpoint
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
+from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.errors import CheckpointError
 from nanomm.reference import generate as reference_generate
 from nanomm.sampling import probabilities

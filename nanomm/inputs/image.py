@@ -1,9 +1,11 @@
-"""Images in, Qwen2-VL pixel patches out: load, validate, RGB, smart_resize under the pixel cap, normalise, patchify.
+"""Decoded images in, Qwen2-VL pixel patches out: RGB, smart_resize under the pixel cap, normalise, patchify.
 
-This is the first stage of the request path. `preprocess_image` turns whatever the caller sent (a PIL image, a file
-path, raw bytes or a `data:image/...;base64,...` URL) into the `pixel_values` rows the vision encoder eats, the
-`grid_thw` that says how many 14-px patches the image became, and a `content_hash` the encoder cache and the prefix
-cache key on. lessons/01-preprocessing.md walks through it with numbers.
+This is the first stage of the request path. `preprocess_image` takes whatever the caller sent (a PIL image, a file
+path, raw bytes or a `data:image/...;base64,...` URL), has `nanomm/inputs/image_io.py` load and validate it
+(formats, decompression bombs, animated images, EXIF: the untrusted-input decisions are documented there), and
+turns it into the `pixel_values` rows the vision encoder eats, the `grid_thw` that says how many 14-px patches the
+image became, and a `content_hash` the encoder cache and the prefix cache key on. lessons/01-preprocessing.md walks
+through it with numbers.
 
 Every step reproduces transformers' `Qwen2VLImageProcessorPil` bit for bit (tests/test_image.py checks it):
   1. RGB: alpha (an A band, or `transparency` info) is composited on white; every other mode uses PIL's convert.
@@ -14,28 +16,14 @@ Every step reproduces transformers' `Qwen2VLImageProcessorPil` bit for bit (test
   4. Rescale by 1/255 in float64, cast to float32, then (x - mean) / std in float32.
   5. Patchify into rows of C*T*P*P = 3*2*14*14 = 1176 values; a still image is its own frame twice (T=2).
 
-Decisions a reader should know:
-  - Bad input raises `InvalidInputError` naming the input (`name`), before any big allocation. The source image's
-    width*height is checked from the header, before decoding, against `max_image_pixels` (default: Pillow's own
-    default limit, 89,478,485 pixels). Pillow's global `Image.MAX_IMAGE_PIXELS` is never changed; it still
-    applies on top, so the effective limit is the smaller of the two.
-  - Files and bytes may be PNG, JPEG (and MPO, phone JPEGs), GIF, WEBP, BMP, TIFF or AVIF. Other formats that
-    Pillow could open (EPS runs Ghostscript, for one) are refused: decoding untrusted data should use few decoders.
-  - Animated images (GIF, APNG, WEBP): the first frame is used. A PIL image is used as given (its current frame).
-  - EXIF orientation is not applied, like HF's processor given `Image.open(path)`. (HF's own `load_image` for
-    path strings applies it, and also drops alpha instead of compositing on white; we follow the PIL route.)
+A huge min_pixels that would upscale a small image past `max_image_pixels` raises `InvalidInputError` too.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
 import hashlib
-import io
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -44,12 +32,12 @@ import torch
 from PIL import Image
 
 from nanomm.errors import CheckpointError, InvalidInputError, check_int
+from nanomm.inputs import image_io
+from nanomm.inputs.image_io import MAX_ASPECT_RATIO, PILLOW_MAX_IMAGE_PIXELS
+from nanomm.model.config import read_checkpoint_json
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses anything longer and thinner
-PILLOW_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS (1024**3 // 4 // 3)
-SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
 HASH_VERSION = "nanomm-image-v1"  # bump when the preprocessing changes, so old cache keys stop matching
 
 
@@ -119,19 +107,11 @@ class ImageProcessorConfig:
         """folder/preprocessor_config.json, else the "image_processor" part of a transformers-5 processor_config.json,
         else the defaults."""
         folder = Path(folder)
-        for filename, part in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-            path = folder / filename
-            if not path.is_file():
-                continue
-            try:
-                d = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: cannot read it as JSON: {e}") from e
-            d = d.get(part) if part and isinstance(d, dict) else d
-            if isinstance(d, dict):
-                return cls.from_dict(d)
-            if part is None:
-                raise CheckpointError(f"{path}: expected a JSON object")
+        if (folder / "preprocessor_config.json").is_file():
+            return cls.from_dict(read_checkpoint_json(folder / "preprocessor_config.json"))
+        processor = read_checkpoint_json(folder / "processor_config.json", required=False).get("image_processor")
+        if isinstance(processor, dict):
+            return cls.from_dict(processor)
         return cls()
 
 
@@ -158,128 +138,6 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading and validation
-
-
-def load_image(image, name: str = "image", *, max_image_pixels: int = PILLOW_MAX_IMAGE_PIXELS) -> Image.Image:
-    """A PIL image, a path (str / PathLike), bytes or a data URL -> a fully decoded PIL image in its original mode.
-
-    Size and aspect ratio are checked from the header before any pixel is decoded. Raises InvalidInputError,
-    mentioning `name`, for anything that is not a usable image.
-    """
-    if isinstance(image, Image.Image):
-        _check_size(image.size, name, max_image_pixels)
-        with _decoding(name):
-            image.load()  # a lazily opened PIL image is decoded here; an in-memory one is a no-op
-        return image
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return _decode(bytes(image), name, max_image_pixels)
-    if isinstance(image, str) and image.startswith("data:"):
-        return _decode(_data_url_payload(image, name), name, max_image_pixels)
-    if isinstance(image, str) and image.startswith(("http://", "https://")):
-        raise InvalidInputError(f"{name}: URLs are not fetched ({_short(image)}); download the image and pass "
-                                "its path or bytes")
-    if isinstance(image, (str, os.PathLike)):
-        return _decode(_read_file(image, name), name, max_image_pixels)
-    raise InvalidInputError(f"{name}: an image must be a PIL image, a file path, bytes or a data:image/...;base64 URL, "
-                            f"got {type(image).__module__}.{type(image).__qualname__}")
-
-
-def _decode(data: bytes, name: str, max_image_pixels: int) -> Image.Image:
-    if not data:
-        raise InvalidInputError(f"{name}: the image data is empty (0 bytes)")
-    with _decoding(name):
-        # Image.open is lazy: it parses the header, so the size is known before the pixels are allocated.
-        im = Image.open(io.BytesIO(data), formats=_open_formats())
-        _check_size(im.size, name, max_image_pixels)
-        im.load()  # the first frame, for animated images
-    return im
-
-
-def _open_formats() -> list[str]:
-    Image.init()  # registers every plugin, so asking for a format that this Pillow build lacks cannot KeyError
-    return [f for f in SUPPORTED_FORMATS if f in Image.OPEN]
-
-
-@contextlib.contextmanager
-def _decoding(name: str):
-    """Turn everything Pillow can raise on bad data into InvalidInputError.
-
-    No warning filters are touched (warnings.catch_warnings is process-wide and not thread-safe, and images
-    decode on a worker pool): the decompression-bomb guard is our own header check, `_check_size`, which runs
-    before any pixel is decoded. Pillow's own DecompressionBombError (over twice its limit) is still caught.
-    """
-    try:
-        yield
-    except InvalidInputError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise InvalidInputError(f"{name}: the image is over Pillow's decompression-bomb pixel limit ({e})") from e
-    except Image.UnidentifiedImageError as e:
-        raise InvalidInputError(f"{name}: not an image in a supported format "
-                                f"({', '.join(SUPPORTED_FORMATS)})") from e
-    except Exception as e:  # corrupt data surfaces as OSError, SyntaxError, ValueError, struct.error, ...
-        raise InvalidInputError(f"{name}: the image is truncated or corrupt and cannot be decoded "
-                                f"({type(e).__name__}: {e})") from e
-
-
-def _check_size(size: tuple[int, int], name: str, max_image_pixels: int) -> None:
-    width, height = size
-    if width <= 0 or height <= 0:
-        raise InvalidInputError(f"{name}: the image has zero size ({width}x{height})")
-    if width * height > max_image_pixels:
-        raise InvalidInputError(f"{name}: the image is {width}x{height} = {width * height:,} pixels, over the pixel "
-                                f"limit of {max_image_pixels:,} (max_image_pixels, a decompression-bomb guard)")
-    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-        raise InvalidInputError(f"{name}: the image is {width}x{height}, an aspect ratio over {MAX_ASPECT_RATIO}:1, "
-                                "which Qwen2-VL preprocessing cannot handle")
-
-
-def _read_file(path, name: str) -> bytes:
-    """Read the whole file: decoding from memory leaves no file handle open, even for animated images."""
-    p = Path(path)
-    try:
-        is_dir, exists, is_file = p.is_dir(), p.exists(), p.is_file()
-    except (OSError, ValueError) as e:  # a name too long for the filesystem, an embedded NUL, ...
-        hint = " (base64 image data needs a 'data:image/<type>;base64,' prefix)" if len(str(path)) > 255 else ""
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else _short(str(e))  # never the whole path
-        raise InvalidInputError(f"{name}: {_short(str(path))} is not a usable file path{hint}: {reason}") from None
-    if is_dir:
-        raise InvalidInputError(f"{name}: {_short(str(path))} is a directory, not an image file")
-    if not exists:
-        raise InvalidInputError(f"{name}: no such file {_short(str(path))}")
-    if not is_file:  # FIFOs and devices (/dev/zero) could block or never end
-        raise InvalidInputError(f"{name}: {_short(str(path))} is not a regular file")
-    try:
-        return p.read_bytes()
-    except OSError as e:  # permissions, I/O errors
-        raise InvalidInputError(f"{name}: cannot read file {_short(str(path))}: {e}") from e
-
-
-def _data_url_payload(url: str, name: str) -> bytes:
-    """'data:image/png;base64,iVBOR...' -> the decoded bytes. The media type is not trusted: the bytes decide."""
-    header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64"):
-        raise InvalidInputError(f"{name}: malformed data URL {_short(url)}; expected data:image/<type>;base64,<data>")
-    if not header.startswith("data:image/"):
-        raise InvalidInputError(f"{name}: the data URL is not an image ({_short(header)}); "
-                                "expected data:image/<type>;base64,<data>")
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InvalidInputError(f"{name}: the data URL's base64 payload is invalid ({e})") from e
-
-
-def _short(text: str, limit: int = 80) -> str:
-    """repr() of a caller's string, cut short: a bad 10 MB data URL must not end up in an error message."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Preprocessing
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -336,7 +194,7 @@ def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, ma
                      name: str = "image") -> ProcessedImage:
     """Load, validate, resize and hash one image; min_pixels/max_pixels override the config's cap for this call."""
     min_pixels, max_pixels = _pixel_cap(config, min_pixels, max_pixels, name)
-    img = load_image(image, name, max_image_pixels=config.max_image_pixels)
+    img = image_io.load_image(image, name, max_image_pixels=config.max_image_pixels)
     try:
         rgb = to_rgb(img)
     except Exception as e:  # e.g. premultiplied "La", which PIL cannot convert

@@ -23,6 +23,7 @@ class PreprocessPool:
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="nanomm-preprocess") \
             if num_workers > 0 else None
         self._pending: dict[str, Future] = {}  # request id -> its preprocessing, in submission order
+        self.closed = False
 
     @property
     def inline(self) -> bool:
@@ -33,6 +34,7 @@ class PreprocessPool:
         return len(self._pending)
 
     def submit(self, request_id: str, job: Callable[[], object]) -> None:
+        self._check_open()
         self._pending[request_id] = self._executor.submit(job)
 
     def cancel(self, request_id: str) -> bool:
@@ -50,14 +52,21 @@ class PreprocessPool:
 
     def map(self, jobs: list[Callable[[], object]]) -> list[object]:
         """Run jobs in parallel and wait for all: each result, or the exception it raised."""
+        self._check_open()
         if self.inline:
             return [_call(job) for job in jobs]
         futures = [self._executor.submit(job) for job in jobs]
         return [_outcome(f) for f in futures]
 
     def shutdown(self) -> None:
+        """Cancel queued jobs, wait for the running ones (one image decode at most each), stop the threads."""
+        self.closed = True
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close()): create a new LLM to generate again")
 
 
 def _outcome(future: Future) -> object:

@@ -15,13 +15,13 @@ This module does three things:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.model.config import read_checkpoint_json
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -81,8 +81,8 @@ class Tokenizer:
                 raise CheckpointError(f"{path} has no {token} token; pass its id explicitly")
             return found
 
-        config = _read_json(folder / "config.json")
-        generation = _read_json(folder / "generation_config.json")
+        config = read_checkpoint_json(folder / "config.json", required=False)
+        generation = read_checkpoint_json(folder / "generation_config.json", required=False)
         eos = generation.get("eos_token_id", config.get("eos_token_id",
                                                        config.get("text_config", {}).get("eos_token_id")))
         if eos is None:
@@ -160,10 +160,6 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id) or ""
         self.text += piece
         return piece
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _message_role(message, i: int) -> str:

