@@ -379,6 +379,8 @@ def parse_args(argv=None):
     e.add_argument("--hf-max-seconds", type=float, help="skip a transformers batch size projected to take longer")
     e.add_argument("--no-hf", action="store_true", help="measure nanomm only")
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    e.add_argument("--no-cpu-fast-linear", dest="cpu_fast_linear", action="store_false",
+                   help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
     r = p.add_argument_group("roofline")
     r.add_argument("--bw-mib", type=int, default=512, help="tensor size for the bandwidth test")
@@ -444,7 +446,7 @@ def main(argv=None) -> dict:
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
     llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=max(args.max_pixels, args.prefill_max_pixels),
-              **engine_kwargs)
+              cpu_fast_linear=args.cpu_fast_linear, **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
     llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools

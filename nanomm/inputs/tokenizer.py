@@ -28,7 +28,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ROLES = ("system", "user", "assistant")
 
 # The Qwen2-VL-*-Instruct chat template, verbatim. It is written into tokenizer_config.json by
-# nanomm.tools.random_checkpoint so that transformers (the test oracle) renders the same prompts we do.
+# nanomm.tools.tokenizers so that transformers (the test oracle) renders the same prompts we do.
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"

@@ -9,13 +9,16 @@ decode step reads from `text_param_shapes`).
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
+import json
 import math
+import struct
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from nanomm.tools.hf_files import _write_json
 
@@ -196,17 +199,42 @@ def rename(name: str, layout: str) -> str:
 def write_safetensors(out: Path, weights: dict[str, torch.Tensor], num_shards: int = 1) -> None:
     """One model.safetensors, or num_shards files plus the model.safetensors.index.json that lists them."""
     if num_shards == 1:
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(weights, out / "model.safetensors")
         return
     if not 1 <= num_shards <= len(weights):
         raise ValueError(f"num_shards must be between 1 and {len(weights)}, got {num_shards}")
     weight_map = {}
     for i, names in enumerate(_split_into_shards(weights, num_shards)):
         filename = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({n: weights[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+        save_safetensors({n: weights[n] for n in names}, out / filename)
         weight_map.update({n: filename for n in names})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write the safetensors format directly: an 8-byte little-endian header length, a JSON header (each tensor's
+    dtype, shape and byte range), then the raw little-endian bytes. The safetensors package reads it back;
+    its own writer needs numpy, which is not one of nanomm's runtime dependencies (`nanomm-chat --demo`
+    writes a checkpoint on first use)."""
+    assert sys.byteorder == "little", "safetensors stores little-endian bytes"
+    tensors = {name: t.detach().cpu().contiguous() for name, t in sorted(tensors.items())}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # the bytes, no numpy
 
 
 def _split_into_shards(weights: dict[str, torch.Tensor], num_shards: int) -> list[list[str]]:
