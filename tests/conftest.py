@@ -3,9 +3,17 @@
 import pytest
 import torch
 
+from nanomm.tools.random_checkpoint import make_checkpoint
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     # Two cores on CI; keep torch from oversubscribing and keep results reproducible run to run.
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """The tiny random checkpoint most engine tests serve. Shared: copy it before changing any of its files."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")

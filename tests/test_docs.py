@@ -2,6 +2,7 @@
 nanomm file, function and class that a lesson or the README names exists."""
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -9,9 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "lessons").glob("*.md")) + [ROOT / "README.md"]
-MAP_ROW = re.compile(r"^\| `(nanomm/[a-z_/]+\.py)` \| ([\d,]+) \|", re.M)
+MAP_ROW = re.compile(r"^\| `(nanomm/[a-z0-9_/]+\.py)` \| ([\d,]+) \|", re.M)
 MAP_TOTAL = re.compile(r"^\| \*\*total\*\* \| \*\*([\d,]+)\*\* \|", re.M)
-CODE_PATH = re.compile(r"nanomm/[a-z_/]+\.py")
+CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 SYMBOL = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(\(\))?")
 FILE_SUFFIXES = (".json", ".py", ".md", ".txt", ".safetensors")
@@ -98,7 +99,7 @@ def named_symbols(text: str) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_code_exists(doc):
     text = doc.read_text(encoding="utf-8")
     for path in set(CODE_PATH.findall(text)):
@@ -107,8 +108,9 @@ def test_named_code_exists(doc):
     missing = []
     for number, symbol in named_symbols(text):
         owner, _, member = symbol.rpartition(".")
-        if symbol in OUTSIDE_NAMES or (owner and owner.split(".")[0] not in names | members.keys()):
-            continue  # another library's name (PIL's Image.MAX_IMAGE_PIXELS, torch's nn.Linear)
+        if symbol in OUTSIDE_NAMES or hasattr(builtins, symbol) or (
+                owner and owner.split(".")[0] not in names | members.keys()):
+            continue  # Python's or another library's name (TypeError, PIL's Image.MAX_IMAGE_PIXELS, nn.Linear)
         found = member in members[owner] if owner in members else member in names
         if not found:
             missing.append(f"{doc.name}:{number}: {symbol}")

@@ -15,11 +15,6 @@ from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
-
-
 def make_llm(ckpt, **kwargs):
     kwargs.setdefault("max_pixels", 28 * 28 * 16)
     return LLM(str(ckpt), device="cpu", dtype="float32", **kwargs)

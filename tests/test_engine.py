@@ -6,15 +6,9 @@ import pytest
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload, reference_tokens
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MAX_PIXELS = 28 * 28 * 16  # images of up to 16 visual tokens: keeps the tiny model's tests fast
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
 
 
 def make_llm(ckpt, **kwargs):

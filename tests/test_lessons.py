@@ -8,7 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))
 CODE_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-CODE_PATH = re.compile(r"nanomm/[a-z_/]+\.py")
+CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
 
 
 def python_blocks(lesson: Path) -> list[str]:

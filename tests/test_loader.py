@@ -13,11 +13,6 @@ from nanomm.errors import CheckpointError
 from nanomm.model.loader import canonical_name, load_model
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
-
-
 def copy_of(folder, tmp_path):
     return shutil.copytree(folder, tmp_path / "copy")
 
@@ -53,8 +48,8 @@ def test_both_name_layouts_load_the_same_weights(tmp_path, layout, tied):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", torch.bfloat16])
-def test_dtypes(tiny, dtype):
-    model = load_model(tiny, dtype=dtype)
+def test_dtypes(ckpt, dtype):
+    model = load_model(ckpt, dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)}
 
 
@@ -64,8 +59,8 @@ def test_bfloat16_file_loads_as_float32(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_loads_onto_cuda(tiny):
-    model = load_model(tiny, device="cuda", dtype="bfloat16")
+def test_loads_onto_cuda(ckpt):
+    model = load_model(ckpt, device="cuda", dtype="bfloat16")
     assert model.lm_head.weight.is_cuda
 
 
@@ -76,41 +71,41 @@ def edit_config(folder, **changes):
     path.write_text(json.dumps(config))
 
 
-def test_errors_name_the_problem(tiny, tmp_path):
+def test_errors_name_the_problem(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         load_model(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointError, match="is a file"):
-        load_model(tiny / "config.json")
+        load_model(ckpt / "config.json")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(CheckpointError, match="no config.json"):
         load_model(empty)
 
 
-def test_not_qwen2_vl(tiny, tmp_path):
-    folder = copy_of(tiny, tmp_path)
+def test_not_qwen2_vl(ckpt, tmp_path):
+    folder = copy_of(ckpt, tmp_path)
     edit_config(folder, model_type="qwen2_5_vl")
     with pytest.raises(CheckpointError, match="qwen2_5_vl"):
         load_model(folder)
 
 
-def test_pickled_weights_are_refused(tiny, tmp_path):
-    folder = copy_of(tiny, tmp_path)
+def test_pickled_weights_are_refused(ckpt, tmp_path):
+    folder = copy_of(ckpt, tmp_path)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="never unpickles"):
         load_model(folder)
 
 
-def test_weights_that_do_not_match_the_config(tiny, tmp_path):
-    folder = copy_of(tiny, tmp_path)
+def test_weights_that_do_not_match_the_config(ckpt, tmp_path):
+    folder = copy_of(ckpt, tmp_path)
     edit_config(folder, num_hidden_layers=3)
     with pytest.raises(CheckpointError, match="missing"):
         load_model(folder)
-    folder = copy_of(tiny, tmp_path / "b")
+    folder = copy_of(ckpt, tmp_path / "b")
     edit_config(folder, intermediate_size=96)
     with pytest.raises(CheckpointError, match="shape"):
         load_model(folder)
-    folder = copy_of(tiny, tmp_path / "c")
+    folder = copy_of(ckpt, tmp_path / "c")
     weights = load_file(folder / "model.safetensors")
     weights["mystery.weight"] = torch.zeros(2)
     save_file(weights, folder / "model.safetensors")

@@ -4,16 +4,10 @@ import pytest
 
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
-from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.engine.kv_cache import BlockManager, hash_block
 from nanomm.inputs.prompt import ImageSpan
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
 
 
 def make_llm(ckpt, **kwargs):

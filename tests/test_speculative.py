@@ -23,11 +23,6 @@ NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prom
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
-
-
-@pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     """A different random model with the same tokenizer: a deliberately bad draft."""
     return make_checkpoint(tmp_path_factory.mktemp("other"), preset="tiny", seed=7)

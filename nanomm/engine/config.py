@@ -43,7 +43,8 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}; the engine arguments are {sorted(known)}")
+            raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}; "
+                            f"the engine arguments are {sorted(known)}")
         return cls(**kwargs)
 
     def __post_init__(self):

@@ -22,8 +22,8 @@ class DraftProposer:
     """A small model guesses k tokens autoregressively, one batched forward per token across requests.
 
     It has its own paged KV cache, block manager and encoder cache, and reuses the engine's ModelRunner: each
-    request has a *draft sequence*, a `Request` of the draft's own (same prompt, own block table and computed
-    count). Keeping it in step with the target is bookkeeping on that sequence:
+    request has a *draft sequence*, a plain `Sequence` of the draft's own (request.py: same prompt, own block
+    table and computed count, no sampling state). Keeping it in step with the target is bookkeeping on that sequence:
 
     - catch-up: the first time, the draft prefills the whole prompt; later, whatever the target committed
       since (the accepted proposals and the target's own token) is fed in one chunk;

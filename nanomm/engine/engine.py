@@ -117,7 +117,8 @@ class LLMEngine:
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         metrics = RequestMetrics(arrival_time=prepared.arrival_time,
                                  preprocess_s=prepared.ready_time - prepared.arrival_time,
-                                 num_prompt_tokens=len(prepared.token_ids), num_visual_tokens=prepared.num_visual_tokens)
+                                 num_prompt_tokens=len(prepared.token_ids),
+                                 num_visual_tokens=prepared.num_visual_tokens)
         request = Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                           params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics)
         self.requests[request_id] = request

@@ -71,9 +71,9 @@ class ModelRunner:
             sequences.append(SequenceSlice(offset, chunk.num_tokens, context_offset, chunk.end))
             visual += self._visual_slices(chunk)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
-                            for i in range(max(span.start, chunk.start), min(span.end, chunk.end))]
+                            for i in span.clip(chunk.start, chunk.end)]
             offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
-            if chunk.samples_next_token:  # the last known token predicts the next one, and each proposal the one after it
+            if chunk.samples_next_token:  # the last known token predicts the next, each proposal the one after it
                 sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
         new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
@@ -124,11 +124,11 @@ class ModelRunner:
         """The rows of each overlapping image's visual tokens that fall inside this chunk, in order."""
         request, out = chunk.request, []
         for i, span in enumerate(request.prompt.image_spans):
-            lo, hi = max(span.start, chunk.start), min(span.end, chunk.end)
-            if lo < hi:
+            rows = span.clip(chunk.start, chunk.end)
+            if rows:
                 key = request.held_images[i]
-                out.append(self.encoder_cache.embeds(key)[lo - span.start:hi - span.start])
-                if hi == span.end:  # the prefill has passed this image: the request no longer needs it
+                out.append(self.encoder_cache.embeds(key)[rows.start - span.start:rows.stop - span.start])
+                if rows.stop == span.end:  # the prefill has passed this image: the request no longer needs it
                     del request.held_images[i]
                     self.encoder_cache.release(key)
         return out

@@ -28,7 +28,7 @@ class ScheduledChunk:
     request: Sequence  # a Request, or a draft model's shadow of one (draft.py)
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_tokens: int  # positions computed this step, proposals included
-    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify, at the positions after the known tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify, after the known tokens
 
     @property
     def end(self) -> int:

@@ -38,6 +38,8 @@ from nanomm.model.config import read_checkpoint_json
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_MIN_PIXELS = 56 * 56  # the Hub preprocessor_config.json values (3,136 and 12,845,056)
+DEFAULT_MAX_PIXELS = 16384 * 28 * 28  # (HF's class default is 1,003,520; the Hub file wins)
 HASH_VERSION = "nanomm-image-v1"  # bump when the preprocessing changes, so old cache keys stop matching
 
 
@@ -48,8 +50,8 @@ class ImageProcessorConfig:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 16384 * 28 * 28  # the Hub file's 12,845,056; HF's class default is 1,003,520
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
     image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
     rescale_factor: float = 1 / 255
@@ -115,8 +117,8 @@ class ImageProcessorConfig:
         return cls()
 
 
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 16384 * 28 * 28) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DEFAULT_MIN_PIXELS,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """HF's smart_resize, step for step: sides become multiples of `factor`, area lands in [min_pixels, max_pixels].
 
     Python's round() is banker's rounding (70/28 = 2.5 -> 2), and there is no floor at `factor` before the
@@ -213,8 +215,10 @@ def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, ma
 
 
 def _pixel_cap(config: ImageProcessorConfig, min_pixels, max_pixels, name: str) -> tuple[int, int]:
-    lo = check_int(config.min_pixels if min_pixels is None else min_pixels, f"{name}: min_pixels", error=InvalidInputError)
-    hi = check_int(config.max_pixels if max_pixels is None else max_pixels, f"{name}: max_pixels", error=InvalidInputError)
+    lo = config.min_pixels if min_pixels is None else min_pixels
+    hi = config.max_pixels if max_pixels is None else max_pixels
+    lo = check_int(lo, f"{name}: min_pixels", error=InvalidInputError)
+    hi = check_int(hi, f"{name}: max_pixels", error=InvalidInputError)
     if lo > hi:
         raise InvalidInputError(f"{name}: min_pixels ({lo}) is larger than max_pixels ({hi})")
     return lo, hi

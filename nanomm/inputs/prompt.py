@@ -38,6 +38,10 @@ class ImageSpan:
         """Whether any of this image's tokens lie in positions [start, end)."""
         return self.start < end and self.end > start
 
+    def clip(self, start: int, end: int) -> range:
+        """The positions of this image's tokens that lie in [start, end) (empty if none)."""
+        return range(max(self.start, start), min(self.end, end))
+
 
 @dataclass
 class PreparedPrompt:

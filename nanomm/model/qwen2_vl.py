@@ -43,7 +43,8 @@ class Qwen2VL(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor, image_grids) -> list[torch.Tensor]:
         """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
         if self.visual is None:
-            raise ValueError(f"{self.name_or_path} is a text-only Qwen2 model (no vision tower): it cannot encode images")
+            raise ValueError(f"{self.name_or_path} is a text-only Qwen2 model (no vision tower): "
+                             "it cannot encode images")
         return self.visual(pixel_values, [tuple(g) for g in image_grids])
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanomm.inputs.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from nanomm.inputs.image import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # the Hub preprocessor_config.json values
 
 def flat_config(spec: dict, ids: dict[str, int], dtype: str) -> dict:
     """config.json as the original Hub checkpoints have it (transformers 4.45 era): text fields at top level."""
@@ -90,9 +89,9 @@ def preprocessor_config(spec: dict, style: str) -> dict:
     """"old" is the Hub file (min_pixels/max_pixels); "new" is what transformers 5 writes (size.*_edge)."""
     vc = spec["vision_config"]
     if style == "old":
-        pixels = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+        pixels = {"min_pixels": DEFAULT_MIN_PIXELS, "max_pixels": DEFAULT_MAX_PIXELS}
     else:
-        pixels = {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "do_resize": True,
+        pixels = {"size": {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}, "do_resize": True,
                   "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3,
                   "rescale_factor": 1 / 255}
     return {**pixels, "patch_size": vc["patch_size"], "temporal_patch_size": vc["temporal_patch_size"],

@@ -1,0 +1,67 @@
+"""The CPU fast path against plain F.linear, shape by shape: what nanomm/model/fast_linear.py buys on this CPU.
+
+    python scripts/bench_linear.py              # the `small` preset's shapes, 2 threads, best of 20
+    python scripts/bench_linear.py --threads 4 --repeats 50
+
+Prints one line per shape: F.linear ms, PackedLinear ms and the speed-up. Results go in BENCHMARKS.md with the
+machine (`lscpu`): the answer differs between CPUs (oneDNN's packed kernel doubles the matmul rate on an AMD
+EPYC where MKL is slow, and is roughly even with it on an Intel Xeon). Nothing here is a test.
+"""
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+try:
+    import nanomm  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+
+SHAPES = [  # (rows, in, out): the `small` preset's layers at decode and prefill sizes
+    (32, 512, 151_936, "LM head, batch-32 decode"),
+    (1, 512, 151_936, "LM head, batch-1 decode"),
+    (32, 512, 1_376, "MLP, batch-32 decode"),
+    (2048, 512, 512, "attention projection, prefill chunk"),
+    (2048, 2048, 2048, "square"),
+]
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not packed_linear_available(torch.device("cpu"), torch.float32):
+        sys.exit("this torch build has no usable oneDNN linear ops: nanomm stays on F.linear here")
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads")
+    with torch.inference_mode():
+        for rows, d_in, d_out, what in SHAPES:
+            layer = torch.nn.Linear(d_in, d_out, bias=False)
+            x = torch.randn(rows, d_in)
+            packed = PackedLinear(layer, batch_size_hint=rows)
+            plain_ms = best_ms(lambda: F.linear(x, layer.weight), args.repeats)
+            packed_ms = best_ms(lambda: packed(x), args.repeats)
+            print(f"{rows} x {d_in} @ {d_in} x {d_out} ({what}): F.linear {plain_ms:.2f} ms, "
+                  f"packed {packed_ms:.2f} ms, {plain_ms / packed_ms:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
