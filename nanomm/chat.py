@@ -211,19 +211,20 @@ def main(argv=None) -> int:
         from nanomm import InvalidInputError, SamplingParams
 
         llm, demo = load_llm(args, console)
-        if demo:
-            console.print("[yellow]demo model: random weights made on this machine. The replies are noise; "
-                          "the engine is real.[/yellow]")
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-        chat = Chat(llm, params, console, interactive)
-        for path in args.image:
-            try:
-                chat.attach(path)
-            except InvalidInputError as exc:
-                chat.say(f"[red]{exc}[/red]")
-        if interactive:
-            console.print("type a message, or /help")
-        run(chat, interactive_lines(console) if interactive else sys.stdin)
+        with llm:  # stops the preprocessing threads on the way out
+            if demo:
+                console.print("[yellow]demo model: random weights made on this machine. The replies are noise; "
+                              "the engine is real.[/yellow]")
+            params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+            chat = Chat(llm, params, console, interactive)
+            for path in args.image:
+                try:
+                    chat.attach(path)
+                except InvalidInputError as exc:
+                    chat.say(f"[red]{exc}[/red]")
+            if interactive:
+                console.print("type a message, or /help")
+            run(chat, interactive_lines(console) if interactive else sys.stdin)
         return 0
     except Exception as exc:  # noqa: BLE001 - one sentence for the user; --debug for the traceback
         if args.debug:

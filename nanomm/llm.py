@@ -33,6 +33,7 @@ class LLM:
         config = EngineConfig.from_kwargs(engine_args)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+        config = replace(config, device=device, dtype=dtype)  # the engine's config says what it runs on
         folder = resolve_checkpoint(model, config.revision)
         self.model = load_model(folder, device=device, dtype=dtype)
         if not self.model.config.has_vision:

@@ -168,6 +168,7 @@ def test_engine_arguments_fill_the_config_by_name(llm):
     assert (config.max_pixels, config.max_model_len, config.num_kv_blocks, config.block_size) == (28 * 28 * 16, 512, 64, 4)
     assert config.max_num_encoder_tokens == config.max_num_batched_tokens == 2048  # resolved from the token budget
     assert config.device == "cpu" and config.dtype == "float32"
+    assert llm.engine.config.speculative is None and llm.engine.config.cpu_fast_linear is True
 
 
 def preprocess_threads() -> list[threading.Thread]:
@@ -180,6 +181,7 @@ def test_close_and_context_manager_stop_the_worker_pool(tmp_path):
     with LLM(str(folder), device="cpu", max_model_len=256, num_kv_blocks=32, num_preprocess_workers=2) as llm:
         llm.generate([chat_prompt("a", [random_image(40, 40, i)]) for i in range(3)], GREEDY)  # workers start
         assert set(preprocess_threads()) - before
+        assert llm.engine.config.dtype == "float32"  # resolved: cpu means float32
     assert not set(preprocess_threads()) - before  # every worker of this LLM has exited
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(chat_prompt("a", [random_image(40, 40, 9)]), GREEDY)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import canonical_name, resolve_checkpoint, safetensors_files
-from nanomm.tools.hf_files import _write_json, text_only_config
+from nanomm.tools.hf_files import text_only_config, write_json
 from nanomm.tools.weights import write_safetensors
 
 # Files a draft shares with its target: the tokenizer (a draft must tokenize exactly as the target does) and the
@@ -56,7 +56,7 @@ def make_draft_checkpoint(target_dir, out_dir, num_layers: int, text_only: bool 
         draft_config = _qwen2_config_from(raw, config, num_layers, dtype=_dtype_name(weights))
     else:
         draft_config = _with_num_layers(raw, num_layers)
-    _write_json(out / "config.json", draft_config)
+    write_json(out / "config.json", draft_config)
     for name in SHARED_FILES + (PREPROCESSOR_FILES if keep_vision else ()):
         if (target / name).is_file():
             shutil.copyfile(target / name, out / name)

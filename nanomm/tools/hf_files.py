@@ -100,5 +100,5 @@ def preprocessor_config(spec: dict, style: str) -> dict:
             "processor_class": "Qwen2VLProcessor"}
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

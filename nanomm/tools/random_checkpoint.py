@@ -25,8 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanomm.model.loader import DTYPES
-from nanomm.tools.hf_files import (_write_json, flat_config, generation_config, nested_config, preprocessor_config,
-                                   text_only_config)
+from nanomm.tools.hf_files import (flat_config, generation_config, nested_config, preprocessor_config,
+                                   text_only_config, write_json)
 from nanomm.tools.tokenizers import write_qwen_tokenizer, write_tiny_tokenizer
 from nanomm.tools.weights import PRESETS, QWEN_VOCAB_SIZE, model_spec, random_weights, rename, write_safetensors
 
@@ -65,10 +65,10 @@ def make_checkpoint(out_dir, preset="tiny", *, seed=0, layout="original", config
         config = text_only_config(spec, special_ids["<|endoftext|>"], special_ids["<|im_end|>"], dtype)
     else:
         config = (flat_config if config_style == "flat" else nested_config)(spec, special_ids, dtype)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", generation_config(special_ids))
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config(special_ids))
     if not text_only:
-        _write_json(out / "preprocessor_config.json", preprocessor_config(spec, preprocessor_style))
+        write_json(out / "preprocessor_config.json", preprocessor_config(spec, preprocessor_style))
 
     weights = random_weights(spec, seed)
     weights = {rename(name, layout): t.to(DTYPES[dtype]) for name, t in weights.items()}

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from nanomm.inputs.tokenizer import CHAT_TEMPLATE
-from nanomm.tools.hf_files import _write_json
+from nanomm.tools.hf_files import write_json
 
 # Qwen2-VL's special tokens, in vocabulary order (ids 151643..151656 in the real tokenizer).
 SPECIAL_TOKENS = (
@@ -43,7 +43,7 @@ def write_qwen_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] <= end]
     (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
     ids = {a["content"]: a["id"] for a in data["added_tokens"]}
-    _write_json(out / "tokenizer_config.json", tokenizer_config(ids))
+    write_json(out / "tokenizer_config.json", tokenizer_config(ids))
     return {t: ids[t] for t in SPECIAL_TOKENS}, end + 1
 
 
@@ -125,5 +125,5 @@ def write_tiny_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     tok.save(str(out / "tokenizer.json"))
     tok.model.save(str(out))  # vocab.json + merges.txt, for tools that want the slow-tokenizer files
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    _write_json(out / "tokenizer_config.json", tokenizer_config(ids))
+    write_json(out / "tokenizer_config.json", tokenizer_config(ids))
     return ids, tok.get_vocab_size(with_added_tokens=True)

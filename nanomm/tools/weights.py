@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanomm.tools.hf_files import _write_json
+from nanomm.tools.hf_files import write_json
 
 QWEN_VOCAB_SIZE = 151936  # embedding rows of Qwen2-VL-2B; rows past the tokenizer's 151657 ids are padding
 
@@ -209,7 +209,7 @@ def write_safetensors(out: Path, weights: dict[str, torch.Tensor], num_shards: i
         save_safetensors({n: weights[n] for n in names}, out / filename)
         weight_map.update({n: filename for n in names})
     total = sum(t.numel() * t.element_size() for t in weights.values())
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
