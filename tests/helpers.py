@@ -47,12 +47,25 @@ def reference_tokens(llm, prompt, params) -> list[int]:
                               llm.tokenizer.eos_token_ids).token_ids
 
 
+def assert_no_leaks(llm) -> None:
+    """Nothing left behind in an idle engine: no request in flight or queued, every KV block free (the draft
+    model's too), no encoder-cache entry held (the draft's cache too). Every engine test ends with this."""
+    engine = getattr(llm, "engine", llm)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["preprocess_queue"]) == (0, 0, 0), stats
+    engine.block_manager.check_no_leaks()
+    engine.encoder_cache.check_no_holds()
+    if engine.proposer is not None:
+        engine.proposer.check_no_leaks()
+
+
 def assert_engine_matches_reference(llm, prompts, params_list):
     outputs = llm.generate(prompts, params_list)
     for i, (prompt, params, out) in enumerate(zip(prompts, params_list, outputs)):
         assert out.finished
         assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
-    llm.engine.block_manager.check_no_leaks()
+    assert_no_leaks(llm)
     return outputs
 
 

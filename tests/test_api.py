@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from helpers import chat_prompt, random_image, reference_tokens
+from helpers import assert_no_leaks, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, RequestOutput, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -18,11 +18,6 @@ def llm(tmp_path_factory):
     folder = make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
     return LLM(str(folder), device="cpu", dtype="float32", max_pixels=28 * 28 * 16, max_model_len=512,
                num_kv_blocks=64, block_size=4)
-
-
-def assert_engine_idle(llm):
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
-    llm.engine.block_manager.check_no_leaks()
 
 
 def test_unknown_engine_argument_is_a_type_error(llm):
@@ -38,7 +33,7 @@ def test_generate_shapes(llm):
                         [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), GREEDY])
     assert [len(o.outputs[0].token_ids) for o in many] == [6, 2, 6]
     assert [o.prompt for o in many] == [chat_prompt(x) for x in "abc"]
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_prompt_token_ids_and_text_prompts_agree(llm):
@@ -61,7 +56,7 @@ def test_chat_applies_the_template_and_default_system_prompt(llm):
     assert len(two) == 2 and two[1].prompt == chat_prompt("hi")
     with pytest.raises(InvalidInputError, match="conversation 1: message 0"):
         llm.chat([conversation, [{"role": "robot", "content": "hi"}]], GREEDY)
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 BAD_PROMPTS = {
@@ -93,7 +88,7 @@ def test_bad_prompt_rejects_the_whole_call_before_compute(llm, case):
         llm.generate(prompts, GREEDY)
     assert "prompt 2" in str(err.value)
     assert llm.stats()["steps"] == steps  # no model compute happened
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def _with_real_image(prompt, image):
@@ -112,7 +107,7 @@ def test_bad_sampling_params_and_pool_limits(llm):
         llm.generate([chat_prompt("x")], [GREEDY, GREEDY])
     with pytest.raises(InvalidInputError, match="KV blocks"):  # 64 blocks of 4 = 256 tokens in the whole pool
         llm.generate([chat_prompt("x")], SamplingParams(max_tokens=400))
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_bad_add_request_leaves_running_requests_untouched(llm):
@@ -135,7 +130,7 @@ def test_bad_add_request_leaves_running_requests_untouched(llm):
     assert "image 0" in finished[bad].outputs[0].error
     for rid, prompt in zip(ids, good):
         assert finished[rid].outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_progress_bar_does_not_change_outputs(llm, capsys):
@@ -144,7 +139,7 @@ def test_progress_bar_does_not_change_outputs(llm, capsys):
     shown = llm.generate(prompts, GREEDY, use_tqdm=True)
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
     assert "3/3" in capsys.readouterr().out
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_unknown_engine_arguments_are_named(tmp_path):

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from helpers import assert_engine_matches_reference, chat_prompt, random_image, reference_tokens
+from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
@@ -18,11 +18,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def make_llm(ckpt, **kwargs):
     kwargs.setdefault("max_pixels", 28 * 28 * 16)
     return LLM(str(ckpt), device="cpu", dtype="float32", **kwargs)
-
-
-def assert_clean(llm):
-    llm.engine.block_manager.check_no_leaks()
-    llm.engine.encoder_cache.check_no_holds()
 
 
 def png_bytes(image) -> bytes:
@@ -72,7 +67,7 @@ def test_path_bytes_and_pil_forms_of_one_image_hit(ckpt, tmp_path):
     assert outputs[0].metrics.encode_s > 0 and all(o.metrics.encode_s == 0 for o in outputs[1:])
     for i, out in enumerate(outputs):
         assert out.outputs[0].token_ids == reference_tokens(llm, chat_prompt(f"question {i}", [forms[i]]), GREEDY)
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_a_different_max_pixels_or_model_misses(ckpt, tmp_path):
@@ -98,7 +93,7 @@ def test_eviction_under_a_tiny_budget_stays_exact(ckpt):
     assert_engine_matches_reference(llm, prompts, [GREEDY] * len(prompts))
     stats = llm.stats()
     assert stats["encoder_cache_evictions"] > 0 and stats["encoder_cache_tokens"] <= 20
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_an_entry_in_use_is_never_evicted(ckpt):
@@ -117,7 +112,7 @@ def test_an_entry_in_use_is_never_evicted(ckpt):
     assert_engine_matches_reference(llm, prompts, [GREEDY] * 3)
     assert seen and all(seen)
     assert llm.stats()["encoder_cache_evictions"] > 0
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_identical_images_admitted_together_encode_once(ckpt):
@@ -148,7 +143,7 @@ def test_encoder_budget_per_step(ckpt):
     assert encoded_per_step == [16, 16, 16, 64]  # never two small ones together (32 > 20); the big one alone
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_preprocessing_runs_beside_engine_steps(ckpt):
@@ -175,7 +170,7 @@ def test_preprocessing_runs_beside_engine_steps(ckpt):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished[waiting].outputs[0].token_ids == reference_tokens(llm, chat_prompt("with image", [random_image(60, 60, 60)]), GREEDY)
     assert finished[waiting].metrics.preprocess_s > 0
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_ttft_breakdown_adds_up(ckpt):
@@ -191,7 +186,7 @@ def test_per_request_pixel_caps_are_bounded_by_the_engine(ckpt):
     llm = make_llm(ckpt, max_pixels=28 * 28 * 16)
     with pytest.raises(Exception, match="exceed the engine's max_pixels"):
         llm.generate({**chat_prompt("x", [random_image(50, 50, 1)]), "mm_processor_kwargs": {"max_pixels": 10**7}})
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -205,7 +200,7 @@ def test_a_corrupt_image_finishes_its_own_request_inline_or_on_the_pool(ckpt, wo
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished[bad].outputs[0].finish_reason == "error" and "image 0" in finished[bad].outputs[0].error
     assert finished[ok].outputs[0].token_ids == reference_tokens(llm, good, GREEDY)
-    assert_clean(llm)
+    assert_no_leaks(llm)
 
 
 def test_pixel_floats_are_built_on_the_engine_thread_and_never_for_cache_hits(ckpt):

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload, reference_tokens
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, random_workload,
+                     reference_tokens)
 from nanomm import LLM, InvalidInputError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -118,7 +119,7 @@ def test_abort_frees_blocks_and_leaves_others_exact(ckpt):
     assert finished[ids[3]].outputs[0].finish_reason == "abort"
     for i in (0, 2):
         assert finished[ids[i]].outputs[0].token_ids == reference_tokens(llm, prompts[i], params)
-    llm.engine.block_manager.check_no_leaks()
+    assert_no_leaks(llm)
 
 
 def test_long_prefill_does_not_stall_running_decodes(ckpt):
@@ -242,9 +243,7 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(ckpt):
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate([chat_prompt("a"), chat_prompt("b", [random_image(50, 50, 1)])], GREEDY)
     engine.step = step
-    assert not engine.has_unfinished_requests() and not engine.requests
-    engine.block_manager.check_no_leaks()
-    engine.encoder_cache.check_no_holds()
+    assert_no_leaks(llm)
     # A caller-chosen id that looks like an automatic one does not break later automatic ids.
     engine.add_request(chat_prompt("mine"), GREEDY, request_id="7")
     outs = llm.generate([chat_prompt(f"p{i}") for i in range(9)], GREEDY)

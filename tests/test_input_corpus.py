@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import chat_prompt, data_url, png_header_only, random_image, reference_tokens
+from helpers import assert_no_leaks, chat_prompt, data_url, png_header_only, random_image, reference_tokens
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -40,16 +40,6 @@ def drained(llm):
     """A failed test must not leave requests behind for the next one."""
     yield
     run_to_completion(llm.engine)
-
-
-def assert_engine_idle(llm):
-    """No request in flight or held, every KV block free, no encoder-cache entry held."""
-    engine, stats = llm.engine, llm.stats()
-    assert not engine.has_unfinished_requests()
-    assert not engine.requests
-    assert (stats["running"], stats["waiting"], stats["preprocess_queue"]) == (0, 0, 0)
-    engine.block_manager.check_no_leaks()
-    engine.encoder_cache.check_no_holds()
 
 
 def run_to_completion(engine, max_steps: int = 500) -> dict:
@@ -330,7 +320,7 @@ def assert_rejected(llm, prompts, fragment, where):
     assert fragment.lower() in message.lower(), f"{fragment!r} not in {message!r}"
     assert len(message) < 400, f"an error message should be short: {message[:500]!r}..."
     assert llm.stats()["steps"] == steps and llm.stats()["encoder_cache_misses"] == misses  # no compute
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 @pytest.mark.parametrize("case", list(IMAGE_CASES))
@@ -352,7 +342,7 @@ def test_single_bad_prompt_is_prompt_0_and_the_engine_still_serves(llm, bad):
     prompt = with_images("after all those errors", [ok_image(2)])
     out = llm.generate(prompt, GREEDY)[0]
     assert out.outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_raw_base64_without_data_prefix_is_rejected(llm):
@@ -427,7 +417,7 @@ def test_streaming_bad_requests_among_good_ones(llm, bad):
         completion = finished[rid].outputs[0]
         assert completion.finish_reason == "length" and completion.error is None
         assert completion.token_ids == reference_tokens(llm, prompt, GREEDY), f"good request {rid} differs"
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 def test_streaming_only_bad_requests(llm, bad):
@@ -440,7 +430,7 @@ def test_streaming_only_bad_requests(llm, bad):
     for rid, case in ids.items():
         assert finished[rid].outputs[0].finish_reason == "error"
         assert IMAGE_CASES[case][2].lower() in finished[rid].outputs[0].error.lower()
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -459,7 +449,7 @@ def assert_served(llm, prompts) -> list:
         completion = out.outputs[0]
         assert out.finished and completion.finish_reason == "length" and completion.error is None
         assert completion.token_ids == reference_tokens(llm, prompt, GREEDY), f"prompt {i} differs"
-    assert_engine_idle(llm)
+    assert_no_leaks(llm)
     return outputs
 
 

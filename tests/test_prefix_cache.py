@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import assert_engine_matches_reference, chat_prompt, random_image, reference_tokens
+from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine.kv_cache import BlockManager, hash_block
 from nanomm.inputs.prompt import ImageSpan
@@ -57,6 +57,7 @@ def test_multi_turn_chat_reuses_the_first_turn_and_skips_the_encoder(ckpt):
     assert second.outputs[0].token_ids == reference_tokens(llm, {"prompt": text, "multi_modal_data": {"image": images}},
                                                            GREEDY)
     assert llm.stats()["prefix_cache_hit_rate"] > 0
+    assert_no_leaks(llm)
 
 
 def test_same_text_with_a_different_image_never_shares_image_blocks(ckpt):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_engine_matches_reference, chat_prompt, random_workload, reference_tokens
+from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import speculative
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint
@@ -51,11 +51,6 @@ def proposer_config(name, ckpt, other_ckpt):
             "draft-bad": dict(method="draft", model=str(other_ckpt), num_speculative_tokens=2)}[name]
 
 
-def assert_all_blocks_free(llm):
-    llm.engine.block_manager.check_no_leaks()
-    llm.engine.proposer.check_no_leaks()
-
-
 # -- the engine with speculation against the dense reference --------------------------------------------------
 
 SETTINGS = {
@@ -82,7 +77,7 @@ def test_greedy_outputs_match_reference_in_mixed_batches(ckpt, other_ckpt, propo
     for out, params in zip(outputs, greedy + sampled):
         assert len(out.outputs[0].token_ids) == params.max_tokens
         assert out.metrics.num_decode_tokens + 1 == params.max_tokens  # every token after the first: a decode step
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0
     if proposer == "draft-identical":
@@ -115,7 +110,7 @@ def test_prefix_cache_hits_after_speculation_stay_exact(ckpt):
     outputs = assert_engine_matches_reference(llm, follow_ups, [params[0]] * len(follow_ups))
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
     assert sum(o.metrics.num_cached_tokens for o in outputs) > 0
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 def test_identical_draft_accepts_everything(ckpt):
@@ -132,7 +127,7 @@ def test_identical_draft_accepts_everything(ckpt):
     sampled = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=21, seed=i, ignore_eos=True)
                                      for i in range(len(prompts))])
     assert sum(o.metrics.num_accepted_tokens for o in sampled) >= 0.99 * sum(o.metrics.num_draft_tokens for o in sampled)
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 @pytest.mark.parametrize("draft", ["bad", "text-only"])
@@ -161,7 +156,7 @@ def test_draft_proposals_are_the_draft_models_own_continuation(ckpt, other_ckpt,
         expected = reference_generate(proposer.model, tokens, images, SamplingParams(temperature=0.0,
                                       max_tokens=len(proposed), ignore_eos=True)).token_ids
         assert proposed == expected
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 # -- rollback -------------------------------------------------------------------------------------------------
@@ -203,7 +198,7 @@ def test_rejected_positions_roll_back_blocks_and_hashes(ckpt):
         assert len(engine.block_manager.cached) == request.num_computed_tokens // 2
         rejected_somewhere |= request.metrics.num_draft_tokens > accepted
     assert rejected_somewhere
-    engine.block_manager.check_no_leaks()
+    assert_no_leaks(llm)
     out = llm.generate(prompt, params)[0]  # and the tokens are still the reference's
     assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params)
 
@@ -218,7 +213,7 @@ def test_stop_token_inside_accepted_proposals_ends_there(ckpt):
                                               ignore_eos=True))[0]
     assert out.outputs[0].token_ids == free_run[:free_run.index(stop) + 1]
     assert out.outputs[0].finish_reason == "stop"
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 # -- acceptance rules -------------------------------------------------------------------------------------------
@@ -420,7 +415,7 @@ def test_proposals_stop_at_max_tokens_and_max_model_len(ckpt):
     assert len(out.outputs[0].token_ids) == 7 and out.metrics.num_draft_tokens == 5  # 6 left after the first: 5 + bonus
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))[0]
     assert n_prompt + len(out.outputs[0].token_ids) == 64 and out.outputs[0].finish_reason == "length"
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 def test_draft_without_room_in_its_pool_just_proposes_nothing(ckpt):
@@ -477,7 +472,7 @@ def test_text_only_draft_sees_image_pads_and_stays_exact(ckpt, text_only_ckpt):
     images = random_workload(seed=6, num_prompts=4, max_images=2)
     outputs = assert_engine_matches_reference(llm, images, [params] * len(images))
     assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 def test_text_only_model_cannot_be_the_target(text_only_ckpt):
@@ -496,7 +491,7 @@ def test_draft_with_a_smaller_vocabulary_skips_ids_it_lacks(ckpt, tmp_path):
     outputs = assert_engine_matches_reference(llm, prompts, [params] * 2)
     assert any(t >= draft_vocab for t in outputs[1].outputs[0].token_ids)  # the target generated one too
     assert outputs[0].metrics.num_draft_tokens == 0
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 def test_abort_during_speculation_frees_both_pools(ckpt, other_ckpt):
@@ -516,7 +511,7 @@ def test_abort_during_speculation_frees_both_pools(ckpt, other_ckpt):
     for i in ids[1:]:
         assert finished[i].outputs[0].token_ids == reference_tokens(llm, prompts[ids.index(i)], params)
     assert not engine.proposer.sequences
-    assert_all_blocks_free(llm)
+    assert_no_leaks(llm)
 
 
 def test_proposals_never_cause_preemption(ckpt):

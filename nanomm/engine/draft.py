@@ -126,7 +126,10 @@ class DraftProposer:
             seq.held_images.clear()
 
     def check_no_leaks(self) -> None:
+        """No draft sequence left, every draft KV block free, no draft encoder-cache entry held."""
+        assert not self.sequences, f"draft sequences left: {sorted(self.sequences)[:10]}"
         self.block_manager.check_no_leaks()
+        self.runner.encoder_cache.check_no_holds()
 
 
 def _without_images(prompt):
