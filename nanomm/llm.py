@@ -57,7 +57,10 @@ class LLM:
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
         """Fill in what depends on the loaded model: context length, encoder budget, KV pool size."""
-        max_model_len = config.max_model_len or self.model.config.text.max_position_embeddings
+        limit = self.model.config.text.max_position_embeddings
+        max_model_len = config.max_model_len or limit
+        if max_model_len > limit:  # positions past the trained range: the model was never taught them
+            raise ValueError(f"max_model_len={max_model_len} is beyond this model's max_position_embeddings={limit}")
         num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
             per_block = config.block_size * sum(  # a draft model's KV lives in the same budget

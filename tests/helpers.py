@@ -47,6 +47,19 @@ def reference_tokens(llm, prompt, params) -> list[int]:
                               llm.tokenizer.eos_token_ids).token_ids
 
 
+def run_to_completion(engine, max_steps: int = 500) -> dict:
+    """Step until every request finished; their final outputs by request id. Bounded: a stuck engine fails."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finished, f"request {out.request_id} finished twice"
+                finished[out.request_id] = out
+    raise AssertionError(f"the engine did not drain in {max_steps} steps")
+
+
 def assert_no_leaks(llm) -> None:
     """Nothing left behind in an idle engine: no request in flight or queued, every KV block free (the draft
     model's too), no encoder-cache entry held (the draft's cache too). Every engine test ends with this."""

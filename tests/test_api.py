@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from helpers import assert_no_leaks, chat_prompt, random_image, reference_tokens
+from helpers import assert_no_leaks, chat_prompt, random_image, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, RequestOutput, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -122,9 +122,7 @@ def test_bad_add_request_leaves_running_requests_untouched(llm):
     with pytest.raises(InvalidInputError, match="already in use"):
         engine.add_request(chat_prompt("dup"), GREEDY, request_id=ids[0])
     bad = engine.add_request(chat_prompt("bad", [b"not an image"]), GREEDY)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = run_to_completion(engine)
     assert sorted(finished) == sorted(ids + [bad])
     assert finished[bad].outputs[0].finish_reason == "error" and finished[bad].outputs[0].token_ids == []
     assert "image 0" in finished[bad].outputs[0].error

@@ -7,8 +7,9 @@ import threading
 import pytest
 import torch
 
-from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, reference_tokens
-from nanomm import LLM, SamplingParams
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, reference_tokens,
+                     run_to_completion)
+from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 
@@ -165,9 +166,7 @@ def test_preprocessing_runs_beside_engine_steps(ckpt):
         tokens_while_blocked += sum(len(o.outputs[0].delta_token_ids) for o in engine.step() if o.request_id == streaming)
     assert tokens_while_blocked == 5 and engine.stats()["preprocess_queue"] == 1
     release.set()
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = run_to_completion(engine)
     assert finished[waiting].outputs[0].token_ids == reference_tokens(llm, chat_prompt("with image", [random_image(60, 60, 60)]), GREEDY)
     assert finished[waiting].metrics.preprocess_s > 0
     assert_no_leaks(llm)
@@ -184,7 +183,7 @@ def test_ttft_breakdown_adds_up(ckpt):
 
 def test_per_request_pixel_caps_are_bounded_by_the_engine(ckpt):
     llm = make_llm(ckpt, max_pixels=28 * 28 * 16)
-    with pytest.raises(Exception, match="exceed the engine's max_pixels"):
+    with pytest.raises(InvalidInputError, match="exceed the engine's max_pixels"):
         llm.generate({**chat_prompt("x", [random_image(50, 50, 1)]), "mm_processor_kwargs": {"max_pixels": 10**7}})
     assert_no_leaks(llm)
 
@@ -195,9 +194,7 @@ def test_a_corrupt_image_finishes_its_own_request_inline_or_on_the_pool(ckpt, wo
     engine = llm.engine
     good = chat_prompt("fine", [random_image(70, 50, 80)])
     ok, bad = engine.add_request(good, GREEDY), engine.add_request(chat_prompt("broken", [b"\xff\xd8 no jpeg"]), GREEDY)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = run_to_completion(engine)
     assert finished[bad].outputs[0].finish_reason == "error" and "image 0" in finished[bad].outputs[0].error
     assert finished[ok].outputs[0].token_ids == reference_tokens(llm, good, GREEDY)
     assert_no_leaks(llm)
@@ -212,10 +209,11 @@ def test_pixel_floats_are_built_on_the_engine_thread_and_never_for_cache_hits(ck
     llm.generate(chat_prompt("first", [image]), GREEDY)
     engine = llm.engine
     rid = engine.add_request(chat_prompt("second", [image]), GREEDY)
-    while rid not in engine.requests:  # wait for the worker
+    for _ in range(1000):  # bounded: wait for the worker (each idle step waits up to 50 ms for it)
+        if rid in engine.requests:
+            break
         engine.step()
     request = engine.requests[rid]
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_completion(engine)
     assert request.metrics.encoder_cache_hits == 1
     assert "pixel_values" not in vars(request.prompt.images[0])  # a cache hit never needed the floats

@@ -1,13 +1,16 @@
 """The serving engine against the dense reference: batching, chunking, paging, preemption, prefix caching."""
 
 import random
+import threading
 
 import pytest
 import torch
 
 from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, random_workload,
-                     reference_tokens)
+                     reference_tokens, run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
+from nanomm.engine import engine as engine_module
+from nanomm.reference import ContiguousKVCache
 from nanomm.reference import generate as reference_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -68,8 +71,7 @@ def test_every_step_logits_match_reference(ckpt, setting):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rows = record_logit_rows(llm)
     ids = [llm.engine.add_request(p, params) for p in prompts]
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+    run_to_completion(llm.engine)
     for request_id, prompt in zip(ids, prompts):
         prepared = llm.engine.prepare(prompt, params)
         reference = reference_generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True)
@@ -150,11 +152,7 @@ def test_abort_frees_blocks_and_leaves_others_exact(ckpt):
         llm.engine.step()
     llm.engine.abort_request(ids[1])  # running
     llm.engine.abort_request(ids[3])  # maybe still waiting or prefilling
-    finished = {}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = run_to_completion(llm.engine)
     assert finished[ids[1]].outputs[0].finish_reason == "abort"
     assert finished[ids[3]].outputs[0].finish_reason == "abort"
     for i in (0, 2):
@@ -183,14 +181,117 @@ def test_abort_in_the_middle_of_an_image_prefill_releases_everything(ckpt):
     assert span.start < request.num_computed_tokens < span.end, "the victim never stopped inside its image"
     assert request.held_images and request.block_table  # it holds the picture's tokens and KV blocks now
     engine.abort_request(victim)
-    finished = {}
-    for _ in range(200):
-        for out in engine.step():
-            finished[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
+    finished = run_to_completion(engine)
     assert finished[victim].outputs[0].finish_reason == "abort"
     assert finished[other].outputs[0].token_ids == reference_tokens(llm, other_prompt, params)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("when", ["while the worker runs", "after the worker finished"])
+def test_abort_while_preprocessing(ckpt, when):
+    """Aborted while its image is still with the worker pool: the abort is reported by the next step, the
+    worker's result is dropped whether the job was still running or had just finished (the race), and the
+    request never reaches the scheduler."""
+    llm = make_llm(ckpt, num_preprocess_workers=1)
+    engine, preprocess = llm.engine, llm.engine.processor.preprocess
+    release, finished_job = threading.Event(), threading.Event()
+
+    def slow_preprocess(validated):
+        assert release.wait(timeout=30)
+        try:
+            return preprocess(validated)
+        finally:
+            finished_job.set()
+
+    engine.processor.preprocess = slow_preprocess
+    rid = engine.add_request(chat_prompt("look", [random_image(60, 60, 5)]), GREEDY)
+    assert rid in engine.intake.preprocessing
+    if when == "after the worker finished":
+        release.set()
+        assert finished_job.wait(timeout=30)
+    engine.abort_request(rid)
+    engine.abort_request(rid)  # a second abort of the same request is a no-op
+    release.set()
+    assert finished_job.wait(timeout=30)
+    finished = run_to_completion(engine)
+    assert list(finished) == [rid] and finished[rid].outputs[0].finish_reason == "abort"
+    assert engine.stats()["computed_tokens"] == 0  # it never ran
+    engine.processor.preprocess = preprocess
+    assert_no_leaks(llm)
+    assert llm.generate(chat_prompt("again", [random_image(60, 60, 5)]), GREEDY)[0].finished  # the engine goes on
+
+
+def test_prompt_one_token_short_of_max_model_len(ckpt):
+    """A prompt of max_model_len - 1 tokens has room for exactly one token; one more token is refused."""
+    llm = make_llm(ckpt, max_model_len=40, block_size=4)
+    ids = llm.tokenizer.encode(" ".join(["word"] * 80))[:39]
+    assert len(ids) == 39
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == reference_tokens(llm, {"prompt_token_ids": ids}, GREEDY)[:1]
+    with pytest.raises(InvalidInputError, match="max_model_len=40"):
+        llm.generate({"prompt_token_ids": ids + ids[:1]}, GREEDY)
+    assert_no_leaks(llm)
+
+
+def test_max_model_len_must_fit_the_model(ckpt):
+    limit = make_llm(ckpt).model.config.text.max_position_embeddings
+    assert make_llm(ckpt, max_model_len=limit).engine.config.max_model_len == limit
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is beyond .*max_position_embeddings={limit}"):
+        make_llm(ckpt, max_model_len=limit + 1)
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=f"max_model_len must be a positive int, got {bad}"):
+            make_llm(ckpt, max_model_len=bad)
+
+
+def test_chunk_boundaries_inside_every_image_of_a_multi_image_prompt(ckpt):
+    llm = make_llm(ckpt, max_num_batched_tokens=5, max_num_encoder_tokens=64, block_size=4)
+    prompt = chat_prompt("compare them", [random_image(112, 112, i) for i in (11, 12, 13)])  # 16 tokens each
+    chunks = record_chunks(llm)
+    out = assert_engine_matches_reference(llm, [prompt], [GREEDY])[0]
+    spans = llm.engine.prepare(prompt, GREEDY).image_spans
+    assert len(spans) == 3 and out.prompt_token_ids == llm.engine.prepare(prompt, GREEDY).token_ids
+    for span in spans:
+        assert any(span.start < end < span.end for _, _, end, _ in chunks), f"no chunk ends inside {span}"
+
+
+def dense_continuation(model, prepared, first_token: int, num_tokens: int) -> list[int]:
+    """An oracle written out here: prefill the prompt with its images, then feed `first_token` back as an
+    ordinary text token (no image mask) and continue greedily for num_tokens tokens."""
+    cfg, kv_cache = model.config, ContiguousKVCache(model.config.text.num_hidden_layers)
+    ids = torch.tensor(prepared.token_ids)
+    pixels = torch.cat([im.pixel_values for im in prepared.images])
+    visual = torch.cat(model.encode_images(pixels, [im.grid_thw for im in prepared.images]))
+    model(ids, prepared.positions, kv_cache, visual, ids == cfg.image_token_id)
+    token, position, out = first_token, len(ids) + prepared.rope_delta, []
+    for _ in range(num_tokens):
+        hidden = model(torch.tensor([token]), torch.full((3, 1), position), kv_cache)
+        token, position = int(model.compute_logits(hidden[-1]).argmax()), position + 1
+        out.append(token)
+    return out
+
+
+def test_a_generated_image_pad_is_text(ckpt, monkeypatch):
+    """A model may generate <|image_pad|>; it has no picture behind it, so it is embedded as text (as in
+    transformers) and the image bookkeeping (spans, encoder cache, prefix hashes) never sees it."""
+    llm = make_llm(ckpt, block_size=2)
+    image_pad = llm.model.config.image_token_id
+    prompt = chat_prompt("look", [random_image(56, 56, 3)])
+    sample = engine_module.sample_and_verify
+
+    def first_token_is_image_pad(chunks, logits):
+        emitted = sample(chunks, logits)
+        for chunk, e in zip(chunks, emitted):
+            if not chunk.request.output_token_ids:
+                e.token_ids = [image_pad]
+        return emitted
+
+    monkeypatch.setattr(engine_module, "sample_and_verify", first_token_is_image_pad)
+    out = llm.generate(prompt, GREEDY)[0]
+    tokens = out.outputs[0].token_ids
+    assert tokens[0] == image_pad and len(tokens) == GREEDY.max_tokens
+    prepared = llm.engine.prepare(prompt, GREEDY)
+    assert tokens[1:] == dense_continuation(llm.model, prepared, image_pad, GREEDY.max_tokens - 1)
     assert_no_leaks(llm)
 
 
@@ -255,7 +356,9 @@ def test_streaming_deltas_add_up(ckpt):
     rid = engine.add_request(chat_prompt("stream please", [random_image(50, 50, 1)]),
                              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     ids, text, last = [], "", None
-    while engine.has_unfinished_requests():
+    for _ in range(100):  # bounded: 20 tokens after a short prefill
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             assert out.request_id == rid
             ids += out.outputs[0].delta_token_ids
@@ -320,8 +423,7 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(ckpt):
     engine.add_request(chat_prompt("mine"), GREEDY, request_id="7")
     outs = llm.generate([chat_prompt(f"p{i}") for i in range(9)], GREEDY)
     assert "7" not in {o.request_id for o in outs}
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_completion(engine)
 
 
 def test_sampling_params_are_checked_when_used_and_tiny_temperatures_are_greedy(ckpt):

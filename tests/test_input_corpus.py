@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import assert_no_leaks, chat_prompt, data_url, png_header_only, random_image, reference_tokens
+from helpers import (assert_no_leaks, chat_prompt, data_url, png_header_only, random_image, reference_tokens,
+                     run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -40,18 +41,6 @@ def drained(llm):
     """A failed test must not leave requests behind for the next one."""
     yield
     run_to_completion(llm.engine)
-
-
-def run_to_completion(engine, max_steps: int = 500) -> dict:
-    finished = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finished
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finished, f"request {out.request_id} finished twice"
-                finished[out.request_id] = out
-    raise AssertionError(f"the engine did not drain in {max_steps} steps")
 
 
 def image_pads(llm, out) -> int:

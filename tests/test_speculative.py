@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_workload, reference_tokens
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_workload, reference_tokens,
+                     run_to_completion)
 from nanomm import LLM, SamplingParams
 from nanomm.engine import speculative
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint
@@ -187,7 +188,7 @@ def test_rejected_positions_roll_back_blocks_and_hashes(ckpt):
     request = engine.requests[request_id]
     engine.step()  # prefill + first token
     rejected_somewhere = False
-    while request.status.value != "finished":
+    for _ in range(100):  # bounded: max_tokens steps at most
         engine.step()
         if request.status.value == "finished":
             break
@@ -197,6 +198,7 @@ def test_rejected_positions_roll_back_blocks_and_hashes(ckpt):
         assert request.num_computed_tokens == request.num_tokens - 1
         assert len(engine.block_manager.cached) == request.num_computed_tokens // 2
         rejected_somewhere |= request.metrics.num_draft_tokens > accepted
+    assert request.status.value == "finished"
     assert rejected_somewhere
     assert_no_leaks(llm)
     out = llm.generate(prompt, params)[0]  # and the tokens are still the reference's
@@ -213,6 +215,29 @@ def test_stop_token_inside_accepted_proposals_ends_there(ckpt):
                                               ignore_eos=True))[0]
     assert out.outputs[0].token_ids == free_run[:free_run.index(stop) + 1]
     assert out.outputs[0].finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("stop_kind", ["stop_token_ids", "eos"])
+def test_stop_or_eos_inside_accepted_proposals_of_a_sampled_request(ckpt, stop_kind):
+    """Sampled, with a draft identical to the target (every proposal accepted, several tokens per step): the
+    stream is the same as a run without the stop token up to its first occurrence, then ends there."""
+    llm = make_llm(ckpt, dict(method="draft", model=str(ckpt), num_speculative_tokens=4))
+    prompt = chat_prompt("the cat sat on")
+    sampled = dict(temperature=0.8, top_k=5, max_tokens=16, seed=7)
+    free_run = llm.generate(prompt, SamplingParams(ignore_eos=True, **sampled))[0]
+    tokens = free_run.outputs[0].token_ids
+    assert free_run.metrics.mean_tokens_per_decode_step > 2  # tokens arrive several per step
+    stop = tokens[5]
+    end = tokens.index(stop) + 1
+    if stop_kind == "eos":
+        llm.engine.tokenizer.eos_token_ids = [stop]  # this checkpoint's "end of sequence", for this test
+        params = SamplingParams(**sampled)
+    else:
+        params = SamplingParams(stop_token_ids=[stop], ignore_eos=True, **sampled)
+    out = llm.generate(prompt, params)[0]
+    assert out.outputs[0].token_ids == tokens[:end] and out.outputs[0].finish_reason == "stop"
+    assert end > 1 and out.metrics.num_decode_tokens > out.metrics.num_decode_steps  # it came mid-step
     assert_no_leaks(llm)
 
 
@@ -500,13 +525,13 @@ def test_abort_during_speculation_frees_both_pools(ckpt, other_ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = random_workload(seed=9, num_prompts=3, max_images=1)
     ids = [engine.add_request(p, params) for p in prompts]
-    while not all(engine.requests.get(i) and engine.requests[i].metrics.num_draft_tokens for i in ids[:2]):
+    for _ in range(200):  # bounded: the first two start decoding within a few steps
+        if all(engine.requests.get(i) and engine.requests[i].metrics.num_draft_tokens for i in ids[:2]):
+            break
         engine.step()
     assert engine.proposer.sequences  # the draft holds state for the running requests
     engine.abort_request(ids[0])
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = run_to_completion(engine)
     assert finished[ids[0]].outputs[0].finish_reason == "abort"
     for i in ids[1:]:
         assert finished[i].outputs[0].token_ids == reference_tokens(llm, prompts[ids.index(i)], params)
