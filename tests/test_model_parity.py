@@ -4,17 +4,20 @@ The oracle runs with attn_implementation="eager" and is always given `mm_token_t
 transformers' generate silently falls back to 1-D positions (see the reference notes).
 """
 
+import warnings
+
 import pytest
 import torch
 from PIL import Image
 
+from nanomm import LLM
 from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.model.fast_linear import pack_linear_layers
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.model.loader import load_model
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
-from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 
@@ -35,6 +38,10 @@ CONFIGS = {
 }
 IMAGE_SIZES = [(60, 90), (120, 64), (33, 200)]  # (width, height): three different grids
 MAX_PIXELS = 28 * 28 * 24  # small cap: keeps token counts small, and exercises the downscale branch
+LOGITS_ATOL = 1e-4  # float32 logits, nanomm against transformers, at any generated step
+# Two rows that each agree with the true logits within LOGITS_ATOL can only rank two tokens differently when
+# those tokens are within 2 * LOGITS_ATOL of each other: that is a near-tie, not a bug.
+NEAR_TIE_GAP = 2 * LOGITS_ATOL
 
 
 def random_image(width, height, seed):
@@ -158,3 +165,152 @@ def test_packed_cpu_linear_layers_match_transformers(pair, num_images):
     assert pack_linear_layers(packed) > 0
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     assert_matches_oracle(folder, packed, oracle, num_images)
+
+
+def steps_fed_the_same_tokens(ours: list[int], oracle: list[int], oracle_logits: list[torch.Tensor],
+                              tie_gap: float = NEAR_TIE_GAP) -> int:
+    """How many generated steps of two greedy runs saw the same input, so that their logits are comparable.
+
+    Each run feeds back its own tokens: up to and including the first step where the two argmaxes differ both
+    runs were given the same sequence; after it, nothing is comparable. A divergence is acceptable only at a
+    near-tie: transformers' logit for nanomm's token must be within `tie_gap` of transformers' top logit (so its
+    top-2 gap is below `tie_gap` too). Such a near-tie is reported with `warnings.warn` (step and gaps) and the
+    steps up to it are returned; any other divergence fails the test. Returns len(ours) when all tokens agree.
+    """
+    assert len(ours) == len(oracle) == len(oracle_logits), (len(ours), len(oracle), len(oracle_logits))
+    for step, (mine, theirs) in enumerate(zip(ours, oracle)):
+        if mine == theirs:
+            continue
+        row = oracle_logits[step].float()
+        gap = (row.max() - row[mine]).item()
+        top2 = row.topk(2).values
+        top2_gap = (top2[0] - top2[1]).item()
+        assert gap < tie_gap, (f"step {step}: nanomm chose token {mine}, transformers {theirs}, and it is no near-tie: "
+                               f"transformers scores nanomm's token {gap:.3g} below its top (top-2 gap {top2_gap:.3g})")
+        warnings.warn(f"near-tie at generated step {step}: nanomm chose token {mine}, transformers {theirs}; "
+                      f"gap {gap:.3g} (top-2 gap {top2_gap:.3g}); the steps after it are not compared")
+        return step + 1
+    return len(ours)
+
+
+def oracle_greedy(oracle, inputs, num_tokens):
+    """transformers' greedy tokens and raw (unprocessed) logits for `num_tokens` new tokens; never stops at EOS.
+
+    eos_token_id=None rather than min_new_tokens: min_new_tokens works by masking EOS in the scores, so the tokens
+    would no longer be the argmax of the raw logits that nanomm's rows are compared with.
+    """
+    with torch.no_grad():
+        out = oracle.generate(**inputs, max_new_tokens=num_tokens, do_sample=False, eos_token_id=None,
+                              output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logits = [row[0].float() for row in out.logits]
+    assert len(tokens) == len(logits) == num_tokens
+    assert tokens == [row.argmax().item() for row in logits], "transformers' greedy tokens are not its logits' argmax"
+    return tokens, logits
+
+
+def test_steps_fed_the_same_tokens_accepts_only_near_ties():
+    rows = [torch.tensor([0.0, 1.0, 0.5]), torch.tensor([2.0, 2.0 + NEAR_TIE_GAP / 4, 0.0]),
+            torch.tensor([0.0, 0.0, 1.0])]
+    assert steps_fed_the_same_tokens([1, 1, 2], [1, 1, 2], rows) == 3
+    with pytest.warns(UserWarning, match="near-tie at generated step 1"):
+        assert steps_fed_the_same_tokens([1, 0, 0], [1, 1, 2], rows) == 2  # step 1 compared, step 2 not
+    with pytest.raises(AssertionError, match="step 0: .* no near-tie"):
+        steps_fed_the_same_tokens([2, 1, 2], [1, 1, 2], rows)  # 0.5 below the top: a real divergence
+
+
+EVERY_STEP_TOKENS = 16
+
+
+@pytest.mark.parametrize("num_images", [0, 1])
+def test_every_step_logits_match_transformers(pair, num_images):
+    """Not just the first position: every generated step's logits (so every decode position's M-RoPE ids, the
+    KV cache and the rope delta after images) agree with transformers' raw logits within LOGITS_ATOL."""
+    folder, ours, oracle = pair
+    ids, processed = build_prompt(Tokenizer.from_pretrained(folder), num_images,
+                                  ImageProcessorConfig.from_pretrained(folder))
+    params = SamplingParams(temperature=0.0, max_tokens=EVERY_STEP_TOKENS, ignore_eos=True)
+    result = generate(ours, ids, processed, params, keep_logits=True)
+    expected_tokens, expected_logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id),
+                                                     EVERY_STEP_TOKENS)
+    assert len(result.logits) == EVERY_STEP_TOKENS
+
+    # Up to and including the first step whose tokens differ, both were fed the same sequence: logits first (the
+    # clearer message when a position or the cache is wrong), then whether that divergence is a near-tie.
+    same_input = next((i + 1 for i, (a, b) in enumerate(zip(result.token_ids, expected_tokens)) if a != b),
+                      EVERY_STEP_TOKENS)
+    diffs = [(got - want).abs().max().item() for got, want in zip(result.logits[:same_input], expected_logits)]
+    bad = [(step, f"{d:.3g}") for step, d in enumerate(diffs) if not d <= LOGITS_ATOL]
+    assert not bad, f"logits differ from transformers' at (step, max abs diff) {bad}"
+    comparable = steps_fed_the_same_tokens(result.token_ids, expected_tokens, expected_logits)
+    assert comparable == same_input
+    assert comparable >= EVERY_STEP_TOKENS // 2, f"a near-tie after {comparable} steps left too little compared"
+    # The steps really differ from one another, so a stale position or cache could not pass by accident.
+    assert min((a - b).abs().max().item() for a, b in zip(expected_logits, expected_logits[1:])) > 1e-2
+
+
+# ---- prompts that end a few tokens below the model's position limit -------------------------------------------
+
+LIMIT = 96  # max_position_embeddings of the limit checkpoint; the engine's max_model_len defaults to it
+LIMIT_MAX_PIXELS = 28 * 28 * 16
+
+
+@pytest.fixture(scope="module")
+def limit_pair(tmp_path_factory):
+    folder = make_checkpoint(tmp_path_factory.mktemp("limit"), preset="tiny", seed=3,
+                             overrides={"max_position_embeddings": LIMIT})
+    oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    return folder, oracle
+
+
+def prompt_of_length(tokenizer: Tokenizer, length: int, processed):
+    """Chat-template token ids (one image placeholder per processed image) padded with filler words so that the
+    prompt is exactly `length` tokens once the placeholders are expanded: (unexpanded ids, expanded ids)."""
+    head = tokenizer.encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                            + IMAGE_PLACEHOLDER * len(processed) + "Describe")
+    tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+    words = tokenizer.encode(" the cat sat on the mat and looked at the red house")
+    counts = [p.num_tokens for p in processed]
+    fill = length - len(tokenizer.expand_image_placeholders(head + tail, counts))
+    assert fill >= 0, f"the prompt frame alone is longer than {length} tokens"
+    ids = head + [words[i % len(words)] for i in range(fill)] + tail
+    expanded = tokenizer.expand_image_placeholders(ids, counts)
+    assert len(expanded) == length
+    return ids, expanded
+
+
+def test_prompts_near_the_position_limit_finish_at_max_model_len_like_transformers(limit_pair):
+    """Greedy, ignore_eos, max_tokens past the limit: each request stops with "length" exactly when prompt +
+    output reaches max_model_len (cut_at_finish: the token that makes num_tokens == max_model_len is the last),
+    and its tokens are transformers' greedy tokens for that many new tokens; one prompt leaves room for one."""
+    folder, oracle = limit_pair
+    tokenizer = Tokenizer.from_pretrained(folder)
+    proc_cfg = ImageProcessorConfig.from_pretrained(folder)
+    image = random_image(60, 90, seed=11)
+    processed = [preprocess_image(image, proc_cfg, max_pixels=LIMIT_MAX_PIXELS)]
+    cases = [(LIMIT - 1, []), (LIMIT - 4, []), (LIMIT - 6, processed)]  # (prompt length, images)
+    prompts, expanded = [], []
+    for length, imgs in cases:
+        ids, full = prompt_of_length(tokenizer, length, imgs)
+        prompt = {"prompt_token_ids": ids}
+        if imgs:
+            prompt["multi_modal_data"] = {"image": [image]}
+        prompts.append(prompt)
+        expanded.append(full)
+    params = SamplingParams(temperature=0.0, max_tokens=LIMIT, ignore_eos=True)
+
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=LIMIT_MAX_PIXELS) as llm:
+        assert llm.engine.config.max_model_len == LIMIT
+        outputs = llm.generate(prompts, params)
+
+    image_token_id = oracle.config.image_token_id
+    for (length, imgs), full, out in zip(cases, expanded, outputs):
+        assert out.prompt_token_ids == full, "the engine expanded the prompt differently"
+        completion = out.outputs[0]
+        assert completion.finish_reason == "length"
+        assert len(full) + len(completion.token_ids) == LIMIT, (len(full), len(completion.token_ids))
+        expected_tokens, expected_logits = oracle_greedy(oracle, hf_inputs(full, imgs, image_token_id),
+                                                         LIMIT - length)
+        comparable = steps_fed_the_same_tokens(completion.token_ids, expected_tokens, expected_logits)
+        assert completion.token_ids[:comparable] == expected_tokens[:comparable]
