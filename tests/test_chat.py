@@ -1,9 +1,13 @@
 """nanomm-chat end to end: through a pipe (the scriptable mode) and in a pseudo-terminal (the interactive mode).
 
-Every run uses `--demo`, the random-weight checkpoint the chat generates on first use into $NANOMM_CACHE, which
-points at a temporary folder here, so nothing is written under the home directory and nothing is downloaded.
+Most runs use `--demo`, the random-weight checkpoint the chat generates on first use into $NANOMM_CACHE, which
+points at a temporary folder here, so nothing is written under the home directory. Every run is offline
+(HF_HUB_OFFLINE=1, an empty HF_HOME) and on the CPU in float32 (`--device cpu --dtype float32`): on a machine with
+a GPU the chat would otherwise pick CUDA and bfloat16, and the replies compared here would not be float32 replies.
+Every wait has a deadline and fails with what the chat printed so far.
 """
 
+import bisect
 import os
 import re
 import select
@@ -18,7 +22,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-TIMEOUT_S = 120
+from nanomm.chat import DEFAULT_MODEL
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
+
+TIMEOUT_S = 120  # one chat run, start to exit
+EXPECT_TIMEOUT_S = 60  # one wait for the screen to show something
+CPU = ["--device", "cpu", "--dtype", "float32"]  # every run: float32 replies, compared exactly
 ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 
@@ -29,10 +38,11 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def env(cache_dir, monkeypatch) -> dict:
+def env(cache_dir, tmp_path, monkeypatch) -> dict:
     monkeypatch.setenv("NANOMM_CACHE", str(cache_dir))
-    return {**os.environ, "NANOMM_CACHE": str(cache_dir), "COLUMNS": "200", "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "2"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    return {**base, "NANOMM_CACHE": str(cache_dir), "COLUMNS": "200", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
 
 
 @pytest.fixture
@@ -44,11 +54,16 @@ def image(tmp_path) -> Path:
     return path
 
 
-def chat(args, stdin: str, env: dict, cwd: Path, executable=None) -> tuple[int, list[str], str]:
-    """Run the chat with `stdin` piped in; (exit code, reply lines from stdout, stderr with whitespace squashed)."""
-    cmd = [executable] if executable else [sys.executable, "-m", "nanomm.chat"]
-    proc = subprocess.run(cmd + list(args), input=stdin.encode(), capture_output=True, check=False,
-                          env=env, cwd=cwd, timeout=TIMEOUT_S)
+def chat(args, stdin: str, env: dict, cwd: Path, executable=None, cmd=None) -> tuple[int, list[str], str]:
+    """Run the chat (on the CPU, float32) with `stdin` piped in; (exit code, reply lines from stdout, stderr with
+    whitespace squashed). `executable`: the console script; `cmd`: any other command line that runs the chat."""
+    cmd = cmd or ([executable] if executable else [sys.executable, "-m", "nanomm.chat"])
+    try:
+        proc = subprocess.run(cmd + CPU + list(args), input=stdin.encode(), capture_output=True, check=False,
+                              env=env, cwd=cwd, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the chat ({' '.join(args)}) did not finish in {TIMEOUT_S} s; stderr so far:\n"
+                    f"{(exc.stderr or b'').decode('utf-8', errors='replace')}")
     # Bytes, split on "\n" only: the demo's replies are random tokens, and universal-newline decoding would turn
     # a stray "\r" (or str.splitlines() a "\x1c" or "\u2028") inside one reply into a second line.
     out = proc.stdout.decode("utf-8", errors="replace")
@@ -131,6 +146,23 @@ def test_speculative_ngram_chat_replies_as_without_it(env, tmp_path):
     assert stat(err, "spec_draft_tokens")[0] > 0, err
 
 
+def test_speculative_draft_model_chat_replies_as_without_it(ckpt, env, tmp_path):
+    # A draft cut from the target: its first decoder layer of two, the target's tokenizer and vision tower.
+    draft = make_draft_checkpoint(ckpt, tmp_path / "draft-1l", num_layers=1)
+    stdin = "tell me about the cat on the mat\n/stats\n"
+    args = ["--model", str(ckpt), "--max-tokens", "24"]
+    rc, plain, err = chat(args, stdin, env, tmp_path)
+    assert rc == 0, err
+    assert len(plain) == 1 and stat(err, "spec_draft_tokens") == [0], err
+    rc, spec, err = chat(args + ["--speculative", str(draft), "--num-speculative-tokens", "3"], stdin, env, tmp_path)
+    assert rc == 0, err
+    assert "Traceback" not in err and "error" not in err.lower(), err
+    assert spec == plain  # greedy: the draft changes the speed, never the reply
+    proposed, accepted = stat(err, "spec_draft_tokens"), stat(err, "spec_accepted_tokens")
+    assert len(proposed) == len(accepted) == 1, err
+    assert proposed[0] > 0 and 0 <= accepted[0] <= proposed[0], err
+
+
 def test_bad_speculative_option_exits_1_with_one_sentence(env, tmp_path):
     rc, _, err = chat(["--demo", "--speculative", "ngram", "--num-speculative-tokens", "0"], "hi\n", env, tmp_path)
     assert rc == 1
@@ -151,41 +183,86 @@ def test_missing_model_folder_exits_1_with_one_sentence(env, tmp_path):
     assert "error: /no/such/dir:" in err
 
 
+# Run as `python -c NO_NETWORK_CHAT ARGS...`: the chat, with every attempt to resolve a host name or open a network
+# connection reported on stderr ("NETWORK ATTEMPT") and refused.
+NO_NETWORK_CHAT = """
+import socket, sys
+def _no_network(event, args):
+    if event == "socket.getaddrinfo" or (event == "socket.connect" and args[0].family != socket.AF_UNIX):
+        sys.stderr.write(f"NETWORK ATTEMPT: {event} {args[:2]!r}\\n")
+        raise OSError(f"network access is blocked in this test ({event})")
+sys.addaudithook(_no_network)
+from nanomm.chat import main
+sys.exit(main())
+"""
+FALLBACK = (f"could not reach the Hugging Face hub for {DEFAULT_MODEL}; "
+            "starting the offline demo model instead (--demo)")
+
+
+def test_unreachable_hub_falls_back_to_the_demo_model(env, tmp_path):
+    # No --model and no --demo: the chat tries the hub for the default model. Offline (HF_HUB_OFFLINE=1 from the
+    # start, an empty HF_HOME: no cached snapshot), it says so in one line and serves the demo model instead.
+    stdin = "hello there\n/stats\n"
+    cmd = [sys.executable, "-c", NO_NETWORK_CHAT]
+    rc, replies, err = chat(["--max-tokens", "8"], stdin, env, tmp_path, cmd=cmd)
+    assert rc == 0, err
+    assert "NETWORK ATTEMPT" not in err, err  # offline means offline: not even a DNS lookup
+    assert err.count(FALLBACK) == 1, err
+    assert "demo model: random weights" in err and "the engine is real" in err, err  # the demo notice follows
+    assert "Traceback" not in err and "error" not in err.lower(), err
+    assert len(replies) == 1 and 0 < stat(err, "generated_tokens")[0] <= 8, (replies, err)
+    # It is the demo model: the same reply as --demo gives (which never tries the hub).
+    rc, demo_replies, demo_err = chat(["--demo", "--max-tokens", "8"], stdin, env, tmp_path, cmd=cmd)
+    assert rc == 0, demo_err
+    assert "NETWORK ATTEMPT" not in demo_err and "could not reach" not in demo_err, demo_err
+    assert replies == demo_replies
+    assert stat(err, "generated_tokens") == stat(demo_err, "generated_tokens")
+
+
 # ---------------------------------------------------------------------------------------- the pseudo-terminal
 
 
+def screen(raw: bytes) -> str:
+    """What the terminal shows, as text: ANSI codes stripped from the whole byte stream (a colour code split
+    between two reads is still one code), carriage returns dropped."""
+    return ANSI.sub("", raw.decode("utf-8", errors="replace")).replace("\r", "")
+
+
 class Terminal:
-    """The chat in a pseudo-terminal: what a person typing sees, read chunk by chunk with a deadline."""
+    """The chat in a pseudo-terminal: what a person typing sees, read as it arrives, every wait with a deadline."""
 
     def __init__(self, args, env: dict, cwd: Path):
         import pty
 
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanomm.chat", *args], stdin=slave, stdout=slave,
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanomm.chat", *CPU, *args], stdin=slave, stdout=slave,
                                      stderr=slave, env=env, cwd=cwd, start_new_session=True, close_fds=True)
         os.close(slave)
-        self.deadline = time.monotonic() + TIMEOUT_S
-        self.chunks: list[str] = []  # every os.read, ANSI codes stripped, in arrival order
         self.raw = b""
+        self.read_ends: list[int] = []  # len(screen) after each os.read: which read brought which text
 
     @property
     def text(self) -> str:
-        return "".join(self.chunks)
+        return screen(self.raw)
+
+    def read_of(self, offset: int) -> int:
+        """The index of the os.read that brought the character at `offset` of the screen text."""
+        return bisect.bisect_right(self.read_ends, offset)
 
     def send(self, line: str) -> None:
         os.write(self.master, (line + "\r").encode())
 
-    def expect(self, pattern: str, start: int = 0) -> int:
-        """Read until `pattern` (a regex) appears in the screen text after offset `start`; its match's end."""
+    def expect(self, pattern: str, start: int = 0, timeout: float = EXPECT_TIMEOUT_S) -> re.Match:
+        """Read until `pattern` (a regex) appears in the screen text after offset `start`; its match. Fails after
+        `timeout` seconds, or as soon as the chat exits or closes the terminal, with the screen so far."""
         regex = re.compile(pattern)
-        while True:
-            m = regex.search(self.text, start)
-            if m:
-                return m.end()
-            remaining = self.deadline - time.monotonic()
+        deadline = time.monotonic() + timeout
+        while (m := regex.search(self.text, start)) is None:
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"timed out waiting for {pattern!r}; the screen so far:\n{self.text}")
-            ready, _, _ = select.select([self.master], [], [], min(remaining, 1.0))
+                raise AssertionError(f"no {pattern!r} on the screen after {timeout} s; the screen so far:\n"
+                                     f"{self.text}")
+            ready, _, _ = select.select([self.master], [], [], min(remaining, 0.5))
             if not ready:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"the chat exited ({self.proc.returncode}) before {pattern!r}:\n"
@@ -198,7 +275,14 @@ class Terminal:
             if not data:
                 raise AssertionError(f"the terminal closed before {pattern!r}:\n{self.text}")
             self.raw += data
-            self.chunks.append(ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r", ""))
+            self.read_ends.append(len(self.text))
+        return m
+
+    def wait(self, timeout: float = EXPECT_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the chat did not exit within {timeout} s; the screen:\n{self.text}") from None
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -208,35 +292,34 @@ class Terminal:
 
 
 def test_interactive_chat_streams_and_reports_ttft(image, env, tmp_path):
-    term = Terminal(["--demo", "--max-tokens", "12"], {**env, "TERM": "xterm-256color"}, tmp_path)
+    # 48 tokens: a reply that takes a good fraction of a second on the demo model, so that its first tokens reach
+    # the screen well before the summary line even when this machine is busy and the reader is slow to wake.
+    term = Terminal(["--demo", "--max-tokens", "48"], {**env, "TERM": "xterm-256color"}, tmp_path)
     try:
-        at = term.expect(r"you>")
+        at = term.expect(r"you>").end()
         assert "the engine is real" in term.text  # the demo notice, before the first prompt
         term.send(f"/image {image}")
-        at = term.expect(r"attached .*red-square\.png", at)
-        at = term.expect(r"you>", at)
+        at = term.expect(r"attached .*red-square\.png", at).end()
+        at = term.expect(r"you>", at).end()
 
         term.send("Describe it")
-        first_chunk = len(term.chunks)
-        reply_start = term.expect(r"assistant>", at)
-        chunk_of_prefix = len(term.chunks) - 1
-        at = term.expect(r"TTFT [0-9]+ ms \(preprocess [0-9]+ ms, encode [0-9]+ ms, prefill [0-9]+ ms\) \|"
-                         r" [0-9.]+ tok/s \| [1-9][0-9]* visual tokens \| [0-9]+ prefix-cached tokens", reply_start)
-        chunk_of_ttft = len(term.chunks) - 1
-        # Streamed: "assistant>" was on the screen before the reply finished, in an earlier read than the summary.
-        assert chunk_of_prefix < chunk_of_ttft, term.chunks[first_chunk:]
-        # ... and some of the reply itself arrived before the summary line did.
-        before_summary = "".join(term.chunks[:chunk_of_ttft])
-        assert before_summary[reply_start:].strip(), term.chunks[first_chunk:]
-        at = term.expect(r"you>", at)
+        reply_start = term.expect(r"assistant>", at).end()
+        ttft = term.expect(r"TTFT [0-9]+ ms \(preprocess [0-9]+ ms, encode [0-9]+ ms, prefill [0-9]+ ms\) \|"
+                           r" [0-9.]+ tok/s \| [1-9][0-9]* visual tokens \| [0-9]+ prefix-cached tokens", reply_start)
+        # Streamed: some of the reply was on the screen in a read before the one that brought the summary line.
+        summary_read = term.read_of(ttft.start())
+        before_summary = term.text[:term.read_ends[summary_read - 1]] if summary_read else ""
+        assert before_summary[reply_start:].strip(), (f"the reply arrived with its summary, not streamed:\n"
+                                                      f"{term.text[reply_start:]}")
+        at = term.expect(r"you>", ttft.end()).end()
 
         # The second turn about the same picture: the image is not encoded again.
         term.send("And the colours?")
-        at = term.expect(r"TTFT [^\n]*encode cached[^\n]*\| [1-9][0-9]* prefix-cached tokens", at)
-        at = term.expect(r"you>", at)
+        at = term.expect(r"TTFT [^\n]*encode cached[^\n]*\| [1-9][0-9]* prefix-cached tokens", at).end()
+        at = term.expect(r"you>", at).end()
 
         term.send("/quit")
-        assert term.proc.wait(timeout=30) == 0
+        assert term.wait() == 0
         assert "Traceback" not in term.text
     finally:
         term.close()

@@ -1,7 +1,10 @@
 """Loading: both config layouts, both weight-name layouts, shards, dtypes, and a clear error for everything else."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,7 +116,40 @@ def test_weights_that_do_not_match_the_config(ckpt, tmp_path):
         load_model(folder)
 
 
-def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(CheckpointError, match="cannot download 'nanomm-test/no-such-model'"):
-        load_model("nanomm-test/no-such-model")
+# Prepended to a child interpreter's code: any attempt to resolve a host name or open a network connection is
+# reported on stderr ("NETWORK ATTEMPT") and refused, so a test can prove that nothing tried to reach the hub.
+NO_NETWORK = """
+import socket, sys
+def _no_network(event, args):
+    if event == "socket.getaddrinfo" or (event == "socket.connect" and args[0].family != socket.AF_UNIX):
+        sys.stderr.write(f"NETWORK ATTEMPT: {event} {args[:2]!r}\\n")
+        raise OSError(f"network access is blocked in this test ({event})")
+sys.addaudithook(_no_network)
+"""
+
+
+def test_unreachable_hub_id_is_a_clear_error(tmp_path):
+    # huggingface_hub reads HF_HUB_OFFLINE once, when it is imported (huggingface_hub.constants.HF_HUB_OFFLINE):
+    # setting it in this process after the import would change nothing. A child process has it from the start,
+    # and an empty HF_HOME, so there is no cached snapshot to fall back on either.
+    code = NO_NETWORK + """
+from nanomm.errors import CheckpointError
+from nanomm.model.loader import load_model
+try:
+    load_model("nanomm-test/no-such-model")
+except CheckpointError as exc:
+    print(f"CheckpointError: {exc}")
+else:
+    print("loaded without the hub?!")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "NETWORK ATTEMPT" not in proc.stderr, proc.stderr  # offline mode: not even a DNS lookup
+    message = proc.stdout.strip()
+    expected = "CheckpointError: cannot download 'nanomm-test/no-such-model' from the Hugging Face hub ("
+    assert message.startswith(expected), message
+    assert message.endswith("; pass a local checkpoint folder instead"), message
+    assert "\n" not in message and "HF_HUB_OFFLINE" in message, message  # one line, and it names the cause

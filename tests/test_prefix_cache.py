@@ -93,12 +93,31 @@ def test_prefix_hit_ending_inside_an_image(ckpt, encoder_cache_size):
         assert llm.stats()["visual_tokens_encoded"] == encoded and out.metrics.encoder_cache_hits == 1
 
 
+def computed_block_hashes(llm, prompt, out) -> list[bytes]:
+    """The hashes of every full block a finished request computed: its prompt and all but its last token."""
+    prepared = llm.engine.prepare(prompt, GREEDY)
+    token_ids = list(prepared.token_ids) + out.outputs[0].token_ids
+    bm = llm.engine.block_manager
+    return bm.block_hashes(token_ids, prepared.image_spans, (len(token_ids) - 1) // bm.block_size, [])
+
+
 def test_eviction_under_pressure_stays_exact(ckpt):
-    llm = make_llm(ckpt, block_size=4, num_kv_blocks=30)
+    num_kv_blocks = 30
+    llm = make_llm(ckpt, block_size=4, num_kv_blocks=num_kv_blocks)
+    bm = llm.engine.block_manager
     prompts = [chat_prompt(f"request number {i}", [random_image(56 + 8 * i, 56, i)]) for i in range(6)]
-    assert_engine_matches_reference(llm, prompts, [GREEDY] * 6)
+    outs = assert_engine_matches_reference(llm, prompts, [GREEDY] * 6)
+    hashes = [computed_block_hashes(llm, p, o) for p, o in zip(prompts, outs)]
+    workload = set().union(*hashes)
+    # The workload computed more distinct blocks than the pool holds, so some had to be evicted...
+    assert len(workload) > num_kv_blocks, len(workload)
+    assert llm.stats()["kv_blocks_cached"] < len(workload)
+    # ...and what the cache still names is this workload's blocks, each hash naming the block that holds it.
+    assert set(bm.cached) <= workload
+    assert all(bm.blocks[block_id].block_hash == h for h, block_id in bm.cached.items())
+    # Least recently used goes first: the last request's blocks, freed last, are all still there.
+    assert len(bm.find_cached_prefix(hashes[-1])) == len(hashes[-1])
     again = assert_engine_matches_reference(llm, prompts[:1], [GREEDY])[0]
     span = llm.engine.prepare(prompts[0], GREEDY).image_spans[0]
     # The shared system-prompt blocks stay hot (every request hit them); the first image's were evicted.
     assert 0 < again.metrics.num_cached_tokens <= span.start
-    assert llm.stats()["kv_blocks_cached"] <= 30

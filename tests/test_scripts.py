@@ -1,0 +1,90 @@
+"""The benchmark scripts run end to end in their smallest configuration, offline, and write the JSON they promise.
+
+Benchmarks are not tests, and nothing here asserts a timing: these are smoke runs, so that a change in the library
+cannot break a script unnoticed. Each run is a subprocess with a deadline, started in a temporary folder, with the
+random checkpoint generated there (--preset tiny --cache-dir ck: a relative folder, so it lands under the run's
+cwd) and no network (HF_HUB_OFFLINE=1, an empty HF_HOME, --no-hf where the script has it).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240  # each script takes well under a minute on two busy cores; this only stops a hang
+SMALL = ["--preset", "tiny", "--cache-dir", "ck"]
+
+
+def run_script(name: str, args: list[str], cwd: Path) -> dict:
+    """Run scripts/<name>.py with `args` and --json; the JSON it wrote."""
+    out = cwd / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf-home"), OMP_NUM_THREADS="2", COLUMNS="150")
+    cmd = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args, "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s; output so far:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, \
+        f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert out.is_file(), f"{name}.py did not write {out}:\n{proc.stdout[-3000:]}"
+    assert (cwd / "ck" / "config.json").is_file()  # the checkpoint was generated in the run's folder
+    return json.loads(out.read_text())
+
+
+def test_bench_quick(tmp_path):
+    results = run_script("bench", ["--quick", "--no-hf", *SMALL], tmp_path)
+    assert {"command", "machine", "quick", "checkpoint", "preset", "model", "roofline", "engine_kwargs",
+            "hf_attn_implementation", "workloads", "total_s"} <= set(results), sorted(results)
+    assert results["quick"] is True and results["preset"] == "tiny"
+    assert Path(results["checkpoint"]) == Path("ck")  # relative to the run's cwd: tmp_path
+    assert results["hf_attn_implementation"] is None  # --no-hf: transformers never ran
+    assert set(results["workloads"]) == {"decode", "prefill"}
+    for name, workload in results["workloads"].items():
+        assert {"num_requests", "max_tokens", "nanomm", "decode_probe", "decode_roofline"} <= set(workload), name
+        assert "hf" not in workload and "speedup" not in workload, name
+        assert workload["num_requests"] == 4, name  # --quick's size
+        token_ids = workload["nanomm"]["token_ids"]
+        assert len(token_ids) == 4 and all(len(t) == workload["max_tokens"] for t in token_ids), name  # ignore_eos
+
+
+def test_bench_spec_quick(tmp_path):
+    # The tiny preset has 2 decoder layers: a 1-layer draft (the default --draft-layers 1,5 assumes "small").
+    results = run_script("bench_spec", ["--quick", "--no-hf", *SMALL, "--draft-layers", "1"], tmp_path)
+    assert {"machine", "command", "args", "workloads", "roofline", "weight_bytes_per_step",
+            "memory_bound_tokens_per_s"} <= set(results), sorted(results)
+    assert results["args"]["quick"] is True and results["args"]["max_tokens"] == 16
+    assert (tmp_path / "ck-draft1" / "config.json").is_file()  # the draft went next to the checkpoint
+    assert set(results["workloads"]) == {"repeat", "fresh", "sampled"}
+    configs = {"nanomm", "nanomm + n-gram (k=4)", "nanomm + draft 1L (k=4)"}
+    for name, workload in results["workloads"].items():
+        assert configs <= set(workload), (name, sorted(workload))
+        assert not any(key.startswith("transformers") for key in workload), name  # --no-hf
+        for config in configs:
+            assert len(workload[config]["token_ids"]) == 16, (name, config)
+        if workload["greedy"]:  # speculation never changes a greedy output: every configuration is exact
+            for config in configs:
+                assert workload[config]["token_ids"] == workload["nanomm"]["token_ids"], (name, config)
+    repeat = results["workloads"]["repeat"]
+    assert repeat["nanomm"]["draft_tokens"] == 0
+    assert repeat["nanomm + n-gram (k=4)"]["draft_tokens"] > 0  # the repeat workload is made for prompt lookup
+    assert repeat["nanomm + draft 1L (k=4)"]["draft_tokens"] > 0
+
+
+def test_bench_cache_smallest(tmp_path):
+    # bench_cache.py has no --quick: its smallest run, by its own flags.
+    args = [*SMALL, "--repeats", "1", "--jpeg-requests", "2", "--jpeg-max-tokens", "2", "--workers", "2"]
+    results = run_script("bench_cache", args, tmp_path)
+    assert {"machine", "checkpoint", "encoder_cache", "two_turn", "worker_pool"} <= set(results), sorted(results)
+    assert len(list((tmp_path / "ck" / "jpegs").glob("*.jpg"))) == 2  # its test images went there too
+    enc = results["encoder_cache"]
+    assert len(enc["cold_ttft_s"]) == len(enc["warm_ttft_s"]) == 1
+    assert enc["encoder_cache_hits"] == [1]  # the warm request's image came from the encoder cache
+    assert results["two_turn"]["prefix_cached_tokens"][0] > 0  # turn 2 reused turn 1's blocks
+    pool = results["worker_pool"]
+    assert (pool["requests"], pool["workers"], pool["max_tokens"]) == (2, 2, 2)
