@@ -135,6 +135,7 @@ def test_bad_image_on_the_command_line_is_one_sentence(env, tmp_path):
     assert len(replies) == 1, replies
 
 
+@pytest.mark.slow
 def test_speculative_ngram_chat_replies_as_without_it(env, tmp_path):
     stdin = "tell me about the cat on the mat\n/stats\n"
     args = ["--demo", "--max-tokens", "24"]
@@ -146,6 +147,7 @@ def test_speculative_ngram_chat_replies_as_without_it(env, tmp_path):
     assert stat(err, "spec_draft_tokens")[0] > 0, err
 
 
+@pytest.mark.slow
 def test_speculative_draft_model_chat_replies_as_without_it(ckpt, env, tmp_path):
     # A draft cut from the target: its first decoder layer of two, the target's tokenizer and vision tower.
     draft = make_draft_checkpoint(ckpt, tmp_path / "draft-1l", num_layers=1)
@@ -199,6 +201,7 @@ FALLBACK = (f"could not reach the Hugging Face hub for {DEFAULT_MODEL}; "
             "starting the offline demo model instead (--demo)")
 
 
+@pytest.mark.slow
 def test_unreachable_hub_falls_back_to_the_demo_model(env, tmp_path):
     # No --model and no --demo: the chat tries the hub for the default model. Offline (HF_HUB_OFFLINE=1 from the
     # start, an empty HF_HOME: no cached snapshot), it says so in one line and serves the demo model instead.
@@ -291,6 +294,7 @@ class Terminal:
         os.close(self.master)
 
 
+@pytest.mark.slow
 def test_interactive_chat_streams_and_reports_ttft(image, env, tmp_path):
     # 48 tokens: a reply that takes a good fraction of a second on the demo model, so that its first tokens reach
     # the screen well before the summary line even when this machine is busy and the reader is slow to wake.

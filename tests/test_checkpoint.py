@@ -193,6 +193,7 @@ def test_presets_parameter_counts():
     assert 300e6 < counts["2b-shaped"] < 400e6
 
 
+@pytest.mark.slow
 def test_2b_shaped_has_the_real_widths(tmp_path):
     folder = make_checkpoint(tmp_path / "2b", "2b-shaped", dtype="bfloat16")
     shapes = {}

@@ -130,6 +130,7 @@ def run_cli(*args, cwd):
                           capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_cli_text_only_and_draft(tmp_path):
     run = run_cli("--preset", "tiny", "--out", tmp_path / "target", "--set", "num_hidden_layers=3", cwd=tmp_path)
     assert run.returncode == 0, run.stderr

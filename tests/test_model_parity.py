@@ -147,6 +147,7 @@ def test_bfloat16_agrees_with_float32(pair):
     assert err > 0, "bf16 run was not actually in bf16"
 
 
+@pytest.mark.slow
 def test_2b_shaped_checkpoint_matches_transformers(tmp_path):
     """The real Qwen2-VL-2B widths (hidden 1536, 12 heads / 2 kv heads, vision 1280, tied, real vocab)."""
     folder = make_checkpoint(tmp_path / "2b", preset="2b-shaped")

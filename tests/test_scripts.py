@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a script in a subprocess (several seconds)
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240  # each script takes well under a minute on two busy cores; this only stops a hang
 SMALL = ["--preset", "tiny", "--cache-dir", "ck"]

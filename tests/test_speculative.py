@@ -374,6 +374,7 @@ def engine_sample_p_value(llm, prompt, params_list, joint) -> float:
     return chi_square_p_value(counts, torch.tensor([joint[c] for c in cells], dtype=torch.float64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["draft-weak", "ngram"])
 def test_engine_sampled_distribution_matches_target(ckpt, weak_ckpt, monkeypatch, proposer):
     """Many seeded requests through the engine with speculation: the first three tokens follow the target's
