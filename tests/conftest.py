@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from helpers import assert_no_leaks, run_to_completion
+from nanomm import LLM
 from nanomm.tools.random_checkpoint import make_checkpoint
 
 
@@ -17,3 +19,23 @@ def _deterministic_threads():
 def ckpt(tmp_path_factory):
     """The tiny random checkpoint most engine tests serve. Shared: copy it before changing any of its files."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
+
+
+@pytest.fixture(autouse=True)
+def _every_engine_ends_clean(monkeypatch):
+    """The one leak check, after every test: each LLM the test built is run to completion, then must hold no
+    request, no KV block (its draft's neither) and no encoder-cache entry; then its worker threads stop."""
+    built = []
+    build = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    yield
+    monkeypatch.undo()  # the test's own patches (a failing step, a slow preprocessor) come off first
+    for llm in built:
+        run_to_completion(llm.engine)
+        assert_no_leaks(llm)
+        llm.close()
