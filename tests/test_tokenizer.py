@@ -5,14 +5,12 @@ import json
 
 import pytest
 from PIL import Image
+from transformers import AutoTokenizer, Qwen2VLProcessor  # the oracle: missing, these tests fail (never skip)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.tokenizer import CHAT_TEMPLATE, IMAGE_PLACEHOLDER, Tokenizer
-
-transformers = pytest.importorskip("transformers")
-from transformers import AutoTokenizer, Qwen2VLProcessor  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+from nanomm.tools.random_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module", params=["qwen", "tiny"])
