@@ -93,3 +93,15 @@ def png_header_only(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0\0"))
             + chunk(b"IEND", b""))
+
+
+# Prepended to a child interpreter's code: any attempt to resolve a host name or open a network connection is
+# reported on stderr ("NETWORK ATTEMPT") and refused, so a test can prove that nothing tried to reach the hub.
+NO_NETWORK = """
+import socket, sys
+def _no_network(event, args):
+    if event == "socket.getaddrinfo" or (event == "socket.connect" and args[0].family != socket.AF_UNIX):
+        sys.stderr.write(f"NETWORK ATTEMPT: {event} {args[:2]!r}\\n")
+        raise OSError(f"network access is blocked in this test ({event})")
+sys.addaudithook(_no_network)
+"""

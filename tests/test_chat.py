@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from helpers import NO_NETWORK
 from nanomm.chat import DEFAULT_MODEL
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint
 
@@ -187,13 +188,7 @@ def test_missing_model_folder_exits_1_with_one_sentence(env, tmp_path):
 
 # Run as `python -c NO_NETWORK_CHAT ARGS...`: the chat, with every attempt to resolve a host name or open a network
 # connection reported on stderr ("NETWORK ATTEMPT") and refused.
-NO_NETWORK_CHAT = """
-import socket, sys
-def _no_network(event, args):
-    if event == "socket.getaddrinfo" or (event == "socket.connect" and args[0].family != socket.AF_UNIX):
-        sys.stderr.write(f"NETWORK ATTEMPT: {event} {args[:2]!r}\\n")
-        raise OSError(f"network access is blocked in this test ({event})")
-sys.addaudithook(_no_network)
+NO_NETWORK_CHAT = NO_NETWORK + """
 from nanomm.chat import main
 sys.exit(main())
 """

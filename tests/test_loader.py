@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import NO_NETWORK
 from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.model.config import ModelConfig
 from nanomm.errors import CheckpointError
@@ -114,18 +115,6 @@ def test_weights_that_do_not_match_the_config(ckpt, tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="mystery"):
         load_model(folder)
-
-
-# Prepended to a child interpreter's code: any attempt to resolve a host name or open a network connection is
-# reported on stderr ("NETWORK ATTEMPT") and refused, so a test can prove that nothing tried to reach the hub.
-NO_NETWORK = """
-import socket, sys
-def _no_network(event, args):
-    if event == "socket.getaddrinfo" or (event == "socket.connect" and args[0].family != socket.AF_UNIX):
-        sys.stderr.write(f"NETWORK ATTEMPT: {event} {args[:2]!r}\\n")
-        raise OSError(f"network access is blocked in this test ({event})")
-sys.addaudithook(_no_network)
-"""
 
 
 def test_unreachable_hub_id_is_a_clear_error(tmp_path):
