@@ -4,6 +4,7 @@ Everything wrong with what a caller sends (a prompt, an image, a sampling parame
 `InvalidInputError` with a message naming the input, before any model compute runs.
 """
 
+import math
 import operator
 
 
@@ -13,6 +14,11 @@ class InvalidInputError(ValueError):
 
 class CheckpointError(ValueError):
     """A folder or hub id that does not hold a usable Qwen2-VL checkpoint."""
+
+
+def is_finite_number(x) -> bool:
+    """An int or a float that is finite; never a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_int(value, name: str, *, minimum: int = 1, error: type[ValueError] = ValueError) -> int:

@@ -6,12 +6,11 @@ verifies can depend on the batch, so a seed's tokens differ from those without i
 lessons/08-speculative-decoding.md.) Greedy is temperature 0: a plain argmax, no randomness consumed.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from nanomm.errors import InvalidInputError, check_int
+from nanomm.errors import InvalidInputError, check_int, is_finite_number
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -28,9 +27,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        _check(_is_number(self.temperature) and self.temperature >= 0,
+        _check(is_finite_number(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(is_finite_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = check_int(self.top_k, "top_k (0 or -1 = off)", minimum=-1, error=InvalidInputError)
         self.max_tokens = check_int(self.max_tokens, "max_tokens", error=InvalidInputError)
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
@@ -52,10 +51,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, dividing the logits by the temperature overflows float32: it means argmax anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str):

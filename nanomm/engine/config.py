@@ -8,11 +8,10 @@ never silently dropped; a bad value is a ValueError quoting the value given. `No
 once the model is loaded (`LLM` does it): the model's context length, the KV pool that fits the memory.
 """
 
-import math
 from dataclasses import dataclass, fields
 
 from nanomm.engine.speculative import SpeculativeConfig
-from nanomm.errors import check_int
+from nanomm.errors import check_int, is_finite_number
 
 
 @dataclass
@@ -59,16 +58,12 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cpu_fast_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+        if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_memory_gib is not None and not (_is_number(self.kv_cache_memory_gib)
+        if self.kv_cache_memory_gib is not None and not (is_finite_number(self.kv_cache_memory_gib)
                                                          and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
         elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

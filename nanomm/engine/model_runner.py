@@ -92,16 +92,18 @@ class ModelRunner:
         The request holds the cache entry until its prefill has passed the image."""
         needed = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
                   if span.overlaps(chunk.start, chunk.end) and i not in chunk.request.held_images]
-        to_encode, hits = {}, set()  # cache key -> ProcessedImage, in order; (sequence, image) served by the cache
+        to_encode = {}  # cache key -> ProcessedImage, in order
+        cache_hits = []  # per needed image: served without an encode of its own
         for request, i in needed:
             key = request.image_keys[i]
             if key in to_encode:  # another request of this step shows the same picture: one encode serves both
                 self.encoder_cache.count_shared_hit()
-                hits.add((id(request), i))
+                cache_hits.append(True)
             elif self.encoder_cache.lookup(key) is not None:
-                hits.add((id(request), i))
+                cache_hits.append(True)
             else:
                 to_encode[key] = request.prompt.images[i]
+                cache_hits.append(False)
         share = {}  # cache key -> the encode time it is charged
         if to_encode:
             start = time.perf_counter()
@@ -114,9 +116,9 @@ class ModelRunner:
             self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
             self.encode_s += elapsed
             share = {key: elapsed * im.pixel_values.shape[0] / pixels.shape[0] for key, im in to_encode.items()}
-        for request, i in needed:  # each request is charged for the images encoded for it
+        for (request, i), cache_hit in zip(needed, cache_hits):  # each is charged for the images encoded for it
             key = request.image_keys[i]
-            request.record_image_ready((id(request), i) in hits, share.pop(key, 0.0))
+            request.record_image_ready(cache_hit, share.pop(key, 0.0))
             self.encoder_cache.hold(key)
             request.held_images[i] = key
 
