@@ -113,15 +113,19 @@ def greedy(max_tokens: int) -> SamplingParams:
 # The machine and its roofline
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo on Linux), which every benchmark figure is recorded with."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    cpu = cpu_name()
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):

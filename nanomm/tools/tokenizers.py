@@ -105,6 +105,12 @@ def build_tiny_tokenizer():
     The Qwen special tokens are appended after the trained vocabulary, so their ids are small (512..525):
     code that hard-codes 151655 for <|image_pad|> fails on the tiny checkpoint. Training is deterministic.
     """
+    return build_bpe_tokenizer([TINY_CORPUS], TINY_VOCAB_SIZE)
+
+
+def build_bpe_tokenizer(texts, vocab_size: int):
+    """Train a byte-level BPE with Qwen2's pre-tokenizer and normalizer on `texts`; Qwen's special tokens follow
+    the trained vocabulary. Any text still encodes (every byte is a token); frequent words become one token."""
     tok = HFTokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -112,16 +118,20 @@ def build_tiny_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TINY_CORPUS], trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 
 def write_tiny_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     """Write tokenizer.json, vocab.json, merges.txt and tokenizer_config.json. Returns (special ids, size)."""
-    tok = build_tiny_tokenizer()
+    return write_tokenizer_files(build_tiny_tokenizer(), out)
+
+
+def write_tokenizer_files(tok, out: Path) -> tuple[dict[str, int], int]:
+    """Save a `build_bpe_tokenizer` tokenizer in the Hub layout. Returns (special token ids, size)."""
     tok.save(str(out / "tokenizer.json"))
     tok.model.save(str(out))  # vocab.json + merges.txt, for tools that want the slow-tokenizer files
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

@@ -1,0 +1,191 @@
+"""The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
+
+Lesson: lessons/11-demo-model.md. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
+the batches and the loss.
+
+A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at
+the start, `train_state.pt` (weights, optimizer, step) saved every `save_every` steps so that a killed run
+resumes where it stopped, and at the end `model.safetensors` in float16, which is what nanomm and transformers
+load.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from nanomm.demo.tasks import compare_questions, scene_questions
+from nanomm.demo.training import TrainConfig, batch_loss, learning_rate, make_batch
+from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.loader import canonical_name, load_model
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_config, write_json
+from nanomm.tools.tokenizers import build_bpe_tokenizer, write_tokenizer_files
+from nanomm.tools.weights import model_spec, random_weights, save_safetensors
+
+# The demo model's shape: ~6M parameters. head_dim 64 = 2 * (8 + 12 + 12), the M-RoPE split of Qwen2-VL-2B scaled.
+DEMO_SPEC = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "mrope_section": [8, 12, 12], "tie_word_embeddings": True,
+             "max_position_embeddings": 4096,
+             "vision_config": {"depth": 4, "embed_dim": 192, "num_heads": 3}}
+# A tiny variant with the same tokenizer and pictures, for tests: a few training steps take seconds.
+TINY_SPEC = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "mrope_section": [4, 2, 2],
+             "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
+# Pictures are capped at 100 visual tokens (280x280 pixels): the demo's default, and what it was trained for.
+DEMO_MAX_PIXELS = 100 * 28 * 28
+DEMO_MIN_PIXELS = 16 * 28 * 28
+VOCAB_SIZE = 768
+STATE_FILE = "train_state.pt"
+
+
+def tokenizer_corpus(seed: int = 0, chats: int = 3000) -> list[str]:
+    """Text the demo tokenizer is trained on: every question form and answer, with the casing variants."""
+    from nanomm.demo.scenes import random_scene  # a few thousand scenes' worth of questions (no drawing)
+    from nanomm.demo.tasks import vary
+    from nanomm.tools.tokenizers import TINY_CORPUS
+
+    rng, texts = random.Random(seed), [TINY_CORPUS]
+    for _ in range(chats):
+        scene = random_scene(rng)
+        qas = [qa for qas in scene_questions(scene, rng).values() for qa in qas]
+        qas += compare_questions(scene, random_scene(rng))
+        texts += [f"{vary(qa.question, rng)}\n{qa.answer}\n" for qa in qas]
+    return texts
+
+
+def new_run(folder: Path, spec_overrides: dict | None = None, seed: int = 0) -> Path:
+    """Write the Hub files and random initial weights of a new model into folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    special_ids, vocab = write_tokenizer_files(build_bpe_tokenizer(tokenizer_corpus(seed), VOCAB_SIZE), folder)
+    spec = model_spec("tiny", {**DEMO_SPEC, "vocab_size": vocab, **(spec_overrides or {})})
+    write_json(folder / "config.json", flat_config(spec, special_ids, "float32"))
+    write_json(folder / "generation_config.json", generation_config(special_ids))
+    preprocessor = preprocessor_config(spec, "old") | {"min_pixels": DEMO_MIN_PIXELS, "max_pixels": DEMO_MAX_PIXELS}
+    write_json(folder / "preprocessor_config.json", preprocessor)
+    save_safetensors(random_weights(spec, seed), folder / "model.safetensors")
+    return folder
+
+
+def new_draft_run(target: Path, folder: Path, num_layers: int) -> Path:
+    """A draft to train: the trained target cut to its first num_layers decoder layers (vision tower kept)."""
+    from nanomm.tools.draft_checkpoint import make_draft_checkpoint
+
+    return make_draft_checkpoint(target, folder, num_layers)
+
+
+def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> None:
+    """model.safetensors in the original Hub names (model.*, visual.*), in `dtype`; config.json says so."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        hub_name = "model." + name.removeprefix("language_model.") if name.startswith("language_model.") else name
+        assert canonical_name(hub_name) == name, (hub_name, name)
+        state[hub_name] = tensor.detach().to(dtype).contiguous()
+    save_safetensors(state, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_json(folder / "config.json", config)
+
+
+def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=print, stop_before: int | None = None) -> dict:
+    """Train the model in folder for cfg.steps steps (resuming from train_state.pt if present). Returns a summary.
+
+    stop_before: end the run before that step without saving, as if it were killed (tests of resuming)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    model = load_model(folder).float().train()
+    trainable = _trainable_parameters(model, cfg)
+    optimizer = torch.optim.AdamW(_param_groups(trainable, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.98))
+    start = _resume(folder, model, optimizer)
+    history, window, began = [], {}, time.perf_counter()
+    # Batches are drawn in a second process, one step ahead, while this one computes.
+    with _progress(show_progress) as progress, ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
+        bar = progress.add_task("training", total=cfg.steps, completed=start, loss=float("nan"))
+        next_batch = pool.submit(_make_batch_in_worker, str(folder), start, cfg)
+        for step in range(start, cfg.steps if stop_before is None else min(stop_before, cfg.steps)):
+            batch = next_batch.result()
+            if step + 1 < cfg.steps:
+                next_batch = pool.submit(_make_batch_in_worker, str(folder), step + 1, cfg)
+            loss, accuracy = _train_step(model, optimizer, trainable, step, cfg, batch)
+            history.append(loss)
+            _accumulate(window, accuracy)
+            progress.update(bar, advance=1, loss=sum(history[-50:]) / len(history[-50:]))
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                _save_state(folder, model, optimizer, step + 1, cfg)
+                log(f"step {step + 1}: loss {sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
+                    + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items()))
+                window = {}
+    return {"steps": cfg.steps, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
+            "model": model}
+
+
+@functools.lru_cache(maxsize=2)
+def _processors(folder: str) -> tuple[Tokenizer, ImageProcessorConfig]:
+    return Tokenizer.from_pretrained(folder), ImageProcessorConfig.from_pretrained(folder)
+
+
+def _make_batch_in_worker(folder: str, step: int, cfg: TrainConfig):
+    return make_batch(step, cfg, *_processors(folder))
+
+
+def _train_step(model, optimizer, trainable, step, cfg, batch):
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    loss, accuracy = batch_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+    optimizer.step()
+    return loss.item(), accuracy
+
+
+def _trainable_parameters(model: Qwen2VL, cfg: TrainConfig) -> list[torch.nn.Parameter]:
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (cfg.freeze_vision and name.startswith("visual.")))
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _param_groups(params, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only, not on norms and biases."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _accumulate(window: dict, accuracy: dict) -> None:
+    for task, (right, total) in accuracy.items():
+        r, n = window.get(task, (0, 0))
+        window[task] = (r + right, n + total)
+
+
+def _resume(folder: Path, model, optimizer) -> int:
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return 0
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"]
+
+
+def _save_state(folder: Path, model, optimizer, step: int, cfg: TrainConfig) -> None:
+    tmp = folder / (STATE_FILE + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "config": cfg.to_dict()}, tmp)
+    tmp.replace(folder / STATE_FILE)  # atomic: a kill mid-save leaves the previous state
+
+
+def _progress(show: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    disable=not show)

@@ -1,0 +1,209 @@
+"""Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
+
+Lesson: lessons/11-demo-model.md. The script is scripts/train_demo.py; this module is its parts.
+
+The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. Four things make it learn quickly:
+
+- one picture, many questions: a training sequence is a whole chat, one or two pictures then up to eight
+  question/answer turns, so one vision encode feeds many supervised answers (and follow-ups are trained);
+- only answers are supervised: the loss is over the assistant's answer tokens and their <|im_end|>;
+- a short curriculum: the first steps see pictures with one or two shapes, where "which shape is red" is
+  easy, then up to the full mix;
+- fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
+  resumed run sees exactly the data it would have seen.
+
+A batch is `batch_size` chats padded to one length; attention is causal per chat (`PaddedCausalAttention`),
+and the vision tower runs all the batch's pictures in one call.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanomm.demo.scenes import SHAPES, random_scene, render
+from nanomm.demo.tasks import QA, TASKS, compare_questions, scene_questions, vary
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.model.rope import mrope_positions
+
+IGNORE = -100  # the label of a token the loss skips
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 4800
+    batch_size: int = 16
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    curriculum_steps: int = 800  # pictures with 1-2 shapes first, then the full mix
+    compare_fraction: float = 0.2  # chats with two pictures
+    max_turns: int = 8
+    seed: int = 0
+    save_every: int = 250
+    threads: int = 0  # torch threads; 0 = leave torch's default
+    freeze_vision: bool = False  # train the text model only (the draft)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chats: questions and answers -> token ids and labels
+
+
+@dataclass
+class Example:
+    token_ids: list[int]  # the whole chat, image pads expanded
+    labels: list[int]  # token id to predict at each position, or IGNORE
+    images: list  # ProcessedImage, in prompt order
+    tasks: list[str]  # the task of each answer, in order (for per-task accuracy)
+
+
+def encode_chat(tokenizer: Tokenizer, images: list, qas: list[QA]) -> Example:
+    """A chat of len(qas) turns about the images (all attached to the first turn), as the chat template renders it.
+
+    Each answer's tokens and its <|im_end|> are labelled; everything else is context. Text is encoded in pieces
+    that the pre-tokenizer splits at anyway, so the ids equal encoding the whole rendered chat at once
+    (tests/test_demo.py checks that against `Tokenizer.apply_chat_template`).
+    """
+    im_end = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    pictures = "<|vision_start|><|image_pad|><|vision_end|>" * len(images)
+    ids = tokenizer.encode(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{pictures}")
+    ids = tokenizer.expand_image_placeholders(ids, [im.num_tokens for im in images])
+    labels = [IGNORE] * len(ids)
+    for qa in qas:
+        context = tokenizer.encode(f"{qa.question}<|im_end|>\n<|im_start|>assistant\n")
+        answer = tokenizer.encode(qa.answer) + [im_end]
+        ids += context + answer
+        labels += [IGNORE] * len(context) + answer
+        newline = tokenizer.encode("\n" if qa is qas[-1] else "\n<|im_start|>user\n")
+        ids += newline
+        labels += [IGNORE] * len(newline)
+    return Example(ids, labels, images, [qa.task for qa in qas])
+
+
+def pick_questions(by_task: dict[str, list[QA]], rng: random.Random, max_turns: int) -> list[QA]:
+    """Up to max_turns questions, covering as many tasks as the scene allows (rarer tasks first), no repeats."""
+    chosen = []
+    pools = {task: rng.sample(qas, len(qas)) for task, qas in by_task.items()}
+    while len(chosen) < max_turns and any(pools.values()):
+        for task in rng.sample(sorted(pools), len(pools)):
+            if pools[task] and len(chosen) < max_turns:
+                chosen.append(pools[task].pop())
+    return rng.sample(chosen, len(chosen))
+
+
+def training_scene(rng: random.Random, step: int, cfg: TrainConfig):
+    """A random scene; during the curriculum only 1-2 shapes; a third of the time many of one shape (counting)."""
+    if step < cfg.curriculum_steps:
+        return random_scene(rng, num_shapes=rng.randint(1, 2))
+    if rng.random() < 0.35:
+        return counting_scene(rng)
+    return random_scene(rng, num_shapes=rng.randint(1, 5))
+
+
+def counting_scene(rng: random.Random, kind: str | None = None, count: int | None = None, **kwargs):
+    """A scene with `count` (0..6) shapes of one kind among 0..3 others: what "How many" needs to be learned."""
+    kind = kind or rng.choice(SHAPES)
+    count = rng.randint(0, 6) if count is None else count
+    others = [k for k in SHAPES if k != kind]
+    kinds = [kind] * count + [rng.choice(others) for _ in range(rng.randint(0 if count else 1, 3))]
+    return random_scene(rng, kinds=rng.sample(kinds, len(kinds)), **kwargs)
+
+
+def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
+                 image_config: ImageProcessorConfig) -> Example:
+    if step >= cfg.curriculum_steps and rng.random() < cfg.compare_fraction:
+        scenes = [counting_scene(rng), counting_scene(rng)]
+        qas = compare_questions(*scenes)
+        if not qas:
+            return make_example(rng, step, cfg, tokenizer, image_config)
+        qas = rng.sample(qas, min(len(qas), 3))
+    else:
+        scenes = [training_scene(rng, step, cfg)]
+        qas = pick_questions(scene_questions(scenes[0], rng), rng, cfg.max_turns)
+        if not qas:
+            return make_example(rng, step, cfg, tokenizer, image_config)
+    images = [preprocess_image(render(scene, rng), image_config) for scene in scenes]
+    qas = [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas]
+    return encode_chat(tokenizer, images, qas)
+
+
+def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> list[Example]:
+    """The batch of a step depends only on (seed, step): a resumed run sees the same data."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    return [make_example(rng, step, cfg, tokenizer, image_config) for _ in range(cfg.batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The forward pass over a padded batch
+
+
+class PackedCausalAttention:
+    """Attention backend for training: several chats packed end to end, causal within each, no cache.
+
+    Like the vision tower's per-image attention: one fused attention call per chat, so no chat pays for
+    another's length and nothing is padded."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_causal(*parts) for parts in zip(*(x.split(self.lengths) for x in (q, k, v)))])
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(n, heads, d) and (n, kv_heads, d) -> (n, heads, d): causal grouped-query attention over one chat."""
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, n, d)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+
+
+def batch_loss(model: Qwen2VL, batch: list[Example]) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """Mean cross-entropy over answer tokens, and per task (first answer tokens right, answers)."""
+    cfg = model.config
+    ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
+    # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
+    targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]])
+    grids = [[tuple(im.grid_thw) for im in ex.images] for ex in batch]
+    positions = torch.cat([mrope_positions(ex.token_ids, g, cfg.image_token_id, cfg.vision.spatial_merge_size)[0]
+                           for ex, g in zip(batch, grids)], dim=1)  # (3, total tokens)
+    pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
+    image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))
+    attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
+    hidden = model(ids, positions, attention, image_embeds, ids == cfg.image_token_id)  # (total tokens, hidden)
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    logits = model.compute_logits(hidden[rows])
+    loss = F.cross_entropy(logits, targets[rows])
+    return loss, _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
+
+
+def _first_token_accuracy(batch, rows, correct) -> dict[str, tuple[int, int]]:
+    """Per task: how often the first token of the answer was the argmax (teacher-forced). A cheap live signal."""
+    stats: dict[str, list[int]] = {task: [0, 0] for task in TASKS}
+    by_row, offset = dict(zip(rows.tolist(), correct.tolist())), 0
+    for ex in batch:
+        starts = [t - 1 for t in range(1, len(ex.labels)) if ex.labels[t] != IGNORE and ex.labels[t - 1] == IGNORE]
+        for task, t in zip(ex.tasks, starts):
+            stats[task][0] += by_row[offset + t]
+            stats[task][1] += 1
+        offset += len(ex.token_ids)
+    return {task: (right, total) for task, (right, total) in stats.items() if total}

@@ -1,0 +1,68 @@
+"""Train nanomm's demo model (a small Qwen2-VL that answers questions about shapes) on the CPU.
+
+    python scripts/train_demo.py --out runs/demo                 # the shipped recipe (see BENCHMARKS.md)
+    python scripts/train_demo.py --out runs/demo                 # run again: resumes from runs/demo/train_state.pt
+    python scripts/train_demo.py --out runs/draft --draft-of runs/demo   # the draft for speculative decoding
+
+The recipe is in nanomm/demo/training.py (data, loss) and nanomm/demo/trainer.py (loop); lessons/11-demo-model.md
+tells the story. Reproducible from --seed: each step's batch depends only on (seed, step). The result is
+runs/demo/model.safetensors (float16) beside its config and tokenizer, loadable by nanomm and transformers.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
+
+from bench import cpu_name  # noqa: E402
+from nanomm.demo.trainer import TINY_SPEC, export, new_draft_run, new_run, train  # noqa: E402
+from nanomm.demo.training import TrainConfig  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path, help="run folder (created, or resumed if it has a state)")
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    parser.add_argument("--curriculum-steps", type=int, default=TrainConfig.curriculum_steps)
+    parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
+    parser.add_argument("--stop-at", type=int, help="end the run (unexported) before this step; resume it later")
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--draft-of", type=Path, help="train a draft model from this trained model's folder")
+    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers the draft keeps")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (for tests): 2 small layers")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                      curriculum_steps=args.curriculum_steps, save_every=args.save_every, seed=args.seed,
+                      threads=args.threads, freeze_vision=args.draft_of is not None)
+    if not (args.out / "config.json").is_file():
+        if args.draft_of:
+            new_draft_run(args.draft_of, args.out, args.draft_layers)
+        else:
+            new_run(args.out, TINY_SPEC if args.tiny else None, seed=args.seed)
+    began = time.perf_counter()
+    result = train(args.out, cfg, show_progress=not args.no_progress, stop_before=args.stop_at)
+    if args.stop_at is not None and args.stop_at < cfg.steps:
+        return  # the last saved state (every --save-every steps) is where the next run resumes
+    export(result["model"], args.out)
+    summary = {"steps": cfg.steps, "resumed_at": result["first_step"], "seconds": round(time.perf_counter() - began, 1),
+               "final_loss": sum(result["losses"][-50:]) / max(1, len(result["losses"][-50:])),
+               "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                          f"{torch.get_num_threads()} threads", "config": cfg.to_dict()}
+    (args.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+
+
+if __name__ == "__main__":
+    main()

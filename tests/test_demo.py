@@ -1,0 +1,206 @@
+"""The demo model's making: scenes, questions and answers, grading, chats as training sequences, the training loop.
+
+The expected answers here are written by hand from scenes built by hand, never computed by nanomm.demo.
+tests/test_demo_model.py tests the trained model itself.
+"""
+
+import random
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
+from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
+from nanomm.demo.trainer import TINY_SPEC, new_run, train
+from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, make_batch
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.inputs.tokenizer import Tokenizer
+
+
+def shape(kind, colour, x, y, radius=10):
+    return Shape(kind, colour, PALETTE[colour][0], x, y, radius)
+
+
+def plain_scene(shapes, number=None):
+    style = {"background": "light", "colours": ((255, 255, 255),) * 2, "supersample": 1, "outline": None,
+             "blur": 0.0, "jpeg": None, "noise": 0}
+    return Scene(200, 200, shapes, number=number, number_box=(150, 10, 180, 30) if number else None,
+                 style=style | ({"number_font": "aileron", "number_rgb": (0, 0, 0), "number_bold": False}
+                                if number else {}))
+
+
+# A red circle top-left, a blue square bottom-right, two green stars in the middle row.
+SCENE = plain_scene([shape("circle", "red", 40, 40), shape("square", "blue", 160, 160),
+                     shape("star", "green", 60, 100), shape("star", "green", 140, 100)], number="42")
+
+
+def answers(scene, task):
+    return {qa.question: qa.answer for qa in scene_questions(scene, random.Random(0)).get(task, [])}
+
+
+def test_questions_and_answers_follow_the_scene():
+    assert answers(SCENE, "colour") == {"What colour is the circle?": "red", "What colour is the square?": "blue"}
+    # Green is on two objects: "What shape is the green object?" has no single answer, so it is not asked.
+    assert answers(SCENE, "shape") == {"What shape is the red object?": "circle",
+                                       "What shape is the blue object?": "square"}
+    assert answers(SCENE, "count") == {"How many circles are there?": "1", "How many squares are there?": "1",
+                                       "How many triangles are there?": "0", "How many stars are there?": "2"}
+    assert answers(SCENE, "left_right") == {"Is the circle left or right of the square?": "left",
+                                            "Is the square left or right of the circle?": "right"}
+    assert answers(SCENE, "above_below") == {"Is the circle above or below the square?": "above",
+                                             "Is the square above or below the circle?": "below"}
+    assert answers(SCENE, "number") == {"What number is written in the picture?": "42"}
+    assert describe(SCENE) == "a red circle, a green star, a green star and a blue square"  # left to right
+
+
+def test_shapes_too_close_to_call_are_not_asked_about():
+    close = plain_scene([shape("circle", "red", 100, 40), shape("square", "blue", 102, 160)])
+    assert answers(close, "left_right") == {}  # 2 px apart horizontally: no "left of" question
+    assert set(answers(close, "above_below").values()) == {"above", "below"}
+
+
+def test_compare_asks_only_about_shapes_whose_counts_differ():
+    first = plain_scene([shape("star", "red", 40, 40), shape("star", "blue", 120, 40), shape("circle", "red", 80, 120)])
+    second = plain_scene([shape("star", "pink", 40, 40), shape("circle", "red", 80, 120), shape("circle", "red", 140, 150)])
+    qas = compare_questions(first, second)
+    assert {qa.question: qa.answer for qa in qas} == {
+        "Which picture has more circles, the first or the second?": "second",
+        "Which picture has more stars, the first or the second?": "first"}
+
+
+@pytest.mark.parametrize("reply, right", [
+    ("red", True), ("Red.", True), ("It is red.", True), ("RED!", True), ("blue", False), ("", False),
+    ("red or blue", False)])
+def test_grade_one_word_answers(reply, right):
+    assert grade(QA("colour", "What colour is the circle?", "red"), reply) is right
+
+
+def test_grade_descriptions_as_sets_of_coloured_shapes():
+    qa = QA("describe", "Describe the picture.", "a red circle and a blue square")
+    assert grade(qa, "A blue square and a red circle.")
+    assert not grade(qa, "a red circle")
+    assert not grade(qa, "a blue circle and a red square")
+    assert not grade(qa, "a red circle, a blue square and a green star")
+
+
+def test_scenes_and_pictures_are_reproducible_from_the_seed():
+    one, two = random.Random(7), random.Random(7)
+    a, b = random_scene(one), random_scene(two)
+    assert a == b
+    assert render(a, one).tobytes() == render(b, two).tobytes()
+    assert random_scene(random.Random(8)) != a
+
+
+def test_random_scenes_cover_every_shape_colour_and_background():
+    rng = random.Random(0)
+    scenes = [random_scene(rng) for _ in range(300)]
+    assert {s.kind for sc in scenes for s in sc.shapes} == set(SHAPES)
+    assert {s.colour for sc in scenes for s in sc.shapes} == set(COLOURS)
+    assert {sc.style["background"] for sc in scenes} == {"light", "dark", "gradient", "noise", "colour"}
+    assert sum(sc.number is not None for sc in scenes) > 60
+    for sc in scenes:  # no two shapes overlap, and all are inside the picture
+        for i, s in enumerate(sc.shapes):
+            assert s.radius <= s.x <= sc.width - s.radius and s.radius <= s.y <= sc.height - s.radius
+            assert all((s.x - t.x) ** 2 + (s.y - t.y) ** 2 > (s.radius + t.radius) ** 2 for t in sc.shapes[i + 1:])
+
+
+def test_a_drawn_shape_has_its_colour_where_the_scene_says():
+    scene = plain_scene([shape("circle", "red", 50, 50, radius=20), shape("square", "blue", 150, 150, radius=20)])
+    picture = render(scene)
+    assert picture.getpixel((50, 50)) == PALETTE["red"][0]
+    assert picture.getpixel((150, 150)) == PALETTE["blue"][0]
+    assert picture.getpixel((150, 50)) == (255, 255, 255)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chats as training sequences, and the loop
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny demo-shaped model (the demo's tokenizer and pictures), untrained."""
+    return new_run(tmp_path_factory.mktemp("demo-tiny") / "run", TINY_SPEC)
+
+
+def test_a_training_chat_is_what_the_chat_template_renders(tiny_run):
+    tokenizer = Tokenizer.from_pretrained(tiny_run)
+    config = ImageProcessorConfig.from_pretrained(tiny_run)
+    image = preprocess_image(render(SCENE), config)
+    qas = [QA("colour", "What colour is the circle?", "red"), QA("count", "How many stars are there?", "2")]
+    example = encode_chat(tokenizer, [image], qas)
+
+    messages = [{"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "text", "text": qas[0].question}]},
+                {"role": "assistant", "content": "red"}, {"role": "user", "content": qas[1].question},
+                {"role": "assistant", "content": "2"}]
+    text, _ = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    expected = tokenizer.expand_image_placeholders(tokenizer.encode(text), [image.num_tokens])
+    assert example.token_ids == expected
+    # Exactly the answers and their <|im_end|> are labelled, each with its own token id.
+    labelled = [t for t, label in zip(example.token_ids, example.labels) if label != IGNORE]
+    assert [label for label in example.labels if label != IGNORE] == labelled
+    assert tokenizer.decode(labelled) == "red<|im_end|>2<|im_end|>"
+    assert example.tasks == ["colour", "count"]
+
+
+def test_batches_depend_only_on_seed_and_step(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+    cfg = TrainConfig(batch_size=3, curriculum_steps=0)
+    a, b = make_batch(5, cfg, tokenizer, config), make_batch(5, cfg, tokenizer, config)
+    assert [ex.token_ids for ex in a] == [ex.token_ids for ex in b]
+    assert [ex.token_ids for ex in make_batch(6, cfg, tokenizer, config)] != [ex.token_ids for ex in a]
+
+
+def tiny_config(steps, **kwargs):
+    settings = dict(batch_size=4, lr=3e-3, warmup_steps=2, curriculum_steps=0, save_every=100, max_turns=4)
+    return TrainConfig(steps=steps, **(settings | kwargs))
+
+
+def test_a_few_training_steps_make_the_loss_fall(tiny_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run, folder)
+    result = train(folder, tiny_config(16), show_progress=False, log=lambda _: None)
+    losses = result["losses"]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert first > 4.0  # about ln(vocab): the untrained model knows nothing
+    assert last < 0.6 * first, losses
+
+
+def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    shutil.copytree(tiny_run, straight)
+    shutil.copytree(tiny_run, resumed)
+    quiet = dict(show_progress=False, log=lambda _: None)
+    whole = train(straight, tiny_config(5), **quiet)
+    # Killed during step 4 (index 3): the state saved after step 2 is what survives.
+    killed = train(resumed, tiny_config(5, save_every=2), stop_before=3, **quiet)
+    assert killed["losses"] == whole["losses"][:3]
+    rest = train(resumed, tiny_config(5, save_every=2), **quiet)
+    assert rest["first_step"] == 2
+    assert rest["losses"] == whole["losses"][2:]
+    for (name, a), b in zip(whole["model"].state_dict().items(), rest["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shipping
+
+
+@pytest.mark.slow
+def test_a_plain_pip_install_ships_the_demo_model_and_its_draft(tmp_path):
+    """Build the wheel a plain `pip install .` installs (from a copy of the sources) and look inside it."""
+    root, source = Path(__file__).resolve().parents[1], tmp_path / "source"
+    shutil.copytree(root / "nanomm", source / "nanomm", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    names = set(zipfile.ZipFile(next((tmp_path / "dist").glob("nanomm-*.whl"))).namelist())
+    for which in ("model", "draft"):
+        for name in ("model.safetensors", "config.json", "generation_config.json", "preprocessor_config.json",
+                     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+            assert f"nanomm/demo/checkpoints/{which}/{name}" in names, (which, name)
