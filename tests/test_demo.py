@@ -6,10 +6,6 @@ tests/test_demo_model.py tests the trained model itself.
 
 import random
 import shutil
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,7 @@ import torch
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
-from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, make_batch
+from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, make_batch, token_hints
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 
@@ -117,6 +113,25 @@ def test_a_drawn_shape_has_its_colour_where_the_scene_says():
     assert picture.getpixel((150, 50)) == (255, 255, 255)
 
 
+def test_hints_say_what_lies_under_each_visual_token(tiny_run):
+    # A 112x112 picture is 4x4 visual tokens of 28x28 pixels. A big red circle covers the top-left 2x2 tokens'
+    # centres (14 and 42 px from its centre at (28, 28): within 0.8 x 30 px); a small blue star sits inside the
+    # bottom-right token only; "7" is printed across the top-right token's centre.
+    scene = plain_scene([shape("circle", "red", 28, 28, radius=30), shape("star", "blue", 90, 95, radius=5)],
+                        number="7")
+    scene.width = scene.height = 112
+    scene.number_box = (85, 5, 105, 25)
+    image = preprocess_image(render(scene), ImageProcessorConfig.from_pretrained(tiny_run))
+    assert image.grid_thw == (1, 8, 8)
+    red, blue, circle, star, text, seven = COLOURS.index("red") + 1, COLOURS.index("blue") + 1, 1, 4, 5, 8
+    expected = torch.zeros(4, 4, 3, dtype=torch.long)
+    expected[0, 0] = expected[0, 1] = expected[1, 0] = expected[1, 1] = torch.tensor([red, circle, 0])
+    expected[3, 3] = torch.tensor([blue, star, 0])
+    expected[0, 3] = torch.tensor([0, text, seven])
+    assert SHAPES.index("circle") + 1 == circle and SHAPES.index("star") + 1 == star
+    assert torch.equal(token_hints(scene, image), expected.view(16, 3))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Chats as training sequences, and the loop
 
@@ -185,22 +200,3 @@ def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tm
     for (name, a), b in zip(whole["model"].state_dict().items(), rest["model"].state_dict().values()):
         assert torch.equal(a, b), name
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Shipping
-
-
-@pytest.mark.slow
-def test_a_plain_pip_install_ships_the_demo_model_and_its_draft(tmp_path):
-    """Build the wheel a plain `pip install .` installs (from a copy of the sources) and look inside it."""
-    root, source = Path(__file__).resolve().parents[1], tmp_path / "source"
-    shutil.copytree(root / "nanomm", source / "nanomm", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(root / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
-    names = set(zipfile.ZipFile(next((tmp_path / "dist").glob("nanomm-*.whl"))).namelist())
-    for which in ("model", "draft"):
-        for name in ("model.safetensors", "config.json", "generation_config.json", "preprocessor_config.json",
-                     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-            assert f"nanomm/demo/checkpoints/{which}/{name}" in names, (which, name)

@@ -1,6 +1,7 @@
 """Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
 
-Lesson: lessons/11-demo-model.md. The script is scripts/train_demo.py; this module is its parts.
+Lesson: none yet (it comes with the trained model). The script is scripts/train_demo.py; this module is its
+parts.
 
 The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. Four things make it learn quickly:
 
@@ -10,7 +11,11 @@ The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. Four
 - a short curriculum: the first steps see pictures with one or two shapes, where "which shape is red" is
   easy, then up to the full mix;
 - fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
-  resumed run sees exactly the data it would have seen.
+  resumed run sees exactly the data it would have seen;
+- hints for the vision tower: a training-only linear head reads each visual token and is taught what lies under
+  it (which colour, which shape or text, which digit), from the scene's truth. Without them the tower learns
+  only from the answers, through the language model's attention, and binding a colour to a named shape stays
+  near chance for thousands of steps. The head is thrown away: the checkpoint is a plain Qwen2-VL.
 
 A batch is `batch_size` chats padded to one length; attention is causal per chat (`PaddedCausalAttention`),
 and the vision tower runs all the batch's pictures in one call.
@@ -21,12 +26,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from nanomm.demo.scenes import SHAPES, random_scene, render
+from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render
 from nanomm.demo.tasks import QA, TASKS, compare_questions, scene_questions, vary
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
@@ -52,6 +56,8 @@ class TrainConfig:
     save_every: int = 250
     threads: int = 0  # torch threads; 0 = leave torch's default
     freeze_vision: bool = False  # train the text model only (the draft)
+    flush_denormal: bool = True  # tiny floats as zero: CPU arithmetic on denormals is many times slower
+    hint_weight: float = 0.5  # weight of the vision hints' loss (0: answers only)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -76,6 +82,7 @@ class Example:
     labels: list[int]  # token id to predict at each position, or IGNORE
     images: list  # ProcessedImage, in prompt order
     tasks: list[str]  # the task of each answer, in order (for per-task accuracy)
+    hints: list[torch.Tensor] = field(default_factory=list)  # per image: (visual tokens, 3) `token_hints`
 
 
 def encode_chat(tokenizer: Tokenizer, images: list, qas: list[QA]) -> Example:
@@ -145,7 +152,45 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
             return make_example(rng, step, cfg, tokenizer, image_config)
     images = [preprocess_image(render(scene, rng), image_config) for scene in scenes]
     qas = [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas]
-    return encode_chat(tokenizer, images, qas)
+    example = encode_chat(tokenizer, images, qas)
+    example.hints = [token_hints(scene, image) for scene, image in zip(scenes, images)]
+    return example
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hints for the vision tower: what lies under each visual token
+
+HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2, 11)  # colour | shape or text | digit; class 0 = nothing
+
+
+def token_hints(scene, image) -> torch.Tensor:
+    """(visual tokens, 3) labels for the token's 28x28 block: colour and kind (shape, or len(SHAPES)+1 for the
+    printed number) of the shape under its centre, and the digit under it; 0 where there is nothing.
+
+    A shape too small to cover any block centre still labels the block that holds its own centre."""
+    _, gh, gw = image.grid_thw
+    rows, cols = gh // image.merge_size, gw // image.merge_size
+    block_w, block_h = scene.width / cols, scene.height / rows  # one token's block, in the scene's pixels
+    hints = torch.zeros(rows, cols, 3, dtype=torch.long)
+    for r in range(rows):
+        for c in range(cols):
+            x, y = (c + 0.5) * block_w, (r + 0.5) * block_h
+            for s in scene.shapes:
+                if math.hypot(x - s.x, y - s.y) < 0.8 * s.radius:
+                    hints[r, c, :2] = torch.tensor([COLOURS.index(s.colour) + 1, SHAPES.index(s.kind) + 1])
+            if scene.number is not None and _inside(scene.number_box, x, y):
+                left, _, right, _ = scene.number_box
+                digit = scene.number[min(len(scene.number) - 1, int((x - left) / (right - left) * len(scene.number)))]
+                hints[r, c] = torch.tensor([0, len(SHAPES) + 1, int(digit) + 1])
+    for s in scene.shapes:
+        r, c = min(rows - 1, int(s.y / block_h)), min(cols - 1, int(s.x / block_w))
+        hints[r, c, :2] = torch.tensor([COLOURS.index(s.colour) + 1, SHAPES.index(s.kind) + 1])
+    return hints.view(rows * cols, 3)  # token order: blocks row by row, as the projector emits them
+
+
+def _inside(box, x, y) -> bool:
+    left, top, right, bottom = box
+    return left <= x <= right and top <= y <= bottom
 
 
 def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> list[Example]:
@@ -177,8 +222,10 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
 
 
-def batch_loss(model: Qwen2VL, batch: list[Example]) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
-    """Mean cross-entropy over answer tokens, and per task (first answer tokens right, answers)."""
+def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear | None = None,
+               hint_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """Mean cross-entropy over answer tokens (plus hint_weight x the hints' loss, if a head is given), and per
+    task (first answer tokens right, answers)."""
     cfg = model.config
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
@@ -193,7 +240,15 @@ def batch_loss(model: Qwen2VL, batch: list[Example]) -> tuple[torch.Tensor, dict
     rows = (targets != IGNORE).nonzero().squeeze(1)
     logits = model.compute_logits(hidden[rows])
     loss = F.cross_entropy(logits, targets[rows])
-    return loss, _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
+    accuracy = _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
+    if hint_head is not None and hint_weight:
+        loss = loss + hint_weight * hint_loss(hint_head(image_embeds), torch.cat([h for ex in batch for h in ex.hints]))
+    return loss, accuracy
+
+
+def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> torch.Tensor:
+    """scores (visual tokens, sum(HINT_CLASSES)), hints (visual tokens, 3): one cross-entropy per kind of hint."""
+    return sum(F.cross_entropy(part, hints[:, i]) for i, part in enumerate(scores.split(HINT_CLASSES, dim=1)))
 
 
 def _first_token_accuracy(batch, rows, correct) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,132 @@
+"""Accuracy of the demo model per task, at several pixel caps, with TTFT per cap; and on independently drawn pictures.
+
+    python scripts/eval_demo.py --model runs/demo                        # 200 questions per task, four caps
+    python scripts/eval_demo.py --model runs/demo --per-task 50 --caps 16 100
+    python scripts/eval_demo.py --model runs/demo --draft runs/draft     # plus the draft's speed-up
+    python scripts/eval_demo.py --model runs/demo --json results.json    # also write the numbers as JSON
+
+Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
+default cap on pictures from nanomm/demo/other_renderer.py, and with --draft, speculative decoding at batch 1.
+Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-time requests.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from nanomm import LLM, SamplingParams
+from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, conversation, held_out_items, median_ttft,
+                                    tasks_with_follow_up)
+from nanomm.demo.tasks import QA
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a trained demo checkpoint folder (scripts/train_demo.py)")
+    parser.add_argument("--per-task", type=int, default=200)
+    parser.add_argument("--caps", type=int, nargs="+", default=list(CAPS), help="visual tokens per picture")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-external", action="store_true", help="skip the independently drawn set")
+    parser.add_argument("--draft", default=None, help="a draft folder: also measure speculative decoding with it")
+    parser.add_argument("--spec-requests", type=int, default=24, help="requests in the speculative measurement")
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args(argv)
+    model = args.model
+    print(f"model {model} | {platform.processor() or platform.machine()} | torch {torch.__version__} | "
+          f"{torch.get_num_threads()} threads")
+    results = {"held_out": held_out_table(model, args), "external": None, "speculative": None}
+    if not args.no_external:
+        results["external"] = external_table(model, args)
+    if args.draft:
+        results["speculative"] = speculative_table(model, args.draft, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def held_out_table(model: str, args) -> dict:
+    tasks = tasks_with_follow_up()
+    items = {task: held_out_items(task, args.per_task, args.seed) for task in tasks}
+    ttft_items = held_out_items("number", 13, seed=args.seed + 1000)  # pictures of their own: no cache hits
+    table = {}
+    for cap in args.caps:
+        with LLM(model, max_pixels=cap * 28 * 28, min_pixels=min(cap, 16) * 28 * 28) as llm:
+            row = {"ttft": median_ttft(llm, ttft_items)}  # first: on pictures no cache holds yet
+            began = time.perf_counter()
+            row |= {task: accuracy(llm, items[task])[:2] for task in tasks}
+            row["seconds"] = time.perf_counter() - began
+        table[cap] = row
+    header = "| task | " + " | ".join(f"{cap} tokens" for cap in args.caps) + " |"
+    print(f"\nheld-out set, {args.per_task} questions per task (seed {args.seed}); accuracy by visual-token cap\n")
+    print(header + "\n|" + "---|" * (len(args.caps) + 1))
+    for task in tasks:
+        print(f"| {task} | " + " | ".join(_percent(*table[cap][task]) for cap in args.caps) + " |")
+    for key, label in (("visual_tokens", "visual tokens per picture (median)"), ("ttft_ms", "TTFT ms (median, batch 1)"),
+                       ("encode_ms", "  of which vision encode ms"), ("prefill_ms", "  of which prefill ms")):
+        print(f"| {label} | " + " | ".join(f"{table[cap]['ttft'][key]:.1f}" for cap in args.caps) + " |")
+    return table
+
+
+def external_table(model: str, args) -> dict:
+    from nanomm.demo.other_renderer import TASKS as EXTERNAL_TASKS
+    from nanomm.demo.other_renderer import external_items
+
+    table = {}
+    with LLM(model) as llm:
+        for task in EXTERNAL_TASKS:
+            items = [EvalItem(e.task, e.images, (QA(e.task, e.question, e.answer),))
+                     for e in external_items(task, args.per_task, args.seed)]
+            table[task] = accuracy(llm, items)[:2]
+    print(f"\npictures drawn by nanomm/demo/other_renderer.py, {args.per_task} per task, default cap\n")
+    print("| task | accuracy |\n|---|---|")
+    for task, (right, total) in table.items():
+        print(f"| {task} | {_percent(right, total)} |")
+    return table
+
+
+def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:
+    """Batch 1, greedy, "Describe the picture." (the longest answers): decode rate with the draft against without.
+
+    Decode rate = (tokens - 1) / (last token time - first token time): prefill (and the draft's own prefill)
+    is not counted. Outputs must be identical token for token; the table says so."""
+    items = held_out_items("describe", args.spec_requests, seed=args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    runs = {}
+    for name, extra in (("plain", {}), (f"draft k={k}", {"speculative": {"method": "draft", "model": draft,
+                                                                          "num_speculative_tokens": k}})):
+        with LLM(model, **extra) as llm:
+            llm.chat(conversation(items[0], []), params)  # warm-up
+            outs = [llm.chat(conversation(item, []), params)[0] for item in items]
+        decode_s = sum(o.metrics.e2e_s - o.metrics.ttft_s for o in outs)
+        runs[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                      "decode_tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / decode_s,
+                      "e2e_ms": 1e3 * statistics.median(o.metrics.e2e_s for o in outs),
+                      "proposed": sum(o.metrics.num_draft_tokens for o in outs),
+                      "accepted": sum(o.metrics.num_accepted_tokens for o in outs)}
+    plain, spec = runs["plain"], runs[f"draft k={k}"]
+    exact = plain["tokens"] == spec["tokens"]
+    mean_tokens = statistics.mean(len(t) for t in plain["tokens"])
+    print(f"\nspeculative decoding with the trained draft, batch 1, greedy, {len(items)} 'Describe the picture.' "
+          f"requests ({mean_tokens:.1f} tokens each on average)\n")
+    print("| configuration | decode tok/s | median end-to-end ms | acceptance | same tokens |\n|---|---|---|---|---|")
+    for name, run in runs.items():
+        rate = f"{run['accepted'] / run['proposed']:.2f}" if run["proposed"] else "-"
+        print(f"| {name} | {run['decode_tok_s']:.1f} | {run['e2e_ms']:.1f} | {rate} | "
+              f"{'yes' if name == 'plain' or exact else 'NO'} |")
+    print(f"decode speedup {spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x, end-to-end "
+          f"{plain['e2e_ms'] / spec['e2e_ms']:.2f}x")
+    for run in runs.values():
+        del run["tokens"]
+    return {"runs": runs, "exact": exact}
+
+
+def _percent(right: int, total: int) -> str:
+    return f"{100 * right / total:.1f}%"
+
+
+if __name__ == "__main__":
+    main()
