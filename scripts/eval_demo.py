@@ -12,16 +12,20 @@ Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-ti
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from nanomm import LLM, SamplingParams
-from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, conversation, held_out_items, median_ttft,
-                                    tasks_with_follow_up)
-from nanomm.demo.tasks import QA
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
+
+from bench import cpu_name  # noqa: E402
+from nanomm import LLM, SamplingParams  # noqa: E402
+from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, conversation, held_out_items,  # noqa: E402
+                                    median_ttft, tasks_with_follow_up)
+from nanomm.demo.tasks import QA  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -36,7 +40,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args(argv)
     model = args.model
-    print(f"model {model} | {platform.processor() or platform.machine()} | torch {torch.__version__} | "
+    print(f"model {model} | {cpu_name()} | torch {torch.__version__} | "
           f"{torch.get_num_threads()} threads")
     results = {"held_out": held_out_table(model, args), "external": None, "speculative": None}
     if not args.no_external:

@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
 from bench import cpu_name  # noqa: E402
-from nanomm.demo.trainer import TINY_SPEC, export, new_draft_run, new_run, train  # noqa: E402
+from nanomm.demo.trainer import TINY_SPEC, export, new_run, train  # noqa: E402
 from nanomm.demo.training import TrainConfig  # noqa: E402
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -53,7 +54,7 @@ def main(argv=None) -> None:
                       flush_denormal=not args.no_flush_denormal)
     if not (args.out / "config.json").is_file():
         if args.draft_of:
-            new_draft_run(args.draft_of, args.out, args.draft_layers)
+            make_draft_checkpoint(args.draft_of, args.out, args.draft_layers)  # the target's first layers
         else:
             new_run(args.out, TINY_SPEC if args.tiny else None, seed=args.seed)
     began = time.perf_counter()

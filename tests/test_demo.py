@@ -36,7 +36,7 @@ SCENE = plain_scene([shape("circle", "red", 40, 40), shape("square", "blue", 160
 
 
 def answers(scene, task):
-    return {qa.question: qa.answer for qa in scene_questions(scene, random.Random(0)).get(task, [])}
+    return {qa.question: qa.answer for qa in scene_questions(scene).get(task, [])}
 
 
 def test_questions_and_answers_follow_the_scene():

@@ -62,7 +62,7 @@ def _held_out_item(task: str, rng: random.Random, i: int) -> EvalItem | None:
             return None
         return EvalItem(task, (render(scene, rng),), (QA(task, question(task, shape=kind), str(i % 7)),))
     scene = random_scene(rng, num_shapes=rng.randint(1, 5), number_probability=float(task == "number"), **size)
-    by_task = scene_questions(scene, rng)
+    by_task = scene_questions(scene)
     if task == FOLLOW_UP:
         if len(by_task) < 2:
             return None

@@ -106,7 +106,7 @@ def random_scene(rng: random.Random, *, num_shapes: int | None = None, kinds: li
         colour = rng.choice(COLOURS)
         for _ in range(20):  # a colour that stands out from the background there
             rgb = _jitter(rng, rng.choice(PALETTE[colour]), 14 if augment else 0)
-            if _distance(rgb, background_at(style, *spot, width, height)) >= MIN_CONTRAST:
+            if math.dist(rgb, background_at(style, *spot, width, height)) >= MIN_CONTRAST:
                 break
             colour = rng.choice(COLOURS)
         else:
@@ -142,10 +142,6 @@ def _free_spot(rng, width, height, radius, occupied, tries=60):
 
 def _jitter(rng, rgb, amount):
     return tuple(min(255, max(0, c + rng.randint(-amount, amount))) for c in rgb)
-
-
-def _distance(a, b) -> float:
-    return math.dist(a, b)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +228,7 @@ def _place_number(scene: Scene, rng: random.Random, occupied: list) -> None:
     occupied.append((left + width / 2, top + height / 2, math.hypot(width, height) / 2))
     for _ in range(20):
         rgb = rng.choice([(0, 0, 0), (255, 255, 255), (60, 60, 60), rng.choice(PALETTE[rng.choice(COLOURS)])])
-        if _distance(rgb, background_at(scene.style, left, top, scene.width, scene.height)) >= MIN_CONTRAST + 20:
+        if math.dist(rgb, background_at(scene.style, left, top, scene.width, scene.height)) >= MIN_CONTRAST + 20:
             break
     scene.style.update(number_font=font, number_rgb=rgb, number_bold=rng.random() < 0.3)
 

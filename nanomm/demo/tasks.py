@@ -58,7 +58,7 @@ def describe(scene: Scene) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def scene_questions(scene: Scene, rng: random.Random) -> dict[str, list[QA]]:
+def scene_questions(scene: Scene) -> dict[str, list[QA]]:
     """Every question this scene can answer unambiguously, by task (a task with none is absent)."""
     out: dict[str, list[QA]] = {}
     kinds, colours = scene.unique("kind"), scene.unique("colour")

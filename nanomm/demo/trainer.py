@@ -22,17 +22,18 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from nanomm.demo.tasks import compare_questions, scene_questions
+from nanomm.demo.scenes import random_scene
+from nanomm.demo.tasks import compare_questions, scene_questions, vary
 from nanomm.demo.training import HINT_CLASSES, TrainConfig, batch_loss, learning_rate, make_batch
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_config, write_json
-from nanomm.tools.tokenizers import build_bpe_tokenizer, write_tokenizer_files
+from nanomm.tools.tokenizers import TINY_CORPUS, build_bpe_tokenizer, write_tokenizer_files
 from nanomm.tools.weights import model_spec, random_weights, save_safetensors
 
-# The demo model's shape: ~6M parameters. head_dim 64 = 2 * (8 + 12 + 12), the M-RoPE split of Qwen2-VL-2B scaled.
+# The demo model's shape: 5.3M parameters. head_dim 64 = 2 * (8 + 12 + 12), the M-RoPE split of Qwen2-VL-2B scaled.
 DEMO_SPEC = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "mrope_section": [8, 12, 12], "tie_word_embeddings": True,
              "max_position_embeddings": 4096,
@@ -48,15 +49,12 @@ STATE_FILE = "train_state.pt"
 
 
 def tokenizer_corpus(seed: int = 0, chats: int = 3000) -> list[str]:
-    """Text the demo tokenizer is trained on: every question form and answer, with the casing variants."""
-    from nanomm.demo.scenes import random_scene  # a few thousand scenes' worth of questions (no drawing)
-    from nanomm.demo.tasks import vary
-    from nanomm.tools.tokenizers import TINY_CORPUS
-
+    """Text the demo tokenizer is trained on: every question form and answer, with the casing variants (a few
+    thousand scenes' worth of questions; nothing is drawn)."""
     rng, texts = random.Random(seed), [TINY_CORPUS]
     for _ in range(chats):
         scene = random_scene(rng)
-        qas = [qa for qas in scene_questions(scene, rng).values() for qa in qas]
+        qas = [qa for qas in scene_questions(scene).values() for qa in qas]
         qas += compare_questions(scene, random_scene(rng))
         texts += [f"{vary(qa.question, rng)}\n{qa.answer}\n" for qa in qas]
     return texts
@@ -73,13 +71,6 @@ def new_run(folder: Path, spec_overrides: dict | None = None, seed: int = 0) -> 
     write_json(folder / "preprocessor_config.json", preprocessor)
     save_safetensors(random_weights(spec, seed), folder / "model.safetensors")
     return folder
-
-
-def new_draft_run(target: Path, folder: Path, num_layers: int) -> Path:
-    """A draft to train: the trained target cut to its first num_layers decoder layers (vision tower kept)."""
-    from nanomm.tools.draft_checkpoint import make_draft_checkpoint
-
-    return make_draft_checkpoint(target, folder, num_layers)
 
 
 def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> None:

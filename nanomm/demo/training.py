@@ -3,7 +3,8 @@
 Lesson: none yet (it comes with the trained model). The script is scripts/train_demo.py; this module is its
 parts.
 
-The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. Four things make it learn quickly:
+The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts (which do not
+yet make it learn fast enough to ship: see the issue tracker):
 
 - one picture, many questions: a training sequence is a whole chat, one or two pictures then up to eight
   question/answer turns, so one vision encode feeds many supervised answers (and follow-ups are trained);
@@ -13,12 +14,11 @@ The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. Four
 - fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
   resumed run sees exactly the data it would have seen;
 - hints for the vision tower: a training-only linear head reads each visual token and is taught what lies under
-  it (which colour, which shape or text, which digit), from the scene's truth. Without them the tower learns
-  only from the answers, through the language model's attention, and binding a colour to a named shape stays
-  near chance for thousands of steps. The head is thrown away: the checkpoint is a plain Qwen2-VL.
+  it (which colour, which shape or text, which digit), from the scene's truth, because through the answers
+  alone the tower learns shapes very slowly. The head is thrown away: the checkpoint is a plain Qwen2-VL.
 
-A batch is `batch_size` chats padded to one length; attention is causal per chat (`PaddedCausalAttention`),
-and the vision tower runs all the batch's pictures in one call.
+A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
+(`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render
 from nanomm.demo.tasks import QA, TASKS, compare_questions, scene_questions, vary
+from nanomm.engine.attention import causal_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -58,7 +59,6 @@ class TrainConfig:
     freeze_vision: bool = False  # train the text model only (the draft)
     flush_denormal: bool = True  # tiny floats as zero: CPU arithmetic on denormals is many times slower
     hint_weight: float = 0.5  # weight of the vision hints' loss (0: answers only)
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +147,7 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
         qas = rng.sample(qas, min(len(qas), 3))
     else:
         scenes = [training_scene(rng, step, cfg)]
-        qas = pick_questions(scene_questions(scenes[0], rng), rng, cfg.max_turns)
+        qas = pick_questions(scene_questions(scenes[0]), rng, cfg.max_turns)
         if not qas:
             return make_example(rng, step, cfg, tokenizer, image_config)
     images = [preprocess_image(render(scene, rng), image_config) for scene in scenes]
@@ -206,20 +206,15 @@ def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: 
 class PackedCausalAttention:
     """Attention backend for training: several chats packed end to end, causal within each, no cache.
 
-    Like the vision tower's per-image attention: one fused attention call per chat, so no chat pays for
-    another's length and nothing is padded."""
+    Like the vision tower's per-image attention: one attention call per chat (the engine's own
+    `causal_attention`, which the dense reference uses too), so no chat pays for another's length."""
 
     def __init__(self, lengths: list[int]):
         self.lengths = lengths
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat([_causal(*parts) for parts in zip(*(x.split(self.lengths) for x in (q, k, v)))])
-
-
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(n, heads, d) and (n, kv_heads, d) -> (n, heads, d): causal grouped-query attention over one chat."""
-    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, n, d)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        chats = zip(*(x.split(self.lengths) for x in (q, k, v)))  # per chat: (n, heads or kv_heads, head_dim)
+        return torch.cat([causal_attention(*chat) for chat in chats])
 
 
 def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear | None = None,
