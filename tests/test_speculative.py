@@ -131,6 +131,25 @@ def test_identical_draft_accepts_everything(ckpt):
     assert_no_leaks(llm)
 
 
+def test_a_draft_with_the_target_s_vision_tower_shares_its_encoder_cache(ckpt, weak_ckpt, other_ckpt):
+    # weak_ckpt keeps the target's vision tower bit for bit: the draft reads the target's visual tokens from the
+    # target's cache, and encodes nothing. other_ckpt's tower differs: it keeps a cache (and encodes) of its own.
+    prompts = random_workload(seed=11, num_prompts=4, max_images=2)
+    num_images = sum(len(p["multi_modal_data"]["image"]) for p in prompts if isinstance(p, dict))
+    assert num_images > 0
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * len(prompts)
+    plain = [o.outputs[0].token_ids for o in make_llm(ckpt).generate(prompts, params)]
+    for draft, shared in ((weak_ckpt, True), (other_ckpt, False)):
+        llm = make_llm(ckpt, dict(method="draft", model=str(draft), num_speculative_tokens=3))
+        proposer, encoded = llm.engine.proposer, []
+        assert (proposer.runner.encoder_cache is llm.engine.encoder_cache) == shared
+        tower = proposer.model.visual
+        tower.forward = lambda pixels, grids, run=tower.forward: encoded.extend(grids) or run(pixels, grids)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+        assert len(encoded) == (0 if shared else num_images)  # pictures the draft's own tower encoded
+        assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("draft", ["bad", "text-only"])
 def test_draft_proposals_are_the_draft_models_own_continuation(ckpt, other_ckpt, text_only_ckpt, draft):
     """Whatever was rejected before, the draft's KV is rolled back right: every proposal is exactly what the

@@ -30,21 +30,27 @@ class DraftProposer:
     - rollback: proposals the target rejected are dropped from the sequence, its computed count falls back
       to the longest prefix it shares with the request, and blocks past that return to the draft's pool.
 
-    A draft with a vision tower sees the same images (encoded by its own tower: its visual tokens differ from
-    the target's). A text-only draft (a Qwen2 checkpoint) sees the image span as its <|image_pad|> tokens,
+    A draft with a vision tower sees the same images. Encoded by its own tower, its visual tokens differ from
+    the target's; but a draft cut from its target (tools/draft_checkpoint.py) often keeps the target's tower
+    unchanged, and then it shares the target's encoder cache (`shared_encoder_cache`): the pictures the target
+    encoded cost the draft nothing. A text-only draft (a Qwen2 checkpoint) sees the image span as its <|image_pad|> tokens,
     with plain 1-D positions, which is what a text model was trained on; see the lesson for why.
     """
 
     def __init__(self, model: Qwen2VL, num_kv_blocks: int, block_size: int, target_vocab_size: int,
-                 encoder_cache_size: int):
+                 encoder_cache_size: int, shared_encoder_cache: tuple[EncoderCache, str] | None = None):
+        """shared_encoder_cache: (the target's cache, the target's model identity), for a draft whose vision tower
+        is the target's (`same_vision_tower`)."""
         self.model, self.target_vocab_size = model, target_vocab_size
         text = model.config.text
         self.vocab_size = text.vocab_size
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=False)
         kv_cache = allocate_kv_cache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
                                      text.head_dim, model.dtype, model.device)
-        self.runner = ModelRunner(model, kv_cache, block_size, EncoderCache(encoder_cache_size))
-        self.model_identity = f"draft:{model.name_or_path}:{model.dtype}"
+        if shared_encoder_cache is None:
+            shared_encoder_cache = EncoderCache(encoder_cache_size), f"draft:{model.name_or_path}:{model.dtype}"
+        encoder_cache, self.model_identity = shared_encoder_cache
+        self.runner = ModelRunner(model, kv_cache, block_size, encoder_cache)
         self.sequences: dict[str, Sequence] = {}  # request id -> the draft's sequence for it
 
     @property
@@ -130,6 +136,17 @@ class DraftProposer:
         assert not self.sequences, f"draft sequences left: {sorted(self.sequences)[:10]}"
         self.block_manager.check_no_leaks()
         self.runner.encoder_cache.check_no_holds()
+
+
+@torch.no_grad()
+def same_vision_tower(target: Qwen2VL, draft: Qwen2VL) -> bool:
+    """Do the two models turn a picture into the same visual tokens? Same config, dtype, device and weights."""
+    if target.visual is None or draft.visual is None or target.config.vision != draft.config.vision:
+        return False
+    if (target.dtype, target.device) != (draft.dtype, draft.device):
+        return False
+    theirs = dict(draft.visual.named_parameters())
+    return all(torch.equal(p, theirs[name]) for name, p in target.visual.named_parameters())
 
 
 def _without_images(prompt):

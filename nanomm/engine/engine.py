@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.draft import DraftProposer
+from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
@@ -54,7 +54,7 @@ class LLMEngine:
         self.intake = RequestIntake(self.processor, PreprocessPool(config.num_preprocess_workers),
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
-        self.proposer = _make_proposer(config, draft_model, text.vocab_size)
+        self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
         self.requests: dict[str, Request] = {}  # scheduled and not finished
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
@@ -233,14 +233,16 @@ class LLMEngine:
         self.intake.close()
 
 
-def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target_vocab_size: int):
+def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qwen2VL, target_encoder_cache):
+    """target_encoder_cache: (cache, model identity), shared with a draft whose vision tower is the target's."""
     spec = config.speculative
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
-    return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target_vocab_size,
-                         config.encoder_cache_size)
+    shared = target_encoder_cache if same_vision_tower(target, draft_model) else None
+    return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target.config.text.vocab_size,
+                         config.encoder_cache_size, shared)
 
 
 def _check_params(params, name: str) -> SamplingParams:
