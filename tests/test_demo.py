@@ -114,9 +114,12 @@ def test_a_drawn_shape_has_its_colour_where_the_scene_says():
 
 
 def test_hints_say_what_lies_under_each_visual_token(tiny_run):
-    # A 112x112 picture is 4x4 visual tokens of 28x28 pixels. A big red circle covers the top-left 2x2 tokens'
-    # centres (14 and 42 px from its centre at (28, 28): within 0.8 x 30 px); a small blue star sits inside the
-    # bottom-right token only; "7" is printed across the top-right token's centre.
+    # A 112x112 picture is 4x4 visual tokens of 28x28 pixels. A big red circle covers the top-left 2x2 tokens
+    # (most of their sample points lie within 0.9 x 30 px of its centre at (28, 28)); a small blue star sits
+    # inside the bottom-right token only (one sample point: labelled as the block of its centre); "7" is printed
+    # across the top-right token's centre. Relations (columns 3-6: where the only circle/square/triangle/star is
+    # left (0) or right (1); columns 7-10: above (0) or below (1)): from the circle, the star is right and below;
+    # from the star, the circle is left and above; no square or triangle, so those stay IGNORE (-100).
     scene = plain_scene([shape("circle", "red", 28, 28, radius=30), shape("star", "blue", 90, 95, radius=5)],
                         number="7")
     scene.width = scene.height = 112
@@ -124,12 +127,14 @@ def test_hints_say_what_lies_under_each_visual_token(tiny_run):
     image = preprocess_image(render(scene), ImageProcessorConfig.from_pretrained(tiny_run))
     assert image.grid_thw == (1, 8, 8)
     red, blue, circle, star, text, seven = COLOURS.index("red") + 1, COLOURS.index("blue") + 1, 1, 4, 5, 8
-    expected = torch.zeros(4, 4, 3, dtype=torch.long)
-    expected[0, 0] = expected[0, 1] = expected[1, 0] = expected[1, 1] = torch.tensor([red, circle, 0])
-    expected[3, 3] = torch.tensor([blue, star, 0])
-    expected[0, 3] = torch.tensor([0, text, seven])
-    assert SHAPES.index("circle") + 1 == circle and SHAPES.index("star") + 1 == star
-    assert torch.equal(token_hints(scene, image), expected.view(16, 3))
+    _ = -100
+    expected = torch.tensor([[0, 0, 0] + [_] * 8] * 16).view(4, 4, 11)
+    for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        expected[r, c] = torch.tensor([red, circle, 0, _, _, _, 1, _, _, _, 1])
+    expected[3, 3] = torch.tensor([blue, star, 0, 0, _, _, _, 0, _, _, _])
+    expected[0, 3] = torch.tensor([0, text, seven] + [_] * 8)
+    assert SHAPES == ("circle", "square", "triangle", "star")
+    assert torch.equal(token_hints(scene, image), expected.view(16, 11))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Scenes for the demo model: simple shapes in named colours, drawn with PIL, with what is in them written down.
 
-Lesson: none yet (the demo model's lessons come with the trained model).
+Lesson: lessons/11-the-demo-model.md (how the demo model was made).
 
 A `Scene` is the truth (which shapes, which colours, where, which number); `render` turns it into a picture.
 They are separate on purpose: questions and answers are computed from the scene, never from pixels, and one
@@ -309,6 +309,20 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: Shape, scale: int, outline) ->
         draw.ellipse(box, fill=fill, outline=line_rgb, width=width)
     else:
         draw.polygon(shape_outline(shape, scale), fill=fill, outline=line_rgb, width=width)
+
+
+def shape_mask(scene: Scene) -> Image.Image:
+    """A one-channel picture of which shape covers each pixel: i + 1 for scene.shapes[i] (filled, even when
+    drawn hollow), 0 for the rest. The training hints (training.py, `token_hints`) are read off it."""
+    mask = Image.new("L", (scene.width, scene.height), 0)
+    draw = ImageDraw.Draw(mask)
+    for i, shape in enumerate(scene.shapes):
+        if shape.kind == "circle":
+            r = shape.radius * 0.85
+            draw.ellipse((shape.x - r, shape.y - r, shape.x + r, shape.y + r), fill=i + 1)
+        else:
+            draw.polygon(shape_outline(shape), fill=i + 1)
+    return mask
 
 
 def render(scene: Scene, rng: random.Random | None = None) -> Image.Image:

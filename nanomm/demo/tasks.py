@@ -1,6 +1,6 @@
 """Questions and answers about scenes, and how a reply is graded.
 
-Lesson: none yet (the demo model's lessons come with the trained model).
+Lesson: lessons/11-the-demo-model.md (how the demo model was made).
 
 Every answer is computed from the `Scene` (the truth), never from pixels. The forms are fixed; capitals,
 punctuation and "colour"/"color" are free, both in questions (training varies them) and in replies (`grade`
@@ -69,7 +69,7 @@ def scene_questions(scene: Scene) -> dict[str, list[QA]]:
     for task, axis, words in (("left_right", "x", ("left", "right")), ("above_below", "y", ("above", "below"))):
         out[task] = [QA(task, question(task, a=ka, b=kb), words[getattr(sa, axis) > getattr(sb, axis)])
                      for ka, sa in kinds.items() for kb, sb in kinds.items()
-                     if ka != kb and _clearly_apart(sa, sb, axis)]
+                     if ka != kb and clearly_apart(sa, sb, axis)]
     if scene.number is not None:
         out["number"] = [QA("number", question("number"), scene.number)]
     if 1 <= len(scene.shapes) <= MAX_DESCRIBED:
@@ -83,7 +83,7 @@ def compare_questions(first: Scene, second: Scene) -> list[QA]:
             for k in SHAPES if first.count(k) != second.count(k)]
 
 
-def _clearly_apart(a, b, axis: str) -> bool:
+def clearly_apart(a, b, axis: str) -> bool:
     """Centres apart by at least a third of the two sizes: "left of" is then not a matter of opinion."""
     return abs(getattr(a, axis) - getattr(b, axis)) >= (a.radius + b.radius) / 3
 

@@ -1,6 +1,6 @@
 """The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
 
-Lesson: none yet. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
+Lesson: lessons/11-the-demo-model.md. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
 the batches and the loss.
 
 A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,11 +25,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nanomm.demo.scenes import random_scene
 from nanomm.demo.tasks import compare_questions, scene_questions, vary
-from nanomm.demo.training import HINT_CLASSES, TrainConfig, batch_loss, learning_rate, make_batch
+from nanomm.demo.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.model.rope import inverse_frequencies
 from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_config, write_json
 from nanomm.tools.tokenizers import TINY_CORPUS, build_bpe_tokenizer, write_tokenizer_files
 from nanomm.tools.weights import model_spec, random_weights, save_safetensors
@@ -69,8 +71,40 @@ def new_run(folder: Path, spec_overrides: dict | None = None, seed: int = 0) -> 
     write_json(folder / "generation_config.json", generation_config(special_ids))
     preprocessor = preprocessor_config(spec, "old") | {"min_pixels": DEMO_MIN_PIXELS, "max_pixels": DEMO_MAX_PIXELS}
     write_json(folder / "preprocessor_config.json", preprocessor)
-    save_safetensors(random_weights(spec, seed), folder / "model.safetensors")
+    save_safetensors(local_attention_init(random_weights(spec, seed), spec), folder / "model.safetensors")
     return folder
+
+
+# Where each vision head looks first, by block: (rows, columns) from the patch itself. A tap per head, like a
+# convolution's, growing from 1 to 2 patches away with depth.
+LOCAL_OFFSETS = ((0, 1), (1, 0), (0, -1), (-1, 0), (1, 1), (-1, -1), (0, 2), (2, 0), (0, -2), (-2, 0), (2, 2), (-2, -2))
+
+
+def local_attention_init(weights: dict, spec: dict, strength: float = 6.0, content_scale: float = 0.1) -> dict:
+    """Start each vision attention head looking at one neighbouring patch, as a convolution would.
+
+    A vision transformer from scratch has no idea that nearby pixels belong together, and learns shapes slowly
+    on a CPU's worth of pictures. Here every head starts as a tap at one offset (LOCAL_OFFSETS), and
+    training moves it from there: the idea of ConViT (d'Ascoli et al., 2021), done with the weights alone. With
+    2-D rotary positions, a query bias a*e^{i*theta*d} against a key bias a makes the score a^2*cos(theta*(delta - d))
+    in every rotary pair, largest when the key is d patches away; the content part of q and k starts small
+    (content_scale). Only initial values change: the checkpoint is a plain Qwen2-VL."""
+    vision = spec["vision_config"]
+    embed, heads = vision["embed_dim"], vision["num_heads"]
+    head_dim = embed // heads
+    theta = inverse_frequencies(head_dim // 2, 10000.0)  # the vision tower's rotary frequencies, per axis
+    taps = iter(LOCAL_OFFSETS * (vision["depth"] * heads))
+    for block in range(vision["depth"]):
+        weight, bias = weights[f"visual.blocks.{block}.attn.qkv.weight"], weights[f"visual.blocks.{block}.attn.qkv.bias"]
+        for head in range(heads):
+            rows, cols = next(taps)
+            q, k = slice(head * head_dim, (head + 1) * head_dim), slice(embed + head * head_dim, embed + (head + 1) * head_dim)
+            weight[q] *= content_scale
+            weight[k] *= content_scale
+            angle = torch.cat([theta * rows, theta * cols])  # (head_dim/2,): the first half rotates by row
+            bias[q] = torch.cat([strength * angle.cos(), strength * angle.sin()])
+            bias[k] = torch.cat([torch.full_like(angle, strength), torch.zeros_like(angle)])
+    return weights
 
 
 def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> None:
@@ -104,7 +138,9 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     start = _resume(folder, model, optimizer, hint_head)
     history, window, began = [], {}, time.perf_counter()
     # Batches are drawn in a second process, one step ahead, while this one computes.
-    with _progress(show_progress) as progress, ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
+    # A spawned worker, not a forked one: a fork after torch has started its OpenMP threads can hang the child.
+    worker = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_init_batch_worker)
+    with _progress(show_progress) as progress, worker as pool:
         bar = progress.add_task("training", total=cfg.steps, completed=start, loss=float("nan"))
         next_batch = pool.submit(_make_batch_in_worker, str(folder), start, cfg)
         for step in range(start, cfg.steps if stop_before is None else min(stop_before, cfg.steps)):
@@ -129,6 +165,12 @@ def _processors(folder: str) -> tuple[Tokenizer, ImageProcessorConfig]:
     return Tokenizer.from_pretrained(folder), ImageProcessorConfig.from_pretrained(folder)
 
 
+def _init_batch_worker() -> None:
+    """One thread, and a lower priority: the training step's threads must not wait on the batch worker."""
+    torch.set_num_threads(1)
+    os.nice(5)
+
+
 def _make_batch_in_worker(folder: str, step: int, cfg: TrainConfig):
     return make_batch(step, cfg, *_processors(folder))
 
@@ -136,7 +178,7 @@ def _make_batch_in_worker(folder: str, step: int, cfg: TrainConfig):
 def _new_hint_head(model: Qwen2VL, seed: int) -> torch.nn.Linear:
     """The training-only head that reads hints off each visual token (training.py, `token_hints`)."""
     torch.manual_seed(seed)
-    return torch.nn.Linear(model.config.text.hidden_size, sum(HINT_CLASSES))
+    return torch.nn.Linear(model.config.text.hidden_size, HINT_OUTPUTS)
 
 
 def _train_step(model, hint_head, optimizer, trainable, step, cfg, batch):

@@ -1,10 +1,8 @@
 """Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
 
-Lesson: none yet (it comes with the trained model). The script is scripts/train_demo.py; this module is its
-parts.
+Lesson: lessons/11-the-demo-model.md. The script is scripts/train_demo.py; this module is its parts.
 
-The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts (which do not
-yet make it learn fast enough to ship: see the issue tracker):
+The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts:
 
 - one picture, many questions: a training sequence is a whole chat, one or two pictures then up to eight
   question/answer turns, so one vision encode feeds many supervised answers (and follow-ups are trained);
@@ -14,8 +12,10 @@ yet make it learn fast enough to ship: see the issue tracker):
 - fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
   resumed run sees exactly the data it would have seen;
 - hints for the vision tower: a training-only linear head reads each visual token and is taught what lies under
-  it (which colour, which shape or text, which digit), from the scene's truth, because through the answers
-  alone the tower learns shapes very slowly. The head is thrown away: the checkpoint is a plain Qwen2-VL.
+  it (which colour, which shape or text, which digit) and where the other shapes are (left or right, above or
+  below), from the scene's truth, because through the answers alone the tower learns shapes very slowly. The
+  head is thrown away: the checkpoint is a plain Qwen2-VL. (trainer.py's `local_attention_init` is the other
+  half: a vision tower that starts out looking at neighbouring patches.)
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render
-from nanomm.demo.tasks import QA, TASKS, compare_questions, scene_questions, vary
+from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render, shape_mask
+from nanomm.demo.tasks import QA, TASKS, clearly_apart, compare_questions, scene_questions, vary
 from nanomm.engine.attention import causal_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
@@ -82,7 +82,7 @@ class Example:
     labels: list[int]  # token id to predict at each position, or IGNORE
     images: list  # ProcessedImage, in prompt order
     tasks: list[str]  # the task of each answer, in order (for per-task accuracy)
-    hints: list[torch.Tensor] = field(default_factory=list)  # per image: (visual tokens, 3) `token_hints`
+    hints: list[torch.Tensor] = field(default_factory=list)  # per image: (visual tokens, 3 + RELATION_HINTS) `token_hints`
 
 
 def encode_chat(tokenizer: Tokenizer, images: list, qas: list[QA]) -> Example:
@@ -161,31 +161,67 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
 # Hints for the vision tower: what lies under each visual token
 
 HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2, 11)  # colour | shape or text | digit; class 0 = nothing
+# Relation hints: for each shape kind and each axis, is the (only) shape of that kind before or after this one?
+RELATION_HINTS = 2 * len(SHAPES)  # (kind, axis) pairs, each a two-way choice
+BACKGROUND_WEIGHT = 0.05  # weight of class 0 ("nothing here") in the hints' loss: most tokens are background
 
 
 def token_hints(scene, image) -> torch.Tensor:
-    """(visual tokens, 3) labels for the token's 28x28 block: colour and kind (shape, or len(SHAPES)+1 for the
-    printed number) of the shape under its centre, and the digit under it; 0 where there is nothing.
+    """(visual tokens, 3 + RELATION_HINTS) labels for each token's 28x28 block.
 
-    A shape too small to cover any block centre still labels the block that holds its own centre."""
+    Columns 0-2: the colour and kind (shape, or len(SHAPES)+1 for the printed number) of the shape that covers
+    most of the block (at least MIN_COVER of it), and the digit under the block's centre; 0 where there is
+    nothing. A shape too small to cover MIN_COVER of any block still labels the block of its centre.
+
+    Columns 3 onwards, on blocks covered by a shape: for each kind k of SHAPES, whether the only shape of kind k
+    lies left (0) or right (1) of the covering shape, then the same for above (0) or below (1); IGNORE where
+    there is no such shape, or it is not clearly apart (the rule left/right questions follow)."""
     _, gh, gw = image.grid_thw
     rows, cols = gh // image.merge_size, gw // image.merge_size
-    block_w, block_h = scene.width / cols, scene.height / rows  # one token's block, in the scene's pixels
-    hints = torch.zeros(rows, cols, 3, dtype=torch.long)
-    for r in range(rows):
-        for c in range(cols):
-            x, y = (c + 0.5) * block_w, (r + 0.5) * block_h
-            for s in scene.shapes:
-                if math.hypot(x - s.x, y - s.y) < 0.8 * s.radius:
-                    hints[r, c, :2] = torch.tensor([COLOURS.index(s.colour) + 1, SHAPES.index(s.kind) + 1])
-            if scene.number is not None and _inside(scene.number_box, x, y):
-                left, _, right, _ = scene.number_box
-                digit = scene.number[min(len(scene.number) - 1, int((x - left) / (right - left) * len(scene.number)))]
-                hints[r, c] = torch.tensor([0, len(SHAPES) + 1, int(digit) + 1])
-    for s in scene.shapes:
-        r, c = min(rows - 1, int(s.y / block_h)), min(cols - 1, int(s.x / block_w))
-        hints[r, c, :2] = torch.tensor([COLOURS.index(s.colour) + 1, SHAPES.index(s.kind) + 1])
-    return hints.view(rows * cols, 3)  # token order: blocks row by row, as the projector emits them
+    hints = torch.zeros(rows * cols, 3 + RELATION_HINTS, dtype=torch.long)
+    hints[:, 3:] = IGNORE
+    if scene.shapes:
+        per_shape = torch.stack([_shape_hints(scene, s) for s in scene.shapes])  # (shapes, 3 + RELATION_HINTS)
+        cover, best = _block_cover(scene, rows, cols).max(dim=0)  # per block: the largest cover, and its shape
+        covered = cover >= MIN_COVER
+        hints[covered] = per_shape[best[covered]]
+        block_w, block_h = scene.width / cols, scene.height / rows
+        for s, labels in zip(scene.shapes, per_shape):
+            hints[min(rows - 1, int(s.y / block_h)) * cols + min(cols - 1, int(s.x / block_w))] = labels
+    if scene.number is not None:
+        for r in range(rows):
+            for c in range(cols):
+                x, y = (c + 0.5) * scene.width / cols, (r + 0.5) * scene.height / rows
+                if _inside(scene.number_box, x, y):
+                    left, _, right, _ = scene.number_box
+                    digit = scene.number[min(len(scene.number) - 1,
+                                             int((x - left) / (right - left) * len(scene.number)))]
+                    hints[r * cols + c] = IGNORE
+                    hints[r * cols + c, :3] = torch.tensor([0, len(SHAPES) + 1, int(digit) + 1])
+    return hints  # token order: blocks row by row, as the projector emits them
+
+
+MIN_COVER = 0.3  # the share of a token's block a shape must cover to label it
+
+
+def _block_cover(scene, rows: int, cols: int) -> torch.Tensor:
+    """(shapes, rows * cols): the share of each token's block that each shape covers."""
+    mask = shape_mask(scene)
+    ids = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(1, scene.height, scene.width)
+    one_hot = (ids == torch.arange(1, len(scene.shapes) + 1).view(-1, 1, 1)).float()  # (shapes, height, width)
+    return F.adaptive_avg_pool2d(one_hot, (rows, cols)).view(len(scene.shapes), rows * cols)
+
+
+def _shape_hints(scene, shape) -> torch.Tensor:
+    """The hints of a block covered by `shape`: its colour and kind, no digit, and where the other shapes are."""
+    relations = [IGNORE] * RELATION_HINTS
+    unique = scene.unique("kind")
+    for axis_index, axis in enumerate(("x", "y")):
+        for k, kind in enumerate(SHAPES):
+            other = unique.get(kind)
+            if other is not None and other is not shape and clearly_apart(shape, other, axis):
+                relations[axis_index * len(SHAPES) + k] = int(getattr(other, axis) > getattr(shape, axis))
+    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1, 0] + relations)
 
 
 def _inside(box, x, y) -> bool:
@@ -220,7 +256,7 @@ class PackedCausalAttention:
 def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear | None = None,
                hint_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
     """Mean cross-entropy over answer tokens (plus hint_weight x the hints' loss, if a head is given), and per
-    task (first answer tokens right, answers)."""
+    task (first answer tokens right, answers); with hints, also each hint's accuracy on the tokens it labels."""
     cfg = model.config
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
@@ -237,13 +273,33 @@ def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear 
     loss = F.cross_entropy(logits, targets[rows])
     accuracy = _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
     if hint_head is not None and hint_weight:
-        loss = loss + hint_weight * hint_loss(hint_head(image_embeds), torch.cat([h for ex in batch for h in ex.hints]))
+        hints_loss, hint_accuracy = hint_loss(hint_head(image_embeds), torch.cat([h for ex in batch for h in ex.hints]))
+        loss = loss + hint_weight * hints_loss
+        accuracy |= hint_accuracy
     return loss, accuracy
 
 
-def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> torch.Tensor:
-    """scores (visual tokens, sum(HINT_CLASSES)), hints (visual tokens, 3): one cross-entropy per kind of hint."""
-    return sum(F.cross_entropy(part, hints[:, i]) for i, part in enumerate(scores.split(HINT_CLASSES, dim=1)))
+HINT_OUTPUTS = sum(HINT_CLASSES) + 2 * RELATION_HINTS  # the hint head's width
+
+
+def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """scores (visual tokens, HINT_OUTPUTS), hints (visual tokens, 3 + RELATION_HINTS): one cross-entropy per
+    kind of hint (background down-weighted), and each one's accuracy on the tokens it labels (not background)."""
+    parts = scores.split(HINT_CLASSES + (2 * RELATION_HINTS,), dim=1)
+    total, accuracy = 0.0, {}
+    for i, (name, part) in enumerate(zip(("colour", "kind", "digit"), parts)):
+        weight = torch.ones(part.shape[1])
+        weight[0] = BACKGROUND_WEIGHT
+        total = total + F.cross_entropy(part, hints[:, i], weight=weight)
+        right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
+        accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
+    relations = parts[-1].reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
+    labels = hints[:, 3:].reshape(-1)
+    if (labels != IGNORE).any():
+        total = total + F.cross_entropy(relations, labels, ignore_index=IGNORE)
+    right = (relations.argmax(1) == labels)[labels != IGNORE]
+    accuracy["hint relation"] = (int(right.sum()), right.numel())
+    return total, accuracy
 
 
 def _first_token_accuracy(batch, rows, correct) -> dict[str, tuple[int, int]]:
