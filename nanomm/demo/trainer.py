@@ -1,6 +1,6 @@
 """The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
 
-Lesson: lessons/11-the-demo-model.md. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
+Lesson: none yet. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
 the batches and the loss.
 
 A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at

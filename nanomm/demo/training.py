@@ -1,8 +1,10 @@
 """Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
 
-Lesson: lessons/11-the-demo-model.md. The script is scripts/train_demo.py; this module is its parts.
+Lesson: none yet (it comes with the trained model). The script is scripts/train_demo.py; this module is its
+parts.
 
-The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts:
+The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts (which do not
+yet make it learn fast enough to ship: see the issue tracker):
 
 - one picture, many questions: a training sequence is a whole chat, one or two pictures then up to eight
   question/answer turns, so one vision encode feeds many supervised answers (and follow-ups are trained);
