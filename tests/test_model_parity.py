@@ -147,6 +147,18 @@ def test_bfloat16_agrees_with_float32(pair):
     assert err > 0, "bf16 run was not actually in bf16"
 
 
+def test_a_smaller_vision_patch_matches_transformers(tmp_path):
+    # patch_size is a config field: 7-pixel patches (14x14-pixel visual tokens) make the vision tower more local,
+    # which the demo model's recipe may need. Preprocessing, the patch embedding and the 2-D rotary positions
+    # must all follow it.
+    folder = make_checkpoint(tmp_path, preset="tiny", overrides={"vision_config.patch_size": 7})
+    ours = load_model(folder, dtype="float32")
+    assert ours.config.vision.patch_size == 7 and ImageProcessorConfig.from_pretrained(folder).patch_size == 7
+    oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    assert_matches_oracle(folder, ours, oracle, num_images=3)
+
+
 @pytest.mark.slow
 def test_2b_shaped_checkpoint_matches_transformers(tmp_path):
     """The real Qwen2-VL-2B widths (hidden 1536, 12 heads / 2 kv heads, vision 1280, tied, real vocab)."""
