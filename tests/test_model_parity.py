@@ -89,8 +89,10 @@ def assert_matches_oracle(folder, ours, oracle, num_images, num_tokens=32):
     inputs = hf_inputs(ids, processed, ours.config.image_token_id)
     with torch.no_grad():
         expected_logits = oracle(**inputs).logits[0, -1].float()
-        expected_tokens = oracle.generate(**inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                          do_sample=False)[0, len(ids):].tolist()
+        # eos_token_id=None, not min_new_tokens: min_new_tokens forbids EOS, while ignore_eos lets nanomm pick it
+        # (and go on), so a checkpoint whose greedy choice is EOS would differ for no fault of either.
+        expected_tokens = oracle.generate(**inputs, max_new_tokens=num_tokens, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)[0, len(ids):].tolist()
     diff = (result.logits[0] - expected_logits).abs().max().item()
     assert diff <= 1e-4, f"last-position logits differ by {diff}"
     assert expected_logits.std() > 0.05, "random weights too small to make the comparison meaningful"
@@ -148,12 +150,15 @@ def test_bfloat16_agrees_with_float32(pair):
 
 
 def test_a_smaller_vision_patch_matches_transformers(tmp_path):
-    # patch_size is a config field: 7-pixel patches (14x14-pixel visual tokens) make the vision tower more local,
-    # which the demo model's recipe may need. Preprocessing, the patch embedding and the 2-D rotary positions
-    # must all follow it.
-    folder = make_checkpoint(tmp_path, preset="tiny", overrides={"vision_config.patch_size": 7})
+    # patch_size and spatial_merge_size are config fields: 7-pixel patches make the vision tower more local,
+    # which the demo model's recipe may need. Preprocessing, the patch embedding, the merger and the 2-D rotary
+    # positions must all follow them.
+    # With a 4x4 merge, a visual token is again a 28x28-pixel block, of 16 patches.
+    folder = make_checkpoint(tmp_path, preset="tiny", overrides={"vision_config.patch_size": 7,
+                                                                 "vision_config.spatial_merge_size": 4})
     ours = load_model(folder, dtype="float32")
     assert ours.config.vision.patch_size == 7 and ImageProcessorConfig.from_pretrained(folder).patch_size == 7
+    assert ours.config.vision.spatial_merge_size == 4
     oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()
     assert_matches_oracle(folder, ours, oracle, num_images=3)
