@@ -28,6 +28,7 @@ from nanomm.demo.tasks import compare_questions, scene_questions, vary
 from nanomm.demo.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.config import VisionConfig
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import inverse_frequencies
@@ -92,13 +93,14 @@ def local_attention_init(weights: dict, spec: dict, strength: float = 6.0, conte
     vision = spec["vision_config"]
     embed, heads = vision["embed_dim"], vision["num_heads"]
     head_dim = embed // heads
-    theta = inverse_frequencies(head_dim // 2, 10000.0)  # the vision tower's rotary frequencies, per axis
+    theta = inverse_frequencies(head_dim // 2, VisionConfig.rope_theta)  # the tower's rotary frequencies, per axis
     taps = iter(LOCAL_OFFSETS * (vision["depth"] * heads))
     for block in range(vision["depth"]):
-        weight, bias = weights[f"visual.blocks.{block}.attn.qkv.weight"], weights[f"visual.blocks.{block}.attn.qkv.bias"]
+        weight, bias = (weights[f"visual.blocks.{block}.attn.qkv.{name}"] for name in ("weight", "bias"))
         for head in range(heads):
             rows, cols = next(taps)
-            q, k = slice(head * head_dim, (head + 1) * head_dim), slice(embed + head * head_dim, embed + (head + 1) * head_dim)
+            q = slice(head * head_dim, (head + 1) * head_dim)  # rows of qkv: q, then k (embed further), then v
+            k = slice(embed + q.start, embed + q.stop)
             weight[q] *= content_scale
             weight[k] *= content_scale
             angle = torch.cat([theta * rows, theta * cols])  # (head_dim/2,): the first half rotates by row

@@ -84,7 +84,7 @@ class Example:
     labels: list[int]  # token id to predict at each position, or IGNORE
     images: list  # ProcessedImage, in prompt order
     tasks: list[str]  # the task of each answer, in order (for per-task accuracy)
-    hints: list[torch.Tensor] = field(default_factory=list)  # per image: (visual tokens, 3 + RELATION_HINTS) `token_hints`
+    hints: list[torch.Tensor] = field(default_factory=list)  # per image: `token_hints`, (visual tokens, 3 + 8)
 
 
 def encode_chat(tokenizer: Tokenizer, images: list, qas: list[QA]) -> Example:

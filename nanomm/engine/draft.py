@@ -33,8 +33,8 @@ class DraftProposer:
     A draft with a vision tower sees the same images. Encoded by its own tower, its visual tokens differ from
     the target's; but a draft cut from its target (tools/draft_checkpoint.py) often keeps the target's tower
     unchanged, and then it shares the target's encoder cache (`shared_encoder_cache`): the pictures the target
-    encoded cost the draft nothing. A text-only draft (a Qwen2 checkpoint) sees the image span as its <|image_pad|> tokens,
-    with plain 1-D positions, which is what a text model was trained on; see the lesson for why.
+    encoded cost the draft nothing. A text-only draft (a Qwen2 checkpoint) sees the image span as its
+    <|image_pad|> tokens, with plain 1-D positions, which is what a text model was trained on; see the lesson.
     """
 
     def __init__(self, model: Qwen2VL, num_kv_blocks: int, block_size: int, target_vocab_size: int,
