@@ -1,9 +1,13 @@
-"""The offline API, vLLM's shape: `LLM(model, **engine_args)`, then `generate(prompts, params)` or `chat(messages)`.
+"""The offline API, vLLM's shape: `LLM(model, **engine_args)`, then `generate(prompts, sampling_params)` or
+`chat(messages, sampling_params)`.
 
 Lesson: lessons/09-capstone.md (the whole request path through this API).
 
 `LLM` loads the model and its tokenizer, sizes the KV pool from a memory budget, builds the engine
 (engine/engine.py) and drives it: validate everything first, then add all requests and step until they are done.
+The argument names, their defaults and the outputs are vLLM's, so a script written for vLLM's offline API runs
+with only its import line changed (README: "Coming from vLLM"). Calls without sampling params use the
+checkpoint's generation_config.json, as vLLM does.
 """
 
 import contextlib
@@ -21,7 +25,7 @@ from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestOutput
-from nanomm.sampling import SamplingParams
+from nanomm.sampling import SamplingParams, generation_defaults
 
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
 
@@ -34,25 +38,29 @@ class LLM:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         config = replace(config, device=device, dtype=dtype)  # the engine's config says what it runs on
-        folder = resolve_checkpoint(model, config.revision)
+        folder = resolve_checkpoint(model, config.revision, config.download_dir)
         self.model = load_model(folder, device=device, dtype=dtype)
         if not self.model.config.has_vision:
             raise CheckpointError(f"{model} is a text-only Qwen2 model; nanomm serves Qwen2-VL (a Qwen2 checkpoint "
                                   "can be the draft model of speculative decoding)")
         self.draft_model = None
         if config.speculative is not None and config.speculative.method == "draft":
-            self.draft_model = load_model(resolve_checkpoint(config.speculative.model), device=device, dtype=dtype)
+            draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)
+            self.draft_model = load_model(draft_folder, device=device, dtype=dtype)
         if config.cpu_fast_linear:
             for m in (self.model, self.draft_model):
                 if m is not None and packed_linear_available(m.device, m.dtype):
                     pack_linear_layers(m)  # CPU float32 only: oneDNN's blocked weights (model/fast_linear.py)
+        tokenizer_folder = folder if config.tokenizer is None else resolve_checkpoint(
+            config.tokenizer, config.revision, config.download_dir)
         self.tokenizer = Tokenizer.from_pretrained(
-            folder, image_token_id=self.model.config.image_token_id,
+            tokenizer_folder, image_token_id=self.model.config.image_token_id,
             vision_start_token_id=self.model.config.vision_start_token_id,
             vision_end_token_id=self.model.config.vision_end_token_id)
         image_config = ImageProcessorConfig.from_pretrained(folder)
         pixel_cap = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k) is not None}
         image_config = replace(image_config, **pixel_cap)
+        self.default_sampling_params = generation_defaults(folder, config.generation_config)
         self.engine = LLMEngine(self.model, self.tokenizer, image_config, self._resolve(config), self.draft_model)
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
@@ -69,18 +77,33 @@ class LLM:
             useful = config.max_num_seqs * -(-max_model_len // config.block_size)
             num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, config.gpu_memory_utilization,
                                                   config.kv_cache_memory_gib, useful)
-        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
-                       max_num_encoder_tokens=config.max_num_encoder_tokens or config.max_num_batched_tokens)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
+            budget = max(budget, max_model_len)
+        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
+                       max_num_encoder_tokens=config.max_num_encoder_tokens or budget)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or a list (vLLM's shape); use_tqdm shows a progress bar (rich)."""
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: from generation_config.json unless generation_config="vllm"."""
+        return replace(self.default_sampling_params)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer: encode, decode, and apply_chat_template(messages, tokenize=False) as in Hugging Face."""
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (vLLM's shape); use_tqdm shows a progress bar (rich, on stderr).
+        mm_processor_kwargs: the pixel cap for every prompt that does not set its own."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
+        if mm_processor_kwargs is not None:
+            prompts = [_with_processor_kwargs(p, mm_processor_kwargs) for p in prompts]
+        params = sampling_params
         params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        params_list = [p or SamplingParams() for p in params_list]
+        params_list = [p or self.get_default_sampling_params() for p in params_list]
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
         prepared = self.engine.prepare_all(prompts, params_list)
         ids: list[str] = []
@@ -101,17 +124,21 @@ class LLM:
             raise
         return [finished[i] for i in ids]
 
-    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; generates the assistant turn."""
+        if chat_template is not None:
+            raise ValueError("chat_template: nanomm renders Qwen2-VL's own chat template and takes no other")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                text, images = self.tokenizer.apply_chat_template(conversation)
+                text, images = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
             except InvalidInputError as exc:
                 raise InvalidInputError(f"conversation {i}: {exc}") from None
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-        return self.generate(prompts, params)
+        return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -133,10 +160,22 @@ def _progress(show: bool, total: int):
     if not show:
         yield lambda: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+    columns = TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("generate", total=total)
         yield lambda: bar.advance(task)
+
+
+def _with_processor_kwargs(prompt, kwargs: dict):
+    """A prompt with the call's mm_processor_kwargs, unless it carries its own."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "mm_processor_kwargs": kwargs}
+    if isinstance(prompt, dict) and "mm_processor_kwargs" not in prompt:
+        return {**prompt, "mm_processor_kwargs": kwargs}
+    return prompt
 
 
 def _kv_blocks_for_memory(model: Qwen2VL, bytes_per_block: int, gpu_memory_utilization: float,

@@ -41,14 +41,25 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """vLLM's shape: a token's log-probability under the model, its rank (1 = most likely) and its text."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass
 class CompletionOutput:
-    index: int
+    index: int  # which of the prompt's n completions
     token_ids: list[int]  # cumulative
     text: str  # cumulative
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     delta_token_ids: list[int] = field(default_factory=list)  # new this step
     delta_text: str = ""
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
+    cumulative_logprob: float | None = None  # sum of the tokens' logprobs, when logprobs were asked for
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the top-n and the token itself
 
 
 @dataclass
@@ -59,3 +70,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token

@@ -12,7 +12,7 @@ import torch
 from nanomm.engine.attention import causal_attention
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import mrope_positions, text_positions
-from nanomm.sampling import SamplingParams, sample
+from nanomm.sampling import SamplingParams, adjust_logits, sample
 
 
 class ContiguousKVCache:
@@ -34,7 +34,7 @@ class ContiguousKVCache:
 class ReferenceOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"
-    logits: list[torch.Tensor] = field(default_factory=list)  # float32 (vocab,) per generated token
+    logits: list[torch.Tensor] = field(default_factory=list)  # raw float32 (vocab,) per generated token
 
 
 @torch.inference_mode()
@@ -61,14 +61,15 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
         logits = model.compute_logits(hidden[-1])
-        token = sample(logits, params, generator)
+        adjusted = adjust_logits(logits, params, prompt_ids, out.token_ids, stop_ids) if params.reads_history else logits
+        token = sample(adjusted, params, generator)
         out.token_ids.append(token)
         if keep_logits:
             out.logits.append(logits)
         if token in stop_ids:
             out.finish_reason = "stop"
             return out
-        if len(out.token_ids) >= params.max_tokens:
+        if len(out.token_ids) >= params.token_limit:
             return out
         position = len(prompt_ids) + len(out.token_ids) - 1 + delta  # the same on all three axes
         hidden = model(torch.tensor([token], device=device), torch.full((3, 1), position, device=device), kv_cache)

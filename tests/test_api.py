@@ -131,12 +131,19 @@ def test_bad_add_request_leaves_running_requests_untouched(llm):
     assert_no_leaks(llm)
 
 
-def test_progress_bar_does_not_change_outputs(llm, capsys):
+def test_progress_bar_does_not_change_outputs(llm, capsys, monkeypatch):
+    """vLLM's default, use_tqdm=True: a bar on stderr when it is a terminal (FORCE_COLOR makes rich think so),
+    nothing on a pipe; never on stdout, where a script's own output goes."""
     prompts = [chat_prompt(f"progress {i}") for i in range(3)]
-    plain = llm.generate(prompts, GREEDY)
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    piped = llm.generate(prompts, GREEDY)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("FORCE_COLOR", "1")
     shown = llm.generate(prompts, GREEDY, use_tqdm=True)
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
-    assert "3/3" in capsys.readouterr().out
+    assert [o.outputs[0].token_ids for o in piped] == [o.outputs[0].token_ids for o in plain]
+    printed = capsys.readouterr()
+    assert "3/3" in printed.err and printed.out == ""
     assert_no_leaks(llm)
 
 

@@ -52,8 +52,8 @@ def record_logit_rows(llm) -> dict[str, list[torch.Tensor]]:
     rows, run = {}, llm.engine.runner.run
 
     def recording(chunks):
-        logits = run(chunks)  # (sampling chunks, vocab): no speculation here, so one row per sampling chunk
-        for chunk, row in zip([c for c in chunks if c.samples_next_token], logits):
+        logits = run(chunks)  # no speculation here, so one sampling row per sampling chunk
+        for chunk, row in zip([c for c in chunks if c.samples_next_token], logits.sampling):
             rows.setdefault(chunk.request.request_id, []).append(row.clone())
         return logits
 

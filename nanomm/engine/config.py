@@ -3,9 +3,12 @@
 Lesson: lessons/05-continuous-batching.md (the budgets), lessons/04-paged-kv-cache.md (the KV pool).
 
 The names are vLLM's engine arguments where vLLM has one (max_num_seqs, max_num_batched_tokens, block_size,
-gpu_memory_utilization, enable_prefix_caching, ...). A keyword `LLM` does not know is a TypeError naming it,
-never silently dropped; a bad value is a ValueError quoting the value given. `None` fields are resolved
-once the model is loaded (`LLM` does it): the model's context length, the KV pool that fits the memory.
+gpu_memory_utilization, enable_prefix_caching, limit_mm_per_prompt, mm_processor_kwargs, speculative_config,
+...), with vLLM's meanings, so a vLLM script's `LLM(...)` line runs unchanged (the README has the table).
+A keyword `LLM` does not know is a TypeError naming it, never silently dropped; a bad value is a ValueError
+quoting the value given; an argument that only makes sense across several devices is a ValueError that says
+so. `None` fields are resolved once the model is loaded (`LLM` does it): the model's context length, the KV
+pool that fits the memory.
 """
 
 from dataclasses import dataclass, fields
@@ -36,6 +39,22 @@ class EngineConfig:
     limit_images_per_prompt: int = 16
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (model/fast_linear.py)
+    # vLLM's names for the same things (translated in __post_init__) and its other arguments.
+    speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
+    limit_mm_per_prompt: dict | None = None  # {"image": k}: sets limit_images_per_prompt
+    mm_processor_kwargs: dict | None = None  # {"min_pixels": .., "max_pixels": ..}: the engine's pixel cap
+    tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
+    download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
+    enforce_eager: bool = False  # nanomm has no CUDA graphs yet: it always runs eagerly
+    generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
+    #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
+    kv_cache_dtype: str = "auto"  # the model's dtype; quantized KV caches are not built yet
+    quantization: str | None = None  # quantized weights are not built yet
+    trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
+    tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
+    pipeline_parallel_size: int = 1  # only 1
+    distributed_executor_backend: str | None = None  # only None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "EngineConfig":
@@ -47,6 +66,8 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self):
+        self._translate_vllm_arguments()
+        self._check_single_device()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_cache_size",
                      "limit_images_per_prompt"):
             check_int(getattr(self, name), name)
@@ -63,7 +84,64 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None and not (is_finite_number(self.kv_cache_memory_gib)
                                                          and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
+        for name in ("enable_chunked_prefill", "enforce_eager", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.generation_config not in ("auto", "vllm") and not isinstance(self.generation_config, str):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
         elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
+
+    def _translate_vllm_arguments(self) -> None:
+        """vLLM's argument names and values -> the fields the engine reads."""
+        self.dtype = {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
+        if self.speculative_config is not None:
+            if self.speculative is not None:
+                raise ValueError("give speculative_config or speculative (its older name), not both")
+            self.speculative, self.speculative_config = self.speculative_config, None
+        if self.limit_mm_per_prompt is not None:
+            self.limit_images_per_prompt = _image_limit(self.limit_mm_per_prompt)
+        if self.mm_processor_kwargs is not None:
+            for name, value in _pixel_kwargs(self.mm_processor_kwargs, "mm_processor_kwargs").items():
+                if getattr(self, name) is not None and getattr(self, name) != value:
+                    raise ValueError(f"{name} is given twice, as {getattr(self, name)} and in mm_processor_kwargs")
+                setattr(self, name, value)
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanomm keeps the KV cache "
+                             "in the model's dtype ('auto')")
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanomm serves the checkpoint's "
+                             "own weights (quantization=None)")
+
+    def _check_single_device(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if check_int(getattr(self, name), name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)}: nanomm runs one model on one device. To split a "
+                                 "model over several GPUs, serve it with vLLM or SGLang (same offline API)")
+        if self.distributed_executor_backend is not None:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: nanomm runs on one "
+                             "device in one process; for distributed serving use vLLM or SGLang")
+
+
+def _image_limit(limits) -> int:
+    """limit_mm_per_prompt={"image": k} -> k; other modalities may only be limited to 0 (nanomm serves images)."""
+    if not isinstance(limits, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 4}}, got {limits!r}")
+    for modality, limit in limits.items():
+        if modality != "image" and limit not in (0, None):
+            raise ValueError(f"limit_mm_per_prompt: nanomm serves images only, so {modality!r} can only be 0, "
+                             f"got {limit!r}")
+    return check_int(limits.get("image", 16), "limit_mm_per_prompt['image']")
+
+
+def _pixel_kwargs(kwargs, name: str) -> dict:
+    """The Qwen2-VL image processor's keywords that nanomm honours: min_pixels and max_pixels."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{name} must be a dict like {{'max_pixels': 1280 * 28 * 28}}, got {kwargs!r}")
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; the Qwen2-VL image processor takes min_pixels and "
+                         "max_pixels")
+    return {k: check_int(v, f"{name}['{k}']") for k, v in kwargs.items()}

@@ -69,7 +69,7 @@ class DraftProposer:
         for round_ in range(max((k for _, k in active), default=0)):
             batch = [(r, self.sequences[r.request_id]) for r, k in active if k > round_]
             logits = self.runner.run([ScheduledChunk(seq, seq.num_computed_tokens, seq.num_tokens -
-                                                     seq.num_computed_tokens) for _, seq in batch])
+                                                     seq.num_computed_tokens) for _, seq in batch]).sampling
             logits = self._to_target_vocab(logits)  # (len(batch), target vocab)
             for (request, seq), row in zip(batch, logits):
                 seq.num_computed_tokens = seq.num_tokens

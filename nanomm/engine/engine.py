@@ -21,6 +21,7 @@ from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
 from nanomm.engine.model_runner import ModelRunner
 from nanomm.engine.output_processor import OutputProcessor
+from nanomm.engine.parallel_sampling import ParentRequest, child_params
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
@@ -50,12 +51,14 @@ class LLMEngine:
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device)
         self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_num_encoder_tokens)
+                                   config.max_num_batched_tokens, config.max_num_encoder_tokens,
+                                   config.enable_chunked_prefill)
         self.intake = RequestIntake(self.processor, PreprocessPool(config.num_preprocess_workers),
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
         self.requests: dict[str, Request] = {}  # scheduled and not finished
+        self.parents: dict[str, ParentRequest] = {}  # requests with n > 1, by their id and their children's
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
 
@@ -81,7 +84,7 @@ class LLMEngine:
         arrival = time.perf_counter()
         request_id = self._new_request_id() if request_id is None else str(request_id)
         name = f"request {request_id}"
-        if request_id in self.requests or request_id in self.intake.preprocessing:
+        if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         params = _check_params(params, name)
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
@@ -107,11 +110,30 @@ class LLMEngine:
     def _new_request_id(self) -> str:
         while True:  # skip ids a caller chose for their own requests
             request_id = str(next(self._ids))
-            if request_id not in self.requests and request_id not in self.intake.preprocessing:
+            if not self._id_in_use(request_id):
                 return request_id
 
+    def _id_in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.intake.preprocessing or request_id in self.parents
+
     def _admit(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
-        """A prepared request becomes the scheduler's."""
+        """A prepared request becomes the scheduler's: one request, or n children (parallel_sampling.py)."""
+        if params.n == 1:
+            self._add_to_scheduler(self._make_request(request_id, prepared, params))
+            return
+        parent = ParentRequest(request_id, params.n)
+        self.parents[request_id] = parent
+        leader = None
+        for i, child_id in enumerate(parent.child_ids):
+            child = self._make_request(child_id, prepared, child_params(params, i), completion_index=i)
+            if self.config.enable_prefix_caching and child.params.prompt_logprobs is None:
+                child.prefill_after = leader  # the first child prefills, the others find its blocks cached
+            self.parents[child_id] = parent
+            self._add_to_scheduler(child)
+            leader = leader or child
+
+    def _make_request(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
+                      completion_index: int = 0) -> Request:
         seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
         generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
@@ -119,9 +141,12 @@ class LLMEngine:
                                  preprocess_s=prepared.ready_time - prepared.arrival_time,
                                  num_prompt_tokens=len(prepared.token_ids),
                                  num_visual_tokens=prepared.num_visual_tokens)
-        request = Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
-                          params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics)
-        self.requests[request_id] = request
+        return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
+                       params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
+                       completion_index=completion_index)
+
+    def _add_to_scheduler(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
 
@@ -131,11 +156,20 @@ class LLMEngine:
 
     def forget_outputs(self, request_ids) -> None:
         """Drop pending outputs of these requests (LLM.generate cleaning up after an error: nobody reads them)."""
-        self.intake.forget_outputs(request_ids)
+        request_ids = list(request_ids)
+        children = [c for r in request_ids if r in self.parents for c in self.parents[r].child_ids]
+        for request_id in request_ids + children:
+            self.parents.pop(request_id, None)
+        self.intake.forget_outputs(request_ids + children)
 
     def abort_request(self, request_id: str) -> None:
         request_id = str(request_id)
         if self.intake.cancel(request_id):
+            return
+        parent = self.parents.get(request_id)
+        if parent is not None and parent.request_id == request_id:
+            for child_id in parent.child_ids:
+                self.abort_request(child_id)
             return
         request = self.requests.get(request_id)
         if request is None or request.status is Status.FINISHED:
@@ -157,9 +191,11 @@ class LLMEngine:
             self._propose()
         chunks = self.scheduler.schedule()
         if chunks:
-            logits = self.runner.run(chunks)  # (rows that sample, vocab)
+            logits = self.runner.run(chunks)
+            for chunk, prompt_logits in logits.prompt:
+                self.output_processor.record_prompt_logprobs(chunk.request, chunk.start, prompt_logits)
             sampling = [c for c in chunks if c.samples_next_token]
-            emitted = dict(zip(map(id, sampling), sample_and_verify(sampling, logits)))
+            emitted = dict(zip(map(id, sampling), sample_and_verify(sampling, logits.sampling)))
             for chunk in chunks:
                 output = self._commit(chunk, emitted.get(id(chunk), Emitted([], 0)))
                 if output is not None:
@@ -168,7 +204,27 @@ class LLMEngine:
         self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.num_steps += 1
         self.step_s += time.perf_counter() - start
-        return outputs
+        return self._merge_children(outputs)
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs of a request with n > 1 come from its children: one merged output per parent."""
+        merged, by_parent = [], {}
+        for out in outputs:
+            parent = self.parents.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+            elif parent.request_id not in by_parent:
+                by_parent[parent.request_id] = [out]
+                merged.append(parent)  # its place in the list, filled below
+            else:
+                by_parent[parent.request_id].append(out)
+        for i, item in enumerate(merged):
+            if isinstance(item, ParentRequest):
+                merged[i] = item.merge(by_parent[item.request_id])
+                if item.done:
+                    for key in [item.request_id, *item.child_ids]:
+                        self.parents.pop(key, None)
+        return merged
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for every decoding request, verified by this step's forward pass."""
@@ -184,7 +240,7 @@ class LLMEngine:
     def _commit(self, chunk: ScheduledChunk, emitted: Emitted) -> RequestOutput | None:
         """Append what the chunk emitted (up to a finish), commit its positions, and stream the new tokens."""
         request = chunk.request
-        tokens, reason = self.output_processor.cut_at_finish(request, emitted.token_ids)
+        tokens, reason = self.output_processor.take_tokens(request, emitted.token_ids, emitted.logprobs)
         if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
             self.output_processor.count_decode_step(request.metrics, len(chunk.spec_token_ids),
                                                     min(emitted.num_accepted, len(tokens)), len(tokens))

@@ -44,7 +44,7 @@ class RequestIntake:
 
     def check_fits(self, prepared: PreparedPrompt, params: SamplingParams, name: str) -> None:
         """A request whose longest possible sequence needs more blocks than the whole pool could never finish."""
-        max_len = min(len(prepared.token_ids) + params.max_tokens, self.max_model_len)
+        max_len = min(len(prepared.token_ids) + params.token_limit, self.max_model_len)
         needed, pool = self.block_manager.blocks_needed(max_len), self.block_manager.num_blocks
         if needed > pool:
             raise InvalidInputError(

@@ -29,6 +29,19 @@ class StepInputs:
     visual_tokens: torch.Tensor | None  # (image tokens, hidden) the rows image_mask marks, in order
     image_mask: torch.Tensor  # (tokens,) True where a token is an image token of a prompt
     sample_rows: list[int]  # packed rows whose logits pick a next token
+    prompt_rows: list[tuple[ScheduledChunk, list[int]]]  # rows whose logits give prompt_logprobs, per chunk
+
+
+@dataclass
+class StepLogits:
+    """float32 logits of one forward pass."""
+    sampling: torch.Tensor  # (sample rows, vocab): 1 + len(spec_token_ids) rows per chunk that samples, in order
+    prompt: list[tuple[ScheduledChunk, torch.Tensor]]  # per chunk that wants prompt_logprobs: (its prompt rows, vocab)
+
+
+def _wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
+    params = getattr(chunk.request, "params", None)  # a draft model's sequence has none
+    return params is not None and params.prompt_logprobs is not None
 
 
 def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -46,14 +59,15 @@ class ModelRunner:
         self.visual_tokens_encoded, self.encode_s = 0, 0.0
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward the packed chunks; float32 logits (rows, vocab), in chunk order: 1 + len(spec_token_ids) rows
-        for each chunk that samples."""
+    def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
+        """Forward the packed chunks; the logits of the rows that sample, and of the prompt rows of requests
+        that asked for prompt_logprobs."""
         self._encode_images(chunks)
         step = self._pack(chunks)
         hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
                             step.visual_tokens, step.image_mask)  # (tokens, hidden)
-        return self.model.compute_logits(hidden[step.sample_rows])  # (sample rows, vocab)
+        prompt = [(chunk, self.model.compute_logits(hidden[rows])) for chunk, rows in step.prompt_rows]
+        return StepLogits(self.model.compute_logits(hidden[step.sample_rows]), prompt)  # (sample rows, vocab)
 
     def stats(self) -> dict:
         return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
@@ -62,6 +76,7 @@ class ModelRunner:
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
         ids, positions, contexts, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
+        prompt_rows = []
         offset = context_offset = 0  # where this chunk starts in the packed tokens / in the packed contexts
         for chunk in chunks:
             request = chunk.request
@@ -72,6 +87,10 @@ class ModelRunner:
             visual += self._visual_slices(chunk)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in span.clip(chunk.start, chunk.end)]
+            if _wants_prompt_logprobs(chunk):  # position i predicts prompt token i + 1
+                last = min(chunk.end, request.num_prompt_tokens - 1)
+                if last > chunk.start:
+                    prompt_rows.append((chunk, list(range(offset, offset + last - chunk.start))))
             offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
             if chunk.samples_next_token:  # the last known token predicts the next, each proposal the one after it
                 sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
@@ -84,7 +103,7 @@ class ModelRunner:
             meta=StepMetadata(new_slots.to(self.device), torch.cat(contexts).to(self.device), sequences),
             visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
             image_mask=image_mask.to(self.device),
-            sample_rows=sample_rows)
+            sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,

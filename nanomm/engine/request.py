@@ -81,6 +81,16 @@ class Request(Sequence):
     # the distributions they were drawn from (len(spec_token_ids), vocab).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_token_probs: torch.Tensor | None = None
+    # Parallel sampling (n > 1, parallel_sampling.py): which completion this is, and the sibling whose prompt
+    # prefill it waits for, so that it finds the prompt's KV blocks in the prefix cache instead of computing them.
+    completion_index: int = 0
+    prefill_after: "Request | None" = None
+
+    @property
+    def may_start_prefill(self) -> bool:
+        leader = self.prefill_after
+        return (leader is None or self.metrics.first_scheduled_time is not None  # started once: never waits again
+                or leader.status is Status.FINISHED or leader.num_computed_tokens >= leader.num_prompt_tokens)
 
     def record_image_ready(self, cache_hit: bool, encode_s: float) -> None:
         self.metrics.encoder_cache_hits += cache_hit

@@ -47,8 +47,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, encoder_cache: EncoderCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_num_encoder_tokens: int):
+                 max_num_batched_tokens: int, max_num_encoder_tokens: int, chunked_prefill: bool = True):
         self.block_manager, self.encoder_cache = block_manager, encoder_cache
+        self.chunked_prefill = chunked_prefill  # False: a prompt is admitted only when all of it fits this step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_encoder_tokens = max_num_encoder_tokens  # visual tokens the vision tower may encode per step
@@ -80,6 +81,8 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(proposals), proposals))
                 budget -= n + len(proposals)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if not self.waiting[0].may_start_prefill:
+                break  # a sibling of parallel sampling waits for its leader's prompt blocks (parallel_sampling.py)
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -117,10 +120,13 @@ class Scheduler:
         request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         (request.num_tokens - 1) // bs, request.block_hashes)
         cached = self.block_manager.find_cached_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
+        if request.params.prompt_logprobs is not None:
+            cached = []  # cached positions have no logits: compute the whole prompt (as vLLM does)
         num_cached = len(cached) * bs
         n = self._fit_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))
         new_blocks = self.block_manager.blocks_needed(num_cached + n) - len(cached)
-        if n == 0 or not self.block_manager.can_allocate(new_blocks, cached):
+        whole = self.chunked_prefill or num_cached + n == request.num_tokens
+        if n == 0 or not whole or not self.block_manager.can_allocate(new_blocks, cached):
             return None
         self.block_manager.take_cached(cached)
         request.block_table = cached + self.block_manager.allocate(new_blocks)

@@ -28,16 +28,16 @@ import torch
 
 from nanomm.engine.request import Request
 from nanomm.errors import check_int
-from nanomm.sampling import probabilities
+from nanomm.sampling import adjust_logits, probabilities, top_logprobs
 
 METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`LLM(speculative={...})`, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    """`LLM(speculative_config={...})`, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft", "model": path_or_id,
-    "num_speculative_tokens": k}."""
+    "num_speculative_tokens": k} ("draft_model", vLLM's name, or no method with a model, mean "draft")."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2  # shortest suffix n-gram the n-gram proposer looks up
@@ -49,6 +49,11 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"speculative must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
                              f"got {type(raw).__name__}")
+        raw = dict(raw)
+        if raw.get("method") is None and raw.get("model") is not None:
+            raw["method"] = "draft"  # vLLM infers the draft-model method from a model path
+        if raw.get("method") == "draft_model":
+            raw["method"] = "draft"  # vLLM's name for it
         method = raw.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {method!r}")
@@ -81,7 +86,7 @@ class Proposal:
 def proposal_budget(request: Request, k: int, max_model_len: int) -> int:
     """How many proposals are worth making: a step emits at most k + 1 tokens, and none past max_tokens or
     max_model_len (so speculation never needs more KV than the request could use anyway)."""
-    left_to_generate = request.params.max_tokens - len(request.output_token_ids)
+    left_to_generate = request.params.token_limit - len(request.output_token_ids)
     return max(0, min(k, left_to_generate - 1, max_model_len - request.num_tokens - 1))
 
 
@@ -182,24 +187,38 @@ class Emitted:
     """What one sampling chunk adds to its request this step."""
     token_ids: list[int]  # the accepted proposals, then the target's own token
     num_accepted: int  # how many of token_ids were proposals
+    logprobs: list[dict] | None = None  # per token, {token id: (logprob, rank)} when the request asked for them
 
 
 def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
     """The tokens each sampling chunk emits, in order. logits (rows, vocab): 1 + len(spec_token_ids) rows per
     chunk, the row after each known token and after each proposal. Without proposals this is plain sampling;
     with them, the acceptance rules above. Greedy rows share one argmax; sampled ones use their own request's
-    generator."""
+    generator. Penalties and min_tokens see, at each row, the output so far plus the proposals before it: the
+    history that row would have in plain decoding."""
     argmax = logits.argmax(dim=-1).tolist()
     emitted, row = [], 0
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids
         rows = 1 + len(proposed)
+        raw = logits[row:row + rows]  # (rows, vocab)
+        adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else raw
         if request.params.greedy:
-            tokens = accept_greedy(proposed, argmax[row:row + rows])
+            chosen = adjusted.argmax(dim=-1).tolist() if request.params.reads_history else argmax[row:row + rows]
+            tokens = accept_greedy(proposed, chosen)
         else:
-            p = probabilities(logits[row:row + rows], request.params)  # (rows, vocab)
+            p = probabilities(adjusted, request.params)  # (rows, vocab)
             q = None if request.spec_token_probs is None else request.spec_token_probs[:rows - 1]
             tokens = accept_sampled(proposed, p, q, request.generator)
-        emitted.append(Emitted(tokens, len(tokens) - 1))  # every token but the last was a proposal
+        num_top = request.params.logprobs
+        logprobs = None if num_top is None else top_logprobs(raw[:len(tokens)], tokens, num_top)
+        emitted.append(Emitted(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
         row += rows
     return emitted
+
+
+def adjusted_rows(request: Request, proposed: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """`adjust_logits` for each verification row: row i follows the output and the first i proposals."""
+    prompt, output = request.prompt.token_ids, request.output_token_ids
+    return torch.stack([adjust_logits(raw[i], request.params, prompt, output + proposed[:i], request.stop_token_ids)
+                        for i in range(raw.shape[0])])

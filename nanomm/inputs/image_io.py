@@ -13,8 +13,10 @@ Decisions a reader should know:
     Pillow could open (EPS runs Ghostscript, for one) are refused: decoding untrusted data should use few decoders.
   - URLs are not fetched: the caller downloads the image and passes its path or bytes.
   - Animated images (GIF, APNG, WEBP): the first frame is used. A PIL image is used as given (its current frame).
-  - EXIF orientation is not applied, like HF's processor given `Image.open(path)`. (HF's own `load_image` for
-    path strings applies it, and also drops alpha instead of compositing on white; we follow the PIL route.)
+  - EXIF orientation is applied to the files, bytes and data URLs decoded here, so a phone photo is served
+    upright (as vLLM serves it). This departs from transformers' processor given `Image.open(path)`, which
+    ignores the tag; it matches HF's own `load_image` for paths. A PIL image is used as given: whoever opened it
+    decides (`PIL.ImageOps.exif_transpose`). The parity tests use images without EXIF, where both agree.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import io
 import os
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from nanomm.errors import InvalidInputError
 
 MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses anything longer and thinner
 PILLOW_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS (1024**3 // 4 // 3)
+EXIF_ORIENTATION = 0x0112  # the EXIF tag; 1 = upright, 2-8 = a turn and/or a mirror
 SUPPORTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
 
 
@@ -67,7 +70,9 @@ def _decode(data: bytes, name: str, max_image_pixels: int) -> Image.Image:
         im = Image.open(io.BytesIO(data), formats=_open_formats())
         _check_size(im.size, name, max_image_pixels)
         im.load()  # the first frame, for animated images
-    return im
+        if im.getexif().get(EXIF_ORIENTATION, 1) == 1:
+            return im
+        return ImageOps.exif_transpose(im)  # turned or flipped upright; a quarter turn swaps width and height
 
 
 def _open_formats() -> list[str]:

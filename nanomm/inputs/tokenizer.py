@@ -105,8 +105,14 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> tuple[str, list]:
-        """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, images in order)."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool | None = None):
+        """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, images in order).
+
+        With `tokenize` given, it answers as a Hugging Face tokenizer does, for scripts written for vLLM's
+        `llm.get_tokenizer()`: the text alone (tokenize=False) or its token ids (tokenize=True)."""
+        if tokenize is not None:
+            text, _ = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(text) if tokenize else text
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         pieces, images = [], []

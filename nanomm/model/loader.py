@@ -29,8 +29,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder as is, or a hub id downloaded (config, safetensors and tokenizer files only)."""
+def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None,
+                       download_dir: str | None = None) -> Path:
+    """A local folder as is, or a hub id downloaded (config, safetensors and tokenizer files only) into
+    download_dir (None: the Hugging Face cache)."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -41,7 +43,7 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = Non
         raise CheckpointError(f"{name}: no such checkpoint folder (and not a hub id of the form 'org/name')")
     from huggingface_hub import snapshot_download  # imported here: only hub ids need it
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, cache_dir=download_dir))
     except Exception as exc:  # offline, unknown repo, gated repo...: one clear sentence for the user
         raise CheckpointError(f"cannot download {name!r} from the Hugging Face hub ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else 'no details'}); "
