@@ -60,12 +60,14 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     hidden = model(ids, positions.to(device), kv_cache, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
-        logits = model.compute_logits(hidden[-1])
-        adjusted = adjust_logits(logits, params, prompt_ids, out.token_ids, stop_ids) if params.reads_history else logits
-        token = sample(adjusted, params, generator)
+        raw = model.compute_logits(hidden[-1])
+        logits = raw
+        if params.reads_history:  # penalties and min_tokens see the prompt and the output so far
+            logits = adjust_logits(raw, params, prompt_ids, out.token_ids, stop_ids)
+        token = sample(logits, params, generator)
         out.token_ids.append(token)
         if keep_logits:
-            out.logits.append(logits)
+            out.logits.append(raw)
         if token in stop_ids:
             out.finish_reason = "stop"
             return out

@@ -300,7 +300,7 @@ def prompt_of_length(tokenizer: Tokenizer, length: int, processed):
 
 def test_prompts_near_the_position_limit_finish_at_max_model_len_like_transformers(limit_pair):
     """Greedy, ignore_eos, max_tokens past the limit: each request stops with "length" exactly when prompt +
-    output reaches max_model_len (cut_at_finish: the token that makes num_tokens == max_model_len is the last),
+    output reaches max_model_len (take_tokens: the token that makes num_tokens == max_model_len is the last),
     and its tokens are transformers' greedy tokens for that many new tokens; one prompt leaves room for one."""
     folder, oracle = limit_pair
     tokenizer = Tokenizer.from_pretrained(folder)

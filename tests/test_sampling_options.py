@@ -145,11 +145,21 @@ def test_engine_with_penalties_matches_reference(ckpt, setting, penalty):
     assert_no_leaks(llm)
 
 
+def vllm_order_probabilities(logits, temperature, min_p, top_k):
+    """vLLM's order, written out: temperature, then min_p (against the most likely token), then top-k."""
+    scaled = logits / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    scaled = torch.where(probs < min_p * probs.max(), float("-inf"), scaled)
+    kth = torch.sort(scaled, descending=True).values[top_k - 1]
+    return torch.softmax(torch.where(scaled < kth, float("-inf"), scaled), dim=-1)
+
+
 def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
     """Sampled speculation with penalties: the distribution verified at each proposed position is the one plain
     decoding would use there, penalties recomputed with the proposals before it (checked with a plain loop)."""
     llm = make_llm(ckpt, speculative_config=dict(method="draft", model=str(ckpt), num_speculative_tokens=3))
-    params = SamplingParams(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.2, max_tokens=16, seed=3)
+    params = SamplingParams(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.02, top_k=40,
+                            max_tokens=16, seed=3)
     seen = []
     accept = engine_module.sample_and_verify.__globals__["accept_sampled"]
 
@@ -179,7 +189,7 @@ def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
                 logits[token] = logits[token] / 1.2 if logits[token] > 0 else logits[token] * 1.2
             for token in set(history):  # frequency: output only
                 logits[token] -= 1.0 * history.count(token)
-            torch.testing.assert_close(p[i], torch.softmax(logits / 0.8, dim=-1))
+            torch.testing.assert_close(p[i], vllm_order_probabilities(logits, temperature=0.8, min_p=0.02, top_k=40))
             checked += i > 0
     assert checked > 0, "no proposal was verified"
     assert_no_leaks(llm)
@@ -229,7 +239,8 @@ def test_streamed_deltas_never_show_a_stop_string(ckpt):
         for out in llm.engine.step():
             deltas.append(out.outputs[0].delta_text)
             final = out
-    assert final.request_id == request_id and "".join(deltas) == final.outputs[0].text == full.text[:full.text.find(stop)]
+    assert final.request_id == request_id
+    assert "".join(deltas) == final.outputs[0].text == full.text[:full.text.find(stop)]
     assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
     assert_no_leaks(llm)
 
@@ -273,8 +284,9 @@ def test_logprobs_are_the_models_raw_log_softmax(ckpt, speculative):
     assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
-def test_prompt_logprobs_match_transformers(ckpt, oracle):
-    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=7)  # chunks cut the prompt
+@pytest.mark.parametrize("speculative", [None, NGRAM])
+def test_prompt_logprobs_match_transformers(ckpt, oracle, speculative):
+    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=7, speculative_config=speculative)  # chunks cut it
     prompt = chat_prompt("a red circle and a blue square")
     llm.generate(prompt, SamplingParams(max_tokens=1))  # the prompt's blocks are in the prefix cache now
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
@@ -314,6 +326,27 @@ def test_n_completions_prefill_the_prompt_once(ckpt):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_n_completions_with_speculation(ckpt, speculative):
+    """Greedy completions are all the reference's; sampled ones with seeds are each a seeded single request's
+    (through the same speculative engine: proposals consume draws, so compare like with like)."""
+    spec = NGRAM if speculative == "ngram" else dict(method="draft", model=str(ckpt), num_speculative_tokens=2)
+    prompt = chat_prompt("red blue red blue red", [random_image(56, 56, 10)])
+    llm = make_llm(ckpt, speculative_config=spec)
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.1)
+    out = llm.generate(prompt, greedy)[0]
+    expected = reference_tokens(llm, prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                            repetition_penalty=1.1))
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+    sampled = llm.generate(prompt, SamplingParams(n=3, seed=20, max_tokens=10, ignore_eos=True, stop="zz"))[0]
+    for i, completion in enumerate(sampled.outputs):
+        single = make_llm(ckpt, speculative_config=spec).generate(
+            prompt, SamplingParams(seed=20 + i, max_tokens=10, ignore_eos=True, stop="zz"))[0]
+        assert completion.token_ids == single.outputs[0].token_ids
+    assert llm.stats()["spec_draft_tokens"] > 0
+    assert_no_leaks(llm)
+
+
 def test_n_completions_stream_and_abort_as_one_request(ckpt):
     llm = make_llm(ckpt, speculative_config=NGRAM)
     request_id = llm.engine.add_request(chat_prompt("hello"), SamplingParams(n=2, max_tokens=30, ignore_eos=True))
@@ -327,8 +360,9 @@ def test_n_completions_stream_and_abort_as_one_request(ckpt):
 
 # -- skip_special_tokens ---------------------------------------------------------------------------------------
 
-def test_skip_special_tokens_false_keeps_them_in_the_text(ckpt, monkeypatch):
-    llm = make_llm(ckpt)
+@pytest.mark.parametrize("speculative", [None, NGRAM])
+def test_skip_special_tokens_false_keeps_them_in_the_text(ckpt, monkeypatch, speculative):
+    llm = make_llm(ckpt, speculative_config=speculative)
     im_end = llm.tokenizer.encode("<|im_end|>")[0]
     sample = engine_module.sample_and_verify
 

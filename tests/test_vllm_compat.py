@@ -117,7 +117,8 @@ def test_engine_arguments_with_vllms_names(ckpt, tmp_path):
     assert draft.engine.config.speculative.method == "draft"  # vLLM infers it from the model
     prompt = "<|im_start|>user\nred blue red blue<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(temperature=0, max_tokens=12)
-    assert llm.generate(prompt, params)[0].outputs[0].token_ids == draft.generate(prompt, params)[0].outputs[0].token_ids
+    tokens = [engine.generate(prompt, params)[0].outputs[0].token_ids for engine in (llm, draft)]
+    assert tokens[0] == tokens[1] == reference_tokens(llm, prompt, params)
     assert_no_leaks(llm)
 
 
