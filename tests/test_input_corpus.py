@@ -466,13 +466,18 @@ def test_huge_jpeg_is_downscaled_to_the_cap(llm, good):
     assert len(out.prompt_token_ids) < 100
 
 
-def test_exif_orientation_is_not_applied(llm, good):
-    """image_io.py's documented choice (like HF's processor given Image.open): the stored pixels are used as they
-    are, so the EXIF-rotated JPEG is served exactly like the same JPEG without the tag."""
-    rotated, plain = assert_served(llm, [with_images("which way up?", [as_form(good, "exif_rot6.jpg", "path")]),
-                                         with_images("which way up?", [as_form(good, "no_exif.jpg", "bytes")])])
-    assert rotated.prompt_token_ids == plain.prompt_token_ids
-    assert rotated.outputs[0].token_ids == plain.outputs[0].token_ids
+def test_exif_orientation_is_applied(llm, good):
+    """image_io.py's documented choice (as vLLM serves phone photos): the EXIF-rotated JPEG is served like the
+    same stored pixels turned upright by hand (PIL's own rotation is the oracle; a PIL image is taken as given)."""
+    upright = Image.open(io.BytesIO(good.blobs["no_exif.jpg"])).transpose(Image.Transpose.ROTATE_270)
+    tagged = with_images("which way up?", [as_form(good, "exif_rot6.jpg", "path")])
+    by_hand = with_images("which way up?", [upright])
+    rotated, turned = assert_served(llm, [tagged, by_hand])
+    assert rotated.outputs[0].token_ids == turned.outputs[0].token_ids
+    grids = [tuple(llm.engine.prepare(p, None).images[0].grid_thw) for p in (tagged, by_hand)]
+    stored = tuple(llm.engine.prepare(with_images("x", [as_form(good, "no_exif.jpg", "bytes")]), None)
+                   .images[0].grid_thw)
+    assert grids[0] == grids[1] == (stored[0], stored[2], stored[1])  # height and width swapped: a quarter turn
 
 
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency")

@@ -358,6 +358,23 @@ def test_n_completions_stream_and_abort_as_one_request(ckpt):
     assert_no_leaks(llm)
 
 
+def test_n_completion_ids_never_take_a_callers_request(ckpt):
+    llm = make_llm(ckpt)
+    llm.engine.add_request("hi", SamplingParams(max_tokens=2), request_id="1_job")
+    with pytest.raises(InvalidInputError, match="1_job"):
+        llm.engine.add_request("hello", SamplingParams(n=2, max_tokens=2), request_id="job")
+    assert set(run_to_completion(llm.engine)) == {"1_job"}
+    assert_no_leaks(llm)
+
+
+def test_max_tokens_none_runs_to_the_context_length(ckpt):
+    llm = make_llm(ckpt, max_model_len=64)
+    out = llm.generate(chat_prompt("hi"), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    assert_no_leaks(llm)
+
+
 # -- skip_special_tokens ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("speculative", [None, NGRAM])

@@ -21,7 +21,7 @@ from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
 from nanomm.engine.model_runner import ModelRunner
 from nanomm.engine.output_processor import OutputProcessor
-from nanomm.engine.parallel_sampling import ParentRequest, child_params
+from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
@@ -87,6 +87,9 @@ class LLMEngine:
         if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         params = _check_params(params, name)
+        if params.n > 1 and any(map(self._id_in_use, child_request_ids(request_id, params.n))):
+            raise InvalidInputError(f"{name}: with n={params.n} its completions are requests "
+                                    f"{child_request_ids(request_id, params.n)}, and one of those ids is in use")
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
             self.intake.check_fits(prepared, params, name)
         else:

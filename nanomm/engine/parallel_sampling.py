@@ -24,10 +24,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [f"{i}_{request_id}" for i in range(n)]
+
+
 class ParentRequest:
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id
-        self.child_ids = [f"{i}_{request_id}" for i in range(n)]
+        self.child_ids = child_request_ids(request_id, n)
         self.latest = {}  # completion index -> its latest CompletionOutput
         self.finished: set[int] = set()
 
