@@ -82,6 +82,22 @@ def assert_engine_matches_reference(llm, prompts, params_list):
     return outputs
 
 
+def force_first_token(monkeypatch, token_id: int) -> None:
+    """Make every request's first generated token `token_id` (the engine samples as usual, then this replaces
+    what it chose), to test what happens after a token the model would rarely pick."""
+    from nanomm.engine import engine as engine_module
+    sample = engine_module.sample_and_verify
+
+    def first_token_forced(chunks, logits):
+        emitted = sample(chunks, logits)
+        for chunk, e in zip(chunks, emitted):
+            if not chunk.request.output_token_ids:
+                e.token_ids = [token_id]
+        return emitted
+
+    monkeypatch.setattr(engine_module, "sample_and_verify", first_token_forced)
+
+
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 

@@ -6,10 +6,9 @@ import threading
 import pytest
 import torch
 
-from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, random_workload,
-                     reference_tokens, run_to_completion)
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, force_first_token, random_image,
+                     random_workload, reference_tokens, run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.engine import engine as engine_module
 from nanomm.reference import ContiguousKVCache
 from nanomm.reference import generate as reference_generate
 
@@ -277,16 +276,7 @@ def test_a_generated_image_pad_is_text(ckpt, monkeypatch):
     llm = make_llm(ckpt, block_size=2)
     image_pad = llm.model.config.image_token_id
     prompt = chat_prompt("look", [random_image(56, 56, 3)])
-    sample = engine_module.sample_and_verify
-
-    def first_token_is_image_pad(chunks, logits):
-        emitted = sample(chunks, logits)
-        for chunk, e in zip(chunks, emitted):
-            if not chunk.request.output_token_ids:
-                e.token_ids = [image_pad]
-        return emitted
-
-    monkeypatch.setattr(engine_module, "sample_and_verify", first_token_is_image_pad)
+    force_first_token(monkeypatch, image_pad)
     out = llm.generate(prompt, GREEDY)[0]
     tokens = out.outputs[0].token_ids
     assert tokens[0] == image_pad and len(tokens) == GREEDY.max_tokens

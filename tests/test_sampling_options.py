@@ -7,7 +7,8 @@ import transformers
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper)
 
-from helpers import assert_no_leaks, chat_prompt, random_image, reference_tokens, run_to_completion
+from helpers import (assert_no_leaks, chat_prompt, force_first_token, random_image, reference_tokens,
+                     run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.engine import engine as engine_module
 from nanomm.reference import generate as reference_generate
@@ -85,10 +86,15 @@ def test_bad_values_are_invalid_input(bad):
 
 # -- penalties through the engine: transformers' generate is the oracle -----------------------------------------
 
-def oracle_generate(oracle, ids: list[int], **kwargs) -> list[int]:
+def oracle_generate(oracle, ids: list[int], images=(), **kwargs) -> list[int]:
+    input_ids = torch.tensor([ids])
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    if images:
+        inputs.update(pixel_values=torch.cat([im.pixel_values for im in images]),
+                      image_grid_thw=torch.tensor([list(im.grid_thw) for im in images]),
+                      mm_token_type_ids=(input_ids == oracle.config.image_token_id).int())
     with torch.no_grad():
-        out = oracle.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              do_sample=False, **kwargs)
+        out = oracle.generate(**inputs, do_sample=False, **kwargs)
     return out[0, len(ids):].tolist()
 
 
@@ -99,6 +105,22 @@ def test_repetition_penalty_greedy_matches_transformers_generate(ckpt, oracle):
     params = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True)
     ours = llm.generate(prompt, params)[0].outputs[0].token_ids
     assert ours == oracle_generate(oracle, ids, max_new_tokens=24, repetition_penalty=1.3, eos_token_id=None)
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert plain.outputs[0].token_ids != ours  # the penalty changed something here
+    assert_no_leaks(llm)
+
+
+def test_repetition_penalty_with_an_image_matches_transformers_generate(ckpt, oracle):
+    """The penalty reads the prompt as transformers' input_ids hold it: every <|image_pad|> included. Below 1 it
+    favours the tokens seen, so here the model ends up generating <|image_pad|> itself, as transformers does."""
+    llm = make_llm(ckpt)
+    prompt = chat_prompt("what is this? red blue red", [random_image(84, 56, 8)])
+    prepared = llm.engine.prepare(prompt, None)
+    params = SamplingParams(temperature=0, repetition_penalty=0.3, max_tokens=24, ignore_eos=True)
+    ours = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert ours == oracle_generate(oracle, prepared.token_ids, prepared.images, max_new_tokens=24,
+                                   repetition_penalty=0.3, eos_token_id=None)
+    assert llm.model.config.image_token_id in ours  # the pads' penalty decided a token
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert plain.outputs[0].token_ids != ours  # the penalty changed something here
     assert_no_leaks(llm)
@@ -145,13 +167,20 @@ def test_engine_with_penalties_matches_reference(ckpt, setting, penalty):
     assert_no_leaks(llm)
 
 
-def vllm_order_probabilities(logits, temperature, min_p, top_k):
-    """vLLM's order, written out: temperature, then min_p (against the most likely token), then top-k."""
+def vllm_order_probabilities(logits, temperature, min_p, top_k, top_p):
+    """vLLM's order, written out: temperature, then min_p (against the most likely token), then top-k, then
+    top-p (the most likely tokens, one by one, until their probabilities add up to top_p)."""
     scaled = logits / temperature
     probs = torch.softmax(scaled, dim=-1)
     scaled = torch.where(probs < min_p * probs.max(), float("-inf"), scaled)
     kth = torch.sort(scaled, descending=True).values[top_k - 1]
-    return torch.softmax(torch.where(scaled < kth, float("-inf"), scaled), dim=-1)
+    probs = torch.softmax(torch.where(scaled < kth, float("-inf"), scaled), dim=-1)
+    kept, total = torch.zeros_like(probs, dtype=torch.bool), 0.0
+    for token in torch.argsort(probs, descending=True).tolist():
+        kept[token], total = True, total + float(probs[token])
+        if total >= top_p:
+            break
+    return torch.softmax(torch.where(kept, scaled, float("-inf")), dim=-1)
 
 
 def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
@@ -159,7 +188,7 @@ def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
     decoding would use there, penalties recomputed with the proposals before it (checked with a plain loop)."""
     llm = make_llm(ckpt, speculative_config=dict(method="draft", model=str(ckpt), num_speculative_tokens=3))
     params = SamplingParams(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.02, top_k=40,
-                            max_tokens=16, seed=3)
+                            top_p=0.9, max_tokens=16, seed=3)
     seen = []
     accept = engine_module.sample_and_verify.__globals__["accept_sampled"]
 
@@ -189,7 +218,8 @@ def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
                 logits[token] = logits[token] / 1.2 if logits[token] > 0 else logits[token] * 1.2
             for token in set(history):  # frequency: output only
                 logits[token] -= 1.0 * history.count(token)
-            torch.testing.assert_close(p[i], vllm_order_probabilities(logits, temperature=0.8, min_p=0.02, top_k=40))
+            torch.testing.assert_close(p[i], vllm_order_probabilities(logits, temperature=0.8, min_p=0.02, top_k=40,
+                                                                        top_p=0.9))
             checked += i > 0
     assert checked > 0, "no proposal was verified"
     assert_no_leaks(llm)
@@ -381,16 +411,7 @@ def test_max_tokens_none_runs_to_the_context_length(ckpt):
 def test_skip_special_tokens_false_keeps_them_in_the_text(ckpt, monkeypatch, speculative):
     llm = make_llm(ckpt, speculative_config=speculative)
     im_end = llm.tokenizer.encode("<|im_end|>")[0]
-    sample = engine_module.sample_and_verify
-
-    def first_token_is_im_end(chunks, logits):  # a special token that does not stop (ignore_eos)
-        emitted = sample(chunks, logits)
-        for chunk, e in zip(chunks, emitted):
-            if not chunk.request.output_token_ids:
-                e.token_ids = [im_end]
-        return emitted
-
-    monkeypatch.setattr(engine_module, "sample_and_verify", first_token_is_im_end)
+    force_first_token(monkeypatch, im_end)  # a special token that does not stop (ignore_eos)
     prompt = chat_prompt("hi")
     shown = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                 skip_special_tokens=False))[0].outputs[0]

@@ -76,7 +76,8 @@ class EngineConfig:
                 check_int(getattr(self, name), name)
         check_int(self.num_preprocess_workers, "num_preprocess_workers", minimum=0)
         check_int(self.seed, "seed", minimum=-2**63)
-        for name in ("enable_prefix_caching", "cpu_fast_linear"):
+        for name in ("enable_prefix_caching", "cpu_fast_linear", "enable_chunked_prefill", "enforce_eager",
+                     "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
@@ -84,10 +85,7 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None and not (is_finite_number(self.kv_cache_memory_gib)
                                                          and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
-        for name in ("enable_chunked_prefill", "enforce_eager", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.generation_config not in ("auto", "vllm") and not isinstance(self.generation_config, str):
+        if not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
