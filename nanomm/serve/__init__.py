@@ -1,0 +1,10 @@
+"""nanomm-serve: the engine behind an OpenAI-compatible HTTP server (an optional extra: `pip install -e ".[serve]"`).
+
+Nothing on the request path imports this package; it is a front end, like the chat CLI. In reading order:
+
+- `protocol.py`: OpenAI's JSON in (messages, image_url parts, sampling fields) -> a prompt and `SamplingParams`;
+  `RequestOutput` -> OpenAI's JSON out (whole responses and streamed chunks), and OpenAI's error shape.
+- `engine_loop.py`: one thread owns the engine and steps it; HTTP handlers talk to it through queues.
+- `metrics.py`: Prometheus metrics (TTFT and its stages, tokens, KV blocks, cache hit rates).
+- `app.py`: the Starlette routes and the `nanomm-serve` command.
+"""

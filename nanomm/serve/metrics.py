@@ -1,0 +1,89 @@
+"""`/metrics` in Prometheus' text format: what a dashboard of a multimodal server needs to watch.
+
+Lesson: lessons/07-encoder-cache.md (TTFT and its stages), lessons/06-prefix-caching.md (the hit rates).
+
+- Per finished request (from its `RequestMetrics`): histograms of TTFT and of each of its stages (preprocess,
+  queue, encode, prefill; they add up to TTFT), of TPOT and of end-to-end time; counters of prompt, visual and
+  generated tokens, and of requests by finish reason. `rate(nanomm_visual_tokens_total[1m])` is the visual
+  tokens per second to scale on.
+- The engine's own counters (`LLMEngine.stats()`), read at scrape time from the engine thread's latest snapshot:
+  KV blocks used and total, prefix- and encoder-cache hit rates, preemptions, requests running and waiting.
+
+Every metric lives in this object's own registry (no global state): two servers in one process do not mix.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nanomm.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_STAGES = ("preprocess", "queue", "encode", "prefill")
+# engine.stats() key -> (metric name, help, kind)
+ENGINE_STATS = {
+    "kv_blocks_used": ("nanomm_kv_blocks_used", "KV blocks holding a running request's tokens", "gauge"),
+    "kv_blocks_total": ("nanomm_kv_blocks_total", "KV blocks in the pool", "gauge"),
+    "kv_blocks_cached": ("nanomm_kv_blocks_cached", "free KV blocks that still hold a prefix-cache entry", "gauge"),
+    "prefix_cache_hit_rate": ("nanomm_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, "
+                              "over the tokens looked up", "gauge"),
+    "encoder_cache_hit_rate": ("nanomm_encoder_cache_hit_rate", "images served from the encoder cache", "gauge"),
+    "running": ("nanomm_requests_running", "requests scheduled", "gauge"),
+    "waiting": ("nanomm_requests_waiting", "requests waiting for a seat or KV blocks", "gauge"),
+    "preprocess_queue": ("nanomm_requests_preprocessing", "requests whose images are being decoded", "gauge"),
+    "preemptions": ("nanomm_preemptions", "requests preempted because the KV pool ran dry", "counter"),
+    "steps": ("nanomm_engine_steps", "engine steps", "counter"),
+}
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.latest_stats: dict = {}  # the engine thread replaces it after every step
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("nanomm_time_to_first_token_seconds", "arrival -> first token")
+        self.stages = {stage: histogram(f"nanomm_ttft_{stage}_seconds", f"the {stage} stage of TTFT")
+                       for stage in TTFT_STAGES}
+        self.tpot = histogram("nanomm_time_per_output_token_seconds", "mean time per output token after the first")
+        self.e2e = histogram("nanomm_e2e_request_latency_seconds", "arrival -> finished")
+        self.prompt_tokens = Counter("nanomm_prompt_tokens", "prompt tokens, visual ones included",
+                                     registry=self.registry)
+        self.visual_tokens = Counter("nanomm_visual_tokens", "visual tokens in prompts", registry=self.registry)
+        self.generation_tokens = Counter("nanomm_generation_tokens", "generated tokens", registry=self.registry)
+        self.requests = Counter("nanomm_requests", "finished requests", ["finish_reason"], registry=self.registry)
+        self.registry.register(_EngineStatsCollector(self))
+
+    def record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m.ttft_s is not None:
+            self.ttft.observe(m.ttft_s)
+            for stage in TTFT_STAGES:
+                self.stages[stage].observe(getattr(m, f"{stage}_s"))
+        if m.tpot_s is not None:
+            self.tpot.observe(m.tpot_s)
+        if m.e2e_s is not None:
+            self.e2e.observe(m.e2e_s)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.visual_tokens.inc(m.num_visual_tokens)
+        for completion in out.outputs:
+            self.generation_tokens.inc(len(completion.token_ids))
+            self.requests.labels(finish_reason=completion.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector:
+    """Engine counters as Prometheus metrics, from the latest stats() snapshot (read at scrape time)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.latest_stats
+        for key, (name, doc, kind) in ENGINE_STATS.items():
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
+            family.add_metric([], float(stats.get(key, 0)))
+            yield family

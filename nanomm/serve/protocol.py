@@ -1,0 +1,213 @@
+"""OpenAI's JSON <-> nanomm's prompts, SamplingParams and RequestOutputs (the server's only translation layer).
+
+Requests: `/v1/chat/completions` messages whose content is a string or a list of `text` and `image_url` parts,
+and `/v1/completions` prompts (a string). The sampling fields are OpenAI's, plus vLLM's extras (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, ...); a field the request leaves out takes the model's generation
+defaults (generation_config.json), as vLLM does. An unknown field is a 400 naming it, never silently dropped.
+
+Images arrive as data URLs. The server fetches nothing from the network, and reads a local file (a path or a
+file:// URL) only under the folder given with `--allowed-local-media-path`.
+
+Responses and stream chunks follow OpenAI's schema; the usage block also counts the visual tokens.
+"""
+
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from nanomm.errors import InvalidInputError
+from nanomm.outputs import CompletionOutput, RequestOutput
+from nanomm.sampling import SamplingParams
+
+# OpenAI's names -> SamplingParams fields; vLLM's extras keep their own names.
+OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+                 "top_p": "top_p", "n": "n", "stop": "stop", "seed": "seed", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty"}
+VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "skip_special_tokens", "include_stop_str_in_output")
+IGNORED_FIELDS = ("model", "user", "stream_options")  # read elsewhere or meaningless here
+COMMON_FIELDS = {*OPENAI_FIELDS, *VLLM_EXTRAS, *IGNORED_FIELDS, "stream", "logprobs", "mm_processor_kwargs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+
+
+class ChatRequest:
+    """A parsed /v1/chat/completions or /v1/completions body: what the engine runs, and how to answer."""
+
+    def __init__(self, prompt, params: SamplingParams, stream: bool, num_top_logprobs: int | None, chat: bool):
+        self.prompt, self.params, self.stream = prompt, params, stream
+        self.num_top_logprobs = num_top_logprobs  # None: the client asked for no logprobs
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+
+def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None) -> ChatRequest:
+    body = _check_object(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        _check_message(message, i)
+    text, images = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = {"prompt": text, "multi_modal_data": {"image": [_image_source(u, media_root) for u in images]}}
+    num_top = None
+    if _field(body, "logprobs", bool, False):
+        num_top = _field(body, "top_logprobs", int, 0)
+    elif "top_logprobs" in body:
+        raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+    return _finish(body, prompt, defaults, num_top, chat=True)
+
+
+def parse_completion(body, defaults: SamplingParams) -> ChatRequest:
+    body = _check_object(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidInputError("'prompt' must be a non-empty string (one prompt per request)")
+    if body.get("echo"):
+        raise InvalidInputError("'echo' is not supported")
+    num_top = body.get("logprobs")
+    if num_top is not None and (isinstance(num_top, bool) or not isinstance(num_top, int)):
+        raise InvalidInputError(f"'logprobs' must be an integer (top-n) for /v1/completions, got {num_top!r}")
+    return _finish(body, {"prompt": prompt}, defaults, num_top, chat=False)
+
+
+def _finish(body: dict, prompt: dict, defaults: SamplingParams, num_top: int | None, chat: bool) -> ChatRequest:
+    if "mm_processor_kwargs" in body:
+        prompt["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+    fields = {ours: body[theirs] for theirs, ours in OPENAI_FIELDS.items() if body.get(theirs) is not None}
+    fields.update({name: body[name] for name in VLLM_EXTRAS if body.get(name) is not None})
+    if num_top is not None:
+        fields["logprobs"] = num_top
+    # A field the client leaves out takes the model's default; max_tokens left out: until EOS or the context ends.
+    params = replace(defaults, **{"max_tokens": None, **fields})
+    return ChatRequest(prompt, params, _field(body, "stream", bool, False), num_top, chat)
+
+
+def _check_object(body, allowed: set) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidInputError(f"unsupported field(s) {unknown}")
+    return body
+
+
+def _field(body: dict, name: str, kind: type, default):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidInputError(f"'{name}' must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _check_message(message, index: int) -> None:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("content"), (str, list)):
+        raise InvalidInputError(f"{where} must be an object with a string or list 'content'")
+    for j, part in enumerate(message["content"] if isinstance(message["content"], list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "image_url"):
+            raise InvalidInputError(f"{where}.content[{j}] must be a 'text' or 'image_url' part, got {kind!r}")
+
+
+def _image_source(url, media_root: Path | None) -> str:
+    """An image_url as load_image takes it: a data URL as is, a local path only under media_root."""
+    if not isinstance(url, str):
+        raise InvalidInputError("an image_url part needs a string 'url'")
+    if url.startswith("data:"):
+        return url
+    scheme = urlparse(url).scheme
+    if scheme in ("http", "https"):
+        raise InvalidInputError("image URLs are not fetched: send the image as a data URL (data:image/png;base64,...)")
+    path = unquote(urlparse(url).path) if scheme == "file" else url
+    if media_root is None:
+        raise InvalidInputError("local image paths are refused: start the server with --allowed-local-media-path "
+                                "DIR, or send the image as a data URL")
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(media_root.resolve()):
+        raise InvalidInputError(f"{path!r} is outside the allowed local media folder")
+    return str(resolved)
+
+
+# -- responses -------------------------------------------------------------------------------------------------
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def usage(out: RequestOutput) -> dict:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "visual_tokens": out.metrics.num_visual_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens}}
+
+
+def response(request: ChatRequest, out: RequestOutput, model: str) -> dict:
+    """The whole answer, once every completion finished."""
+    choices = [_choice(request, c, c.text, c.logprobs or [], c.finish_reason) for c in out.outputs]
+    kind = "chat.completion" if request.chat else "text_completion"
+    return {"id": request.id, "object": kind, "created": request.created, "model": model, "choices": choices,
+            "usage": usage(out)}
+
+
+def chunk(request: ChatRequest, model: str, choices: list[dict], usage_block: dict | None = None) -> dict:
+    kind = "chat.completion.chunk" if request.chat else "text_completion"
+    body = {"id": request.id, "object": kind, "created": request.created, "model": model, "choices": choices}
+    if usage_block is not None:
+        body["usage"] = usage_block
+    return body
+
+
+def delta_choice(request: ChatRequest, completion: CompletionOutput, logprobs_sent: int, first: bool) -> dict:
+    """One completion's news in a stream chunk: its new text and the logprobs of its new tokens."""
+    new_logprobs = (completion.logprobs or [])[logprobs_sent:]
+    choice = _choice(request, completion, completion.delta_text, new_logprobs, completion.finish_reason)
+    if request.chat:
+        choice["delta"] = choice.pop("message")
+        if not first:
+            del choice["delta"]["role"]
+    return choice
+
+
+def _choice(request: ChatRequest, completion: CompletionOutput, text: str, logprobs: list, finish) -> dict:
+    choice = {"index": completion.index, "finish_reason": FINISH_REASONS.get(finish)}
+    if request.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = None if request.num_top_logprobs is None else {
+            "content": [_chat_logprob(entry, token, request.num_top_logprobs)
+                        for entry, token in zip(logprobs, _new_tokens(completion, logprobs))]}
+    else:
+        choice["text"] = text
+        choice["logprobs"] = None if request.num_top_logprobs is None else _completion_logprobs(
+            logprobs, _new_tokens(completion, logprobs), request.num_top_logprobs)
+    return choice
+
+
+def _new_tokens(completion: CompletionOutput, logprobs: list) -> list[int]:
+    """The token ids that `logprobs` (the last len(logprobs) entries) belong to."""
+    return completion.token_ids[len(completion.token_ids) - len(logprobs):] if logprobs else []
+
+
+def _chat_logprob(entry: dict, token: int, num_top: int) -> dict:
+    def one(lp):
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+    top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
+    return {**one(entry[token]), "top_logprobs": [one(lp) for lp in top]}
+
+
+def _completion_logprobs(logprobs: list, tokens: list[int], num_top: int) -> dict:
+    chosen = [entry[token] for entry, token in zip(logprobs, tokens)]
+    return {"tokens": [lp.decoded_token for lp in chosen], "token_logprobs": [lp.logprob for lp in chosen],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in entry.values() if lp.rank <= num_top}
+                             for entry in logprobs]}
+
+
+def error_body(message: str, status: int) -> dict:
+    """OpenAI's error shape (the openai client raises BadRequestError & co. from it)."""
+    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+            503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
