@@ -90,3 +90,9 @@ def test_bench_cache_smallest(tmp_path):
     assert results["two_turn"]["prefix_cached_tokens"][0] > 0  # turn 2 reused turn 1's blocks
     pool = results["worker_pool"]
     assert (pool["requests"], pool["workers"], pool["max_tokens"]) == (2, 2, 2)
+
+
+def test_soak_serve_smallest(tmp_path):
+    results = run_script("soak_serve", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
+    assert results["requests"] >= 4 and results["errors"] == 0, results["first_errors"]
+    assert results["kv_blocks_used_after"] == 0 and results["machine"]["cpu"]
