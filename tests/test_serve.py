@@ -245,6 +245,8 @@ BAD_BODIES = {
     "a part of no known type": ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "video"),
     "an http image": ({"messages": user("hi", "https://example.com/cat.png")}, "data URL"),
     "a local path": ({"messages": user("hi", "/etc/passwd")}, "allowed-local-media-path"),
+    "an image part naming a path": ({"messages": [{"role": "user", "content": [
+        {"type": "image", "image": "/etc/passwd"}, {"type": "text", "text": "hi"}]}]}, "allowed-local-media-path"),
     "a corrupt image": ({"messages": user("hi", corrupt_png_url())}, "image"),
     "too many images": ({"messages": user("hi", *[png_url(i) for i in range(17)])}, "image"),
     "pixel cap above the engine's": ({"messages": user("hi", png_url(1)),

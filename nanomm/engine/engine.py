@@ -87,9 +87,10 @@ class LLMEngine:
         if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         params = _check_params(params, name)
-        if params.n > 1 and any(map(self._id_in_use, child_request_ids(request_id, params.n))):
-            raise InvalidInputError(f"{name}: with n={params.n} its completions are requests "
-                                    f"{child_request_ids(request_id, params.n)}, and one of those ids is in use")
+        child_ids = child_request_ids(request_id, params.n) if params.n > 1 else []
+        if any(map(self._id_in_use, child_ids)):
+            raise InvalidInputError(f"{name}: with n={params.n} its completions are requests {child_ids}, and one "
+                                    "of those ids is in use")
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
             self.intake.check_fits(prepared, params, name)
         else:

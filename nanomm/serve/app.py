@@ -262,10 +262,11 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     console = Console(stderr=True)
-    model = str(demo_checkpoint(console)) if args.demo or args.model is None else args.model
+    demo = args.demo or args.model is None
+    model = str(demo_checkpoint(console)) if demo else args.model
     llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config)
-    name = args.served_model_name or ("nanomm-demo" if args.demo or args.model is None else args.model)
+    name = args.served_model_name or ("nanomm-demo" if demo else args.model)
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
                           args.allowed_local_media_path)
     console.print(f"serving {name} on http://{args.host}:{args.port} (OpenAI API under /v1)")

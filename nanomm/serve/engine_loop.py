@@ -73,16 +73,13 @@ class EngineLoop:
                 self.on_step(self.engine.stats())
 
     def _take_commands(self, wait_s: float) -> None:
+        """Apply every queued command, waiting up to wait_s for the first one."""
         try:
-            command = self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait()
+            self._apply(self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait())
+            while True:
+                self._apply(self._commands.get_nowait())
         except queue.Empty:
-            return
-        while True:
-            self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            pass
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
