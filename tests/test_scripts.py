@@ -92,6 +92,21 @@ def test_bench_cache_smallest(tmp_path):
     assert (pool["requests"], pool["workers"], pool["max_tokens"]) == (2, 2, 2)
 
 
+def test_load_smallest(tmp_path):
+    mix = "1x56x56:1,0x0x0:1"
+    results = run_script("load", [*SMALL, "--mix", mix, "--rate", "50", "--num-requests", "4", "--max-tokens", "3"],
+                         tmp_path)
+    assert results["mix_entries"] == [dict(num_images=1, width=56, height=56, weight=1.0),
+                                      dict(num_images=0, width=0, height=0, weight=1.0)]
+    (run,) = results["results"]
+    assert (run["rate"], run["requests"], run["completed"], run["errors"]) == (50.0, 4, 4, 0)
+    assert run["completion_tokens"] == 4 * 3  # ignore_eos: every answer is --max-tokens long
+    assert run["visual_tokens"] % 4 == 0 and run["visual_tokens"] <= 4 * 4  # 0 or 4 each (56x56: 2x2 merged)
+    assert {"p50", "p95", "p99"} == set(run["ttft_s"]) and run["ttft_s"]["p50"] > 0
+    assert set(run["server_ttft_stages_s"]) == {"ttft", "preprocess", "queue", "encode", "prefill"}
+    assert results["machine"]["cpu"] and results["command"].startswith("scripts/load.py")
+
+
 def test_soak_serve_smallest(tmp_path):
     results = run_script("soak_serve", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
     assert results["requests"] >= 4 and results["errors"] == 0, results["first_errors"]

@@ -303,6 +303,14 @@ def test_local_images_only_under_the_allowed_folder(ckpt, tmp_path):
 
 # -- the other endpoints ----------------------------------------------------------------------------------------
 
+def test_metrics_show_the_kv_pool_before_the_first_request(served):
+    llm, base, _ = served
+    samples = metrics(base)
+    assert llm.stats()["steps"] == 0  # nothing has run yet
+    assert samples[("nanomm_kv_blocks_total", ())] == len(llm.engine.block_manager.blocks) > 0
+    assert samples[("nanomm_kv_blocks_used", ())] == 0
+
+
 def test_models_health_and_metrics(served):
     llm, base, client = served
     assert [m.id for m in client.models.list().data] == [MODEL]

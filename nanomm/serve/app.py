@@ -3,6 +3,8 @@
     nanomm-serve --demo                                   # the offline demo model on 127.0.0.1:8000
     nanomm-serve Qwen/Qwen2-VL-2B-Instruct --port 8000    # a real model (cuda + bfloat16 when available)
 
+Lesson: lessons/10-serving-under-load.md (this server under load from scripts/load.py, read through /metrics).
+
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI's schema, `stream: true` as server-sent
 events), GET /v1/models, /health and /metrics (Prometheus). What each request goes through:
 
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ class Server:
     def __init__(self, llm, config: ServerConfig):
         self.llm, self.config = llm, config
         self.metrics = ServerMetrics()
+        self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
         self.defaults = llm.get_default_sampling_params()
         routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -251,6 +255,8 @@ def parse_args(argv=None):
     p.add_argument("--max-body-mib", type=float, default=32.0, help="larger request bodies get a 413")
     p.add_argument("--allowed-local-media-path", type=Path,
                    help="a folder whose image files requests may name (default: data URLs only)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level ('info' logs every request)")
     return p.parse_args(argv)
 
 
@@ -270,6 +276,10 @@ def main(argv=None) -> int:
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
                           args.allowed_local_media_path)
     console.print(f"serving {name} on http://{args.host}:{args.port} (OpenAI API under /v1)")
-    uvicorn.run(Server(llm, config).app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(Server(llm, config).app, host=args.host, port=args.port, log_level=args.log_level)
     llm.close()
     return 0
+
+
+if __name__ == "__main__":  # python -m nanomm.serve.app: what scripts/load.py starts
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """`/metrics` in Prometheus' text format: what a dashboard of a multimodal server needs to watch.
 
-Lesson: lessons/07-encoder-cache.md (TTFT and its stages), lessons/06-prefix-caching.md (the hit rates).
+Lesson: lessons/10-serving-under-load.md (these metrics under load), lessons/07-encoder-cache.md (TTFT and its
+stages), lessons/06-prefix-caching.md (the hit rates).
 
 - Per finished request (from its `RequestMetrics`): histograms of TTFT and of each of its stages (preprocess,
   queue, encode, prefill; they add up to TTFT), of TPOT and of end-to-end time; counters of prompt, visual and

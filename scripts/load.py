@@ -1,0 +1,357 @@
+"""Load nanomm-serve the way its users do: Poisson arrivals, a mix of image sizes and counts, streaming clients.
+
+    python scripts/load.py --mix thumbnails --rate 1 2 4          # starts nanomm-serve on the tiny checkpoint
+    python scripts/load.py --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
+    python scripts/load.py --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
+
+Lesson: lessons/10-serving-under-load.md (why requests per second lie, and what to scale on instead).
+
+For each request rate: `--num-requests` arrivals with exponential gaps (a Poisson process, seeded), each a
+streamed chat request with the images its mix entry says, sent on schedule whether or not the server keeps up
+(an open loop: a closed loop, where each client waits for its answer, would hide the queue). Every picture is
+new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos). What comes back, per rate:
+
+- TTFT p50/p95/p99 (send -> first streamed token, at the client) and TPOT (the rest of the answer per token);
+- goodput: requests per second that met the TTFT SLO (`--slo-ttft`), and the share that did;
+- visual tokens per second, offered (the rate x the visual tokens per request) and served;
+- where the server says TTFT went: the mean of each stage (preprocess, queue, encode, prefill), from /metrics.
+
+Without `--url` the server is started here, as its own process (`python -m nanomm.serve.app`), so that the load
+generator and the engine do not share an interpreter. Not a test: the smallest run is in tests/test_scripts.py,
+and nothing asserts a timing.
+"""
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
+
+from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
+
+# Named mixes: "COUNTxWIDTHxHEIGHT:WEIGHT" entries, comma-separated (a request draws one entry by weight).
+MIXES = {
+    "text": "0x0x0:1",
+    "thumbnails": "1x224x224:5,1x168x168:3,2x112x112:2",  # 64, 36 and 2 x 16 visual tokens
+    "scans": "1x896x1176:7,2x728x952:3",  # a page (1,344 visual tokens) or two smaller ones (2 x 884)
+}
+TTFT_STAGES = ("preprocess", "queue", "encode", "prefill")
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    num_images: int
+    width: int
+    height: int
+    weight: float
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are seconds since the run's start."""
+    sent_at: float
+    num_images: int
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prompt_tokens: int = 0
+    visual_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.finished_at is None or self.first_token_at is None or self.completion_tokens < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
+
+
+def parse_mix(text: str) -> list[MixEntry]:
+    """A mix's name (MIXES) or its entries, "COUNTxWIDTHxHEIGHT:WEIGHT,..."; a ValueError says what is wrong."""
+    entries = []
+    for item in MIXES.get(text, text).split(","):
+        try:
+            shape, weight = item.split(":")
+            count, width, height = (int(v) for v in shape.lower().split("x"))
+            entry = MixEntry(count, width, height, float(weight))
+        except ValueError:
+            raise ValueError(f"mix entry {item!r} is not COUNTxWIDTHxHEIGHT:WEIGHT (for example 1x224x224:1); "
+                             f"named mixes: {', '.join(MIXES)}") from None
+        if entry.num_images < 0 or entry.weight <= 0 or (entry.num_images and min(width, height) < 28):
+            raise ValueError(f"mix entry {item!r}: the count must be >= 0, the weight > 0, images >= 28 pixels")
+        entries.append(entry)
+    return entries
+
+
+def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]:
+    """Send times (s) of `count` requests arriving at `rate` per second: exponential gaps, the first at 0."""
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def jpeg_data_url(width: int, height: int, seed: int) -> str:
+    buffer = io.BytesIO()
+    random_image(width, height, seed).save(buffer, "JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: int) -> dict:
+    """A streamed chat request: the entry's images (new pictures) and a short question of random words."""
+    images = [{"type": "image_url", "image_url": {"url": jpeg_data_url(entry.width, entry.height,
+                                                                       rng.randrange(2**31))}}
+              for _ in range(entry.num_images)]
+    question = " ".join(rng.choice(WORDS) for _ in range(12))
+    return {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "messages": [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]}
+
+
+async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, clock) -> None:
+    """Send at record.sent_at, read the stream to [DONE]; fill in when each part arrived, or the error."""
+    await asyncio.sleep(max(0.0, record.sent_at - clock()))
+    record.sent_at = clock()  # the actual send time (the event loop may be a little late)
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as answer:
+            if answer.status_code != 200:
+                record.error = f"HTTP {answer.status_code}: {(await answer.aread()).decode()[:200]}"
+                return
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    record.error = chunk["error"].get("message", str(chunk))
+                    return
+                if chunk["choices"] and record.first_token_at is None:
+                    record.first_token_at = clock()  # a chunk with a choice carries the first token
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                    record.visual_tokens = usage.get("visual_tokens", 0)
+            record.finished_at = clock()
+            if record.first_token_at is None or not record.completion_tokens:
+                record.error = "the stream ended without a token or without its usage chunk"
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_load(url: str, model: str, mix: list[MixEntry], rate: float, num_requests: int, max_tokens: int,
+                   seed: int, content_seed: int, timeout_s: float = 600.0) -> list[RequestRecord]:
+    """Open-loop load: every request is sent on its Poisson schedule, answered or not. Bodies are made first,
+    so that encoding pictures on the client does not delay the schedule. `seed` draws the arrival gaps (one
+    seed at every rate: the same pattern, squeezed); `content_seed` the mix entries, pictures and words."""
+    arrivals = poisson_arrivals(rate, num_requests, random.Random(seed))  # one seed: the same gaps, scaled
+    rng = random.Random(content_seed)
+    entries = rng.choices(mix, weights=[e.weight for e in mix], k=num_requests)
+    bodies = [request_body(e, rng, model, max_tokens) for e in entries]
+    records = [RequestRecord(t, e.num_images) for t, e in zip(arrivals, entries)]
+    # A fresh connection per request, as from independent users: a kept-alive connection that the server closes
+    # for idleness (uvicorn: after 5 s) just as a request goes out on it fails that request (a ReadError).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+        start = time.monotonic()
+
+        def clock():
+            return time.monotonic() - start
+
+        await asyncio.gather(*(send_one(http, b, r, clock) for b, r in zip(bodies, records)))
+    return records
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), interpolated between the two nearest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float) -> dict:
+    """The run's figures. Duration: from the first send to the last answer (or the last send, if later)."""
+    done = [r for r in records if r.error is None and r.finished_at is not None]
+    ends = [r.finished_at for r in done] + [r.sent_at for r in records]
+    duration = max(ends) - min(r.sent_at for r in records)
+    ttfts = [r.ttft_s for r in done]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    visual = sum(r.visual_tokens for r in done)
+    within_slo = sum(t <= slo_ttft_s for t in ttfts)
+    mean_visual = visual / len(done) if done else 0.0
+    sends = sorted(r.sent_at for r in records)
+    span = sends[-1] - sends[0]
+    arrival_rate = (len(sends) - 1) / span if span > 0 else rate  # what the Poisson draw actually sent
+    return {
+        "rate": rate, "arrival_rate": arrival_rate, "requests": len(records), "completed": len(done),
+        "errors": len(records) - len(done),
+        "first_errors": [r.error for r in records if r.error][:3], "duration_s": duration,
+        "throughput_rps": len(done) / duration if duration else 0.0,
+        "ttft_s": {f"p{q}": percentile(ttfts, q) for q in (50, 95, 99)},
+        "tpot_s": {f"p{q}": percentile(tpots, q) for q in (50, 95)},
+        "slo_ttft_s": slo_ttft_s, "within_slo": within_slo, "slo_attainment": within_slo / len(records),
+        "goodput_rps": within_slo / duration if duration else 0.0,
+        "visual_tokens": visual, "visual_tokens_per_request": mean_visual,
+        "offered_visual_tokens_per_s": arrival_rate * mean_visual,
+        "served_visual_tokens_per_s": visual / duration if duration else 0.0,
+        "completion_tokens": sum(r.completion_tokens for r in done),
+    }
+
+
+def ttft_stage_sums(url: str) -> dict[str, tuple[float, float]]:
+    """{stage: (sum of seconds, count)} of the server's TTFT histograms, read from its /metrics."""
+    names = {f"nanomm_ttft_{stage}_seconds": stage for stage in TTFT_STAGES}
+    names["nanomm_time_to_first_token_seconds"] = "ttft"
+    sums = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        if family.name in names:
+            values = {s.name.removeprefix(family.name): s.value for s in family.samples}
+            sums[names[family.name]] = (values["_sum"], values["_count"])
+    return sums
+
+
+def mean_stages(before: dict, after: dict) -> dict[str, float]:
+    """The mean of each TTFT stage over the requests that finished between two /metrics reads."""
+    means = {}
+    for stage, (total, count) in after.items():
+        total_before, count_before = before.get(stage, (0.0, 0.0))
+        means[stage] = (total - total_before) / (count - count_before) if count > count_before else None
+    return means
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: Path, model: str, extra: list[str], log) -> tuple[subprocess.Popen, str]:
+    """nanomm-serve as its own process on 127.0.0.1; returns once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanomm.serve.app", str(checkpoint), "--port", str(port),
+           "--served-model-name", model, "--log-level", "warning", *extra]
+    log(f"starting: {' '.join(shlex.quote(c) for c in cmd)}")
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"nanomm-serve exited with code {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.terminate()
+    raise RuntimeError("nanomm-serve did not answer /health within 180 s")
+
+
+def report_line(s: dict) -> str:
+    """One rate's progress line; the Markdown table at the end has the rest."""
+    ttft = " / ".join("-" if v is None else f"{v * 1000:,.0f}" for v in s["ttft_s"].values())
+    return (f"rate {s['rate']:g} req/s (arrived at {s['arrival_rate']:.2f}): {s['completed']}/{s['requests']} "
+            f"done, TTFT p50/p95/p99 {ttft} ms, goodput {s['goodput_rps']:.2f} req/s, visual tokens/s offered "
+            f"{s['offered_visual_tokens_per_s']:,.0f}, served {s['served_visual_tokens_per_s']:,.0f}")
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The sweep as a Markdown table (what BENCHMARKS.md shows)."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:,.0f}"
+
+    rows = ["| rate (req/s) | arrived (req/s) | TTFT p50 / p95 / p99 (ms) | TPOT p50 (ms) | goodput (req/s) | "
+            "within SLO | visual tokens/s offered / served | queue / encode / prefill, mean (ms) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in results:
+        t, stages = s["ttft_s"], s["server_ttft_stages_s"]
+        rows.append(f"| {s['rate']:g} | {s['arrival_rate']:.2f} | {ms(t['p50'])} / {ms(t['p95'])} / {ms(t['p99'])} | "
+                    f"{ms(s['tpot_s']['p50'])} | {s['goodput_rps']:.2f} | {s['slo_attainment']:.0%} | "
+                    f"{s['offered_visual_tokens_per_s']:,.0f} / {s['served_visual_tokens_per_s']:,.0f} | "
+                    f"{ms(stages['queue'])} / {ms(stages['encode'])} / {ms(stages['prefill'])} |")
+    return "\n".join(rows)
+
+
+def sweep(url: str, args, log) -> list[dict]:
+    mix = parse_mix(args.mix)
+    asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix), max_tokens=2, seed=0,
+                         content_seed=-1))  # warm-up: one-off costs (first kernels, allocations) paid here
+    results = []
+    for i, rate in enumerate(args.rate):
+        before = ttft_stage_sums(url)
+        records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
+                                       seed=args.seed, content_seed=args.seed + 1 + i))  # new pictures per rate
+        summary = summarize(records, rate, args.slo_ttft)
+        summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(url))
+        log(report_line(summary))
+        results.append(summary)
+    return results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", type=float, nargs="+", default=[1.0, 2.0], help="request rates to sweep (req/s)")
+    p.add_argument("--mix", default="thumbnails", help=f"{', '.join(MIXES)}, or COUNTxWIDTHxHEIGHT:WEIGHT,...")
+    p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="the TTFT SLO for goodput (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", help="a running server (default: start one here on the checkpoint)")
+    p.add_argument("--model", default="load", help="the model name the server serves")
+    p.add_argument("--preset", default="tiny"), p.add_argument("--cache-dir", default="checkpoints/load")
+    p.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
+    p.add_argument("--server-arg", action="append", default=[], help="passed on to nanomm-serve (repeatable)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    parse_mix(args.mix)  # fail before starting anything
+    if min(args.rate) <= 0 or args.num_requests < 1:
+        p.error("--rate must be > 0 and --num-requests >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in ["scripts/load.py", *(sys.argv[1:] if argv is None else argv)])
+    machine = machine_info()
+    print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
+          f"{machine['memory_gib']} GiB; mix {args.mix}: {parse_mix(args.mix)}", flush=True)
+    server = None
+    url = args.url
+    if url is None:
+        checkpoint = load_checkpoint(args, print)
+        server, url = start_server(checkpoint, args.model, [a for s in args.server_arg for a in shlex.split(s)],
+                                   print)
+    try:
+        results = sweep(url, args, lambda line: print(line, flush=True))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    print(markdown_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(command=command, machine=machine, mix=args.mix,
+                                                   mix_entries=[asdict(e) for e in parse_mix(args.mix)],
+                                                   max_tokens=args.max_tokens, results=results), indent=1))
+    return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
