@@ -282,11 +282,11 @@ def markdown_table(results: list[dict]) -> str:
             "within SLO | visual tokens/s offered / served | queue / encode / prefill, mean (ms) |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in results:
-        t, stages = s["ttft_s"], s["server_ttft_stages_s"]
+        t, stages = s["ttft_s"], s["server_ttft_stages_s"]  # stages: {} from a server without nanomm's metrics
         rows.append(f"| {s['rate']:g} | {s['arrival_rate']:.2f} | {ms(t['p50'])} / {ms(t['p95'])} / {ms(t['p99'])} | "
                     f"{ms(s['tpot_s']['p50'])} | {s['goodput_rps']:.2f} | {s['slo_attainment']:.0%} | "
                     f"{s['offered_visual_tokens_per_s']:,.0f} / {s['served_visual_tokens_per_s']:,.0f} | "
-                    f"{ms(stages['queue'])} / {ms(stages['encode'])} / {ms(stages['prefill'])} |")
+                    f"{ms(stages.get('queue'))} / {ms(stages.get('encode'))} / {ms(stages.get('prefill'))} |")
     return "\n".join(rows)
 
 
@@ -321,7 +321,10 @@ def parse_args(argv=None):
     p.add_argument("--server-arg", action="append", default=[], help="passed on to nanomm-serve (repeatable)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    parse_mix(args.mix)  # fail before starting anything
+    try:
+        parse_mix(args.mix)  # fail before starting anything
+    except ValueError as exc:
+        p.error(str(exc))
     if min(args.rate) <= 0 or args.num_requests < 1:
         p.error("--rate must be > 0 and --num-requests >= 1")
     return args

@@ -3,11 +3,12 @@
     python scripts/soak_serve.py                             # 32 clients for 180 s on the tiny checkpoint
     python scripts/soak_serve.py --clients 4 --seconds 5 --json soak.json
 
-The server runs in this process (BackgroundServer on 127.0.0.1, a free port). Each client loops until the time
-is up: a streamed chat request about a random picture (one of three sizes, or none), read to [DONE], then the
-next. At the end: requests done, any error, the server's resident memory at the first and last quarter of the
-run, and the KV blocks still in use once every client stopped (0 is the only right answer). Not a test: the
-smallest mode runs in tests/test_scripts.py, and nothing asserts a timing.
+The server runs as its own process (`python -m nanomm.serve.app` on 127.0.0.1, as scripts/load.py starts it),
+so that its memory is its own. Each client loops until the time is up: a streamed chat request about a random
+picture (one of three sizes, or none), read to [DONE], then the next. Every second the server's resident memory
+(VmRSS in /proc) and its KV blocks in use (/metrics) are sampled. At the end: requests done, any error, the
+memory curve, and the KV blocks still in use once every client stopped (0 is the only right answer). Not a
+test: the smallest mode runs in tests/test_scripts.py, and nothing asserts a timing.
 """
 
 import argparse
@@ -15,19 +16,18 @@ import base64
 import io
 import json
 import random
-import resource
 import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's and load.py's helpers
 
 from bench import load_checkpoint, machine_info, random_image  # noqa: E402
-from nanomm import LLM  # noqa: E402
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig  # noqa: E402
+from load import start_server  # noqa: E402
 
 IMAGE_SIZES = [None, (56, 56), (224, 168), (448, 448)]
 
@@ -43,7 +43,8 @@ def client_loop(base: str, seed: int, stop_at: float, tally: dict, lock: threadi
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
             size = rng.choice(IMAGE_SIZES)
-            parts = [] if size is None else [{"type": "image_url", "image_url": {"url": image_url(size, rng.randrange(10**6))}}]
+            parts = [] if size is None else [
+                {"type": "image_url", "image_url": {"url": image_url(size, rng.randrange(10**6))}}]
             body = {"model": "soak", "stream": True, "max_tokens": rng.randint(4, 32), "temperature": 0.8,
                     "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe it."}]}]}
             outcome = "ok"
@@ -60,12 +61,37 @@ def client_loop(base: str, seed: int, stop_at: float, tally: dict, lock: threadi
                     tally["errors"].append(outcome)
 
 
-def resident_mib() -> float:
-    with open("/proc/self/status") as status:
+def resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def engine_gauges(base: str) -> dict[str, float]:
+    """The server's engine gauges (KV blocks used, requests running and waiting), read from /metrics."""
+    names = ("nanomm_kv_blocks_used", "nanomm_requests_running", "nanomm_requests_waiting")
+    families = text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text)
+    return {s.name: s.value for f in families for s in f.samples if s.name in names}
+
+
+def window_peaks(curve: list[tuple[float, float]], seconds: float, windows: int) -> list[float | None]:
+    """The most resident memory (MiB) in each of `windows` equal slices of the run (None: no sample in it)."""
+    peaks = []
+    for w in range(windows):
+        inside = [m for t, m in curve if w * seconds / windows <= t <= (w + 1) * seconds / windows]
+        peaks.append(round(max(inside), 1) if inside else None)
+    return peaks
+
+
+def memory_summary(curve: list[tuple[float, float]], seconds: float) -> dict:
+    """Resident memory at the start, its peak in each tenth and each quarter of the run, and the growth from
+    the second quarter's peak to the last one's (after the warm-up a plateau shows as ~0)."""
+    quarters = window_peaks(curve, seconds, 4)
+    growth = None if None in (quarters[1], quarters[3]) else round(100 * (quarters[3] - quarters[1]) / quarters[1], 2)
+    return dict(rss_mib_start=round(curve[0][1], 1), rss_mib_peak_by_tenth=window_peaks(curve, seconds, 10),
+                rss_mib_peak_by_quarter=quarters, rss_growth_second_half_pct=growth)
 
 
 def main(argv=None) -> int:
@@ -76,10 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint"), p.add_argument("--cache-dir", default="checkpoints/soak")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    llm = LLM(str(load_checkpoint(args, print)), max_pixels=448 * 448)
+    server, base = start_server(load_checkpoint(args, print), "soak", ["--max-pixels", str(448 * 448)], print)
     tally, lock = {"requests": 0, "errors": []}, threading.Lock()
-    memory = []
-    with BackgroundServer(Server(llm, ServerConfig("soak"))) as base:
+    curve, kv_peak = [], 0.0
+    try:
         start = time.monotonic()
         stop_at = start + args.seconds
         clients = [threading.Thread(target=client_loop, args=(base, i, stop_at, tally, lock))
@@ -87,24 +113,26 @@ def main(argv=None) -> int:
         for c in clients:
             c.start()
         while any(c.is_alive() for c in clients):
-            memory.append((time.monotonic() - start, resident_mib()))
+            curve.append((round(time.monotonic() - start, 2), round(resident_mib(server.pid), 1)))
+            kv_peak = max(kv_peak, engine_gauges(base)["nanomm_kv_blocks_used"])
             time.sleep(min(1.0, args.seconds / 20))
         for c in clients:
             c.join()
         elapsed = time.monotonic() - start
         time.sleep(0.5)
-        kv_used = llm.stats()["kv_blocks_used"]
-    quarter = [m for t, m in memory if t <= elapsed / 4] or [memory[0][1]]
-    last = [m for t, m in memory if t >= elapsed * 3 / 4] or [memory[-1][1]]
+        after = engine_gauges(base)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
     result = dict(clients=args.clients, seconds=round(elapsed, 1), requests=tally["requests"],
-                  errors=len(tally["errors"]), first_errors=tally["errors"][:5], kv_blocks_used_after=kv_used,
-                  rss_mib_first_quarter=round(max(quarter), 1), rss_mib_last_quarter=round(max(last), 1),
-                  machine=machine_info())
-    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
+                  errors=len(tally["errors"]), first_errors=tally["errors"][:5],
+                  kv_blocks_used_peak=kv_peak, kv_blocks_used_after=after["nanomm_kv_blocks_used"],
+                  requests_left=after["nanomm_requests_running"] + after["nanomm_requests_waiting"],
+                  **memory_summary(curve, elapsed), rss_curve=curve, machine=machine_info())
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "rss_curve")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    llm.close()
-    return 0 if not tally["errors"] and kv_used == 0 else 1
+    return 0 if not tally["errors"] and result["kv_blocks_used_after"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -433,3 +433,19 @@ def test_sampling_params_are_checked_when_used_and_tiny_temperatures_are_greedy(
     with pytest.raises(InvalidInputError, match="KV blocks"):  # prepared for 1 token, asked for 500
         small_pool.engine.add_request(prompt, SamplingParams(max_tokens=500, ignore_eos=True), prepared=prepared)
     assert not small_pool.engine.has_unfinished_requests()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_the_kv_pool_s_memory_is_committed_when_it_is_allocated():
+    # A 64 MiB pool: resident at once, so a server's memory does not creep up as its free list rotates
+    # (and a pool too large for the machine fails at start). torch.empty would leave the pages untouched.
+    from nanomm.engine.kv_cache import allocate_kv_cache
+
+    before = resident_bytes()
+    pool = allocate_kv_cache(1, 1024, 16, 2, 256, torch.float32, "cpu")  # 1 layer x k, v x 16,384 slots x 512
+    assert pool.numel() * 4 == 64 * 2**20
+    assert resident_bytes() - before > 0.9 * 64 * 2**20

@@ -1,6 +1,7 @@
 """scripts/load.py, the load generator: its arithmetic against hand-worked numbers and numpy, its Poisson
 schedule, its mixes, and one small open-loop run against a server started here (every request answered, the
-visual tokens each picture size must give, the client's TTFT no shorter than the server's own)."""
+visual tokens each picture size must give, the client's TTFT no shorter than the server's own); and the soak's
+memory summary (scripts/soak_serve.py) on a hand-made curve."""
 
 import asyncio
 import random
@@ -99,3 +100,13 @@ def test_an_open_loop_run_against_a_server(ckpt):
     assert client_ttft >= server_ttft  # the client's clock starts before the server's, and stops after
     assert load.summarize(records, 20.0, slo_ttft_s=60.0)["within_slo"] == 12
 
+
+def test_the_soak_s_memory_summary_from_a_hand_made_curve():
+    import soak_serve  # scripts/soak_serve.py
+
+    curve = [(0.0, 100.0), (1.0, 150.0), (2.5, 160.0), (3.0, 170.0), (4.0, 176.0)]
+    summary = soak_serve.memory_summary(curve, seconds=4.0)
+    assert summary["rss_mib_start"] == 100.0
+    assert summary["rss_mib_peak_by_quarter"] == [150.0, 150.0, 170.0, 176.0]  # [0, 1], [1, 2], [2, 3], [3, 4]
+    assert summary["rss_growth_second_half_pct"] == pytest.approx(100 * (176 - 150) / 150, abs=0.01)
+    assert summary["rss_mib_peak_by_tenth"][1] is None  # no sample between 0.4 s and 0.8 s

@@ -110,4 +110,6 @@ def test_load_smallest(tmp_path):
 def test_soak_serve_smallest(tmp_path):
     results = run_script("soak_serve", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
     assert results["requests"] >= 4 and results["errors"] == 0, results["first_errors"]
-    assert results["kv_blocks_used_after"] == 0 and results["machine"]["cpu"]
+    assert results["kv_blocks_used_after"] == 0 and results["requests_left"] == 0 and results["machine"]["cpu"]
+    assert results["kv_blocks_used_peak"] > 0  # the gauge read at the end is live: it rose while clients ran
+    assert len(results["rss_curve"]) >= 2 and len(results["rss_mib_peak_by_quarter"]) == 4

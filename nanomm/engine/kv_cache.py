@@ -42,9 +42,12 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       dtype: torch.dtype, device) -> torch.Tensor:
     """(layers, 2, num_blocks * block_size, kv_heads, head_dim): k and v of every slot, in one tensor.
 
-    torch.empty: slots are only ever read after they are written, so there is nothing to initialise.
+    Slots are only ever read after they are written, so the values do not matter; torch.zeros rather than
+    torch.empty commits the memory now. On a CPU the pages of an empty tensor are taken only when first
+    written, so a server's memory would creep up for minutes as the free list rotates through the pool (the
+    soak in BENCHMARKS.md saw it), and a pool too large for the machine would fail mid-serve, not at start.
     """
-    return torch.empty(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
