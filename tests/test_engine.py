@@ -220,6 +220,31 @@ def test_abort_while_preprocessing(ckpt, when):
     assert llm.generate(chat_prompt("again", [random_image(60, 60, 5)]), GREEDY)[0].finished  # the engine goes on
 
 
+def test_n_completions_refuse_ids_already_taken(ckpt):
+    """With n = 2, request "a" runs as requests "0_a" and "1_a" (parallel_sampling.child_request_ids). Either
+    order of arrival is refused, also while "a" is still on the worker pool and its children do not exist yet;
+    the refused request leaves nothing behind, and the running ones finish as the reference says."""
+    llm = make_llm(ckpt, num_preprocess_workers=1)
+    engine, preprocess = llm.engine, llm.engine.processor.preprocess
+    two = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2)
+    engine.add_request(chat_prompt("first"), GREEDY, request_id="1_b")
+    with pytest.raises(InvalidInputError, match=r"n=2 its completions are requests \['0_b', '1_b'\]"):
+        engine.add_request(chat_prompt("second"), two, request_id="b")
+    release = threading.Event()
+    engine.processor.preprocess = lambda validated: release.wait(timeout=30) and preprocess(validated)
+    image_prompt = chat_prompt("look", [random_image(60, 60, 5)])
+    engine.add_request(image_prompt, two, request_id="a")
+    assert "a" in engine.intake.preprocessing  # its children are not requests yet
+    with pytest.raises(InvalidInputError, match="'0_a' is already in use"):
+        engine.add_request(chat_prompt("clash"), GREEDY, request_id="0_a")
+    release.set()
+    finished = run_to_completion(engine)
+    engine.processor.preprocess = preprocess
+    assert sorted(finished) == ["1_b", "a"]
+    assert [c.token_ids for c in finished["a"].outputs] == [reference_tokens(llm, image_prompt, GREEDY)[:4]] * 2
+    assert_no_leaks(llm)
+
+
 def test_prompt_one_token_short_of_max_model_len(ckpt):
     """A prompt of max_model_len - 1 tokens has room for exactly one token; one more token is refused."""
     llm = make_llm(ckpt, max_model_len=40, block_size=4)

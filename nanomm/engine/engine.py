@@ -118,7 +118,12 @@ class LLMEngine:
                 return request_id
 
     def _id_in_use(self, request_id: str) -> bool:
-        return request_id in self.requests or request_id in self.intake.preprocessing or request_id in self.parents
+        """Taken by a running request, one still preprocessing, or a completion of either (n > 1: its children
+        get their ids only once admitted, so a request on the pool reserves them)."""
+        if request_id in self.requests or request_id in self.intake.preprocessing or request_id in self.parents:
+            return True
+        return any(request_id in child_request_ids(parent_id, params.n)
+                   for parent_id, (_, params, _) in self.intake.preprocessing.items() if params.n > 1)
 
     def _admit(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
         """A prepared request becomes the scheduler's: one request, or n children (parallel_sampling.py)."""
