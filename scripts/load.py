@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
 from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
+from nanomm.serve.metrics import TTFT_STAGES  # noqa: E402  (preprocess, queue, encode, prefill)
 
 # Named mixes: "COUNTxWIDTHxHEIGHT:WEIGHT" entries, comma-separated (a request draws one entry by weight).
 MIXES = {
@@ -48,8 +49,6 @@ MIXES = {
     "thumbnails": "1x224x224:5,1x168x168:3,2x112x112:2",  # 64, 36 and 2 x 16 visual tokens
     "scans": "1x896x1176:7,2x728x952:3",  # a page (1,344 visual tokens) or two smaller ones (2 x 884)
 }
-TTFT_STAGES = ("preprocess", "queue", "encode", "prefill")
-
 
 @dataclass(frozen=True)
 class MixEntry:
@@ -108,16 +107,17 @@ def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]
     return times
 
 
-def jpeg_data_url(width: int, height: int, seed: int) -> str:
+def image_data_url(width: int, height: int, seed: int, kind: str = "JPEG") -> str:
+    """A new random picture as a data URL: JPEG (quality 90) or PNG."""
     buffer = io.BytesIO()
-    random_image(width, height, seed).save(buffer, "JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+    random_image(width, height, seed).save(buffer, kind, **({"quality": 90} if kind == "JPEG" else {}))
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: int) -> dict:
     """A streamed chat request: the entry's images (new pictures) and a short question of random words."""
-    images = [{"type": "image_url", "image_url": {"url": jpeg_data_url(entry.width, entry.height,
-                                                                       rng.randrange(2**31))}}
+    images = [{"type": "image_url", "image_url": {"url": image_data_url(entry.width, entry.height,
+                                                                        rng.randrange(2**31))}}
               for _ in range(entry.num_images)]
     question = " ".join(rng.choice(WORDS) for _ in range(12))
     return {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
@@ -216,16 +216,19 @@ def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float) -> d
     }
 
 
+def scrape(url: str) -> dict[str, float]:
+    """Every unlabelled sample of the server's /metrics, by name (a histogram's _sum and _count among them)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+    return {sample.name: sample.value for family in families for sample in family.samples if not sample.labels}
+
+
 def ttft_stage_sums(url: str) -> dict[str, tuple[float, float]]:
-    """{stage: (sum of seconds, count)} of the server's TTFT histograms, read from its /metrics."""
-    names = {f"nanomm_ttft_{stage}_seconds": stage for stage in TTFT_STAGES}
-    names["nanomm_time_to_first_token_seconds"] = "ttft"
-    sums = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name in names:
-            values = {s.name.removeprefix(family.name): s.value for s in family.samples}
-            sums[names[family.name]] = (values["_sum"], values["_count"])
-    return sums
+    """{stage: (sum of seconds, count)} of the server's TTFT histograms ({} from a server without them)."""
+    names = {stage: f"nanomm_ttft_{stage}_seconds" for stage in TTFT_STAGES}
+    names["ttft"] = "nanomm_time_to_first_token_seconds"
+    samples = scrape(url)
+    return {stage: (samples[f"{name}_sum"], samples[f"{name}_count"])
+            for stage, name in names.items() if f"{name}_sum" in samples}
 
 
 def mean_stages(before: dict, after: dict) -> dict[str, float]:

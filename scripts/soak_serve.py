@@ -12,8 +12,6 @@ test: the smallest mode runs in tests/test_scripts.py, and nothing asserts a tim
 """
 
 import argparse
-import base64
-import io
 import json
 import random
 import sys
@@ -22,20 +20,13 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's and load.py's helpers
 
-from bench import load_checkpoint, machine_info, random_image  # noqa: E402
-from load import start_server  # noqa: E402
+from bench import load_checkpoint, machine_info  # noqa: E402
+from load import image_data_url, scrape, start_server  # noqa: E402
 
 IMAGE_SIZES = [None, (56, 56), (224, 168), (448, 448)]
-
-
-def image_url(size, seed: int) -> str:
-    buffer = io.BytesIO()
-    random_image(*size, seed).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def client_loop(base: str, seed: int, stop_at: float, tally: dict, lock: threading.Lock) -> None:
@@ -44,7 +35,7 @@ def client_loop(base: str, seed: int, stop_at: float, tally: dict, lock: threadi
         while time.monotonic() < stop_at:
             size = rng.choice(IMAGE_SIZES)
             parts = [] if size is None else [
-                {"type": "image_url", "image_url": {"url": image_url(size, rng.randrange(10**6))}}]
+                {"type": "image_url", "image_url": {"url": image_data_url(*size, rng.randrange(10**6), "PNG")}}]
             body = {"model": "soak", "stream": True, "max_tokens": rng.randint(4, 32), "temperature": 0.8,
                     "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe it."}]}]}
             outcome = "ok"
@@ -71,9 +62,9 @@ def resident_mib(pid: int) -> float:
 
 def engine_gauges(base: str) -> dict[str, float]:
     """The server's engine gauges (KV blocks used, requests running and waiting), read from /metrics."""
-    names = ("nanomm_kv_blocks_used", "nanomm_requests_running", "nanomm_requests_waiting")
-    families = text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text)
-    return {s.name: s.value for f in families for s in f.samples if s.name in names}
+    samples = scrape(base)
+    return {name: samples[name] for name in ("nanomm_kv_blocks_used", "nanomm_requests_running",
+                                             "nanomm_requests_waiting")}
 
 
 def window_peaks(curve: list[tuple[float, float]], seconds: float, windows: int) -> list[float | None]:

@@ -109,10 +109,10 @@ def _image_source(url, media_root: Path | None) -> str:
         raise InvalidInputError(f"an image must be a data URL string, got {type(url).__name__}")
     if url.startswith("data:"):
         return url
-    scheme = urlparse(url).scheme
-    if scheme in ("http", "https"):
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
         raise InvalidInputError("image URLs are not fetched: send the image as a data URL (data:image/png;base64,...)")
-    path = unquote(urlparse(url).path) if scheme == "file" else url
+    path = unquote(parsed.path) if parsed.scheme == "file" else url
     if media_root is None:
         raise InvalidInputError("local image paths are refused: start the server with --allowed-local-media-path "
                                 "DIR, or send the image as a data URL")
