@@ -11,6 +11,7 @@ checkpoint's generation_config.json, as vLLM does.
 """
 
 import contextlib
+import logging
 from dataclasses import replace
 
 import torch
@@ -25,9 +26,10 @@ from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestOutput
+from nanomm.planner import Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines
 from nanomm.sampling import SamplingParams, generation_defaults
 
-CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
+logger = logging.getLogger("nanomm")
 
 
 class LLM:
@@ -59,9 +61,24 @@ class LLM:
             vision_end_token_id=self.model.config.vision_end_token_id)
         image_config = ImageProcessorConfig.from_pretrained(folder)
         pixel_cap = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k) is not None}
-        image_config = replace(image_config, **pixel_cap)
+        self.image_config = replace(image_config, **pixel_cap)
         self.default_sampling_params = generation_defaults(folder, config.generation_config)
-        self.engine = LLMEngine(self.model, self.tokenizer, image_config, self._resolve(config), self.draft_model)
+        self.model_name = model
+        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, self._resolve(config),
+                                self.draft_model)
+        if logger.isEnabledFor(logging.INFO):
+            for what, value in plan_lines(self.plan()):
+                logger.info("KV plan: %s: %s", what, value)
+
+    def plan(self, images_per_request: int = 1, prompt_tokens: int = 64, output_tokens: int = 256,
+             typical_image: tuple[int, int] = (1024, 768)) -> Plan:
+        """The KV budget plan (planner.py) of this engine as built: its pixel cap, block size and pool."""
+        config = self.engine.config
+        return make_plan(self.model.config, self.image_config, model=self.model_name,
+                         dtype=str(self.model.dtype).removeprefix("torch."), block_size=config.block_size,
+                         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                         workload=Workload(images_per_request, prompt_tokens, output_tokens, typical_image),
+                         num_kv_blocks=config.num_kv_blocks)
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
         """Fill in what depends on the loaded model: context length, encoder budget, KV pool size."""
@@ -74,14 +91,30 @@ class LLM:
             per_block = config.block_size * sum(  # a draft model's KV lives in the same budget
                 kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
                                    m.config.text.head_dim, m.dtype) for m in (self.model, self.draft_model) if m)
-            useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-            num_kv_blocks = _kv_blocks_for_memory(self.model, per_block, config.gpu_memory_utilization,
-                                                  config.kv_cache_memory_gib, useful)
+            num_kv_blocks = kv_pool_blocks(self._kv_budget(config), per_block, config.max_num_seqs, max_model_len,
+                                           config.block_size)
+            if num_kv_blocks < 1:
+                raise ValueError("no memory left for the KV cache; lower the model size or raise "
+                                 "gpu_memory_utilization")
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
             budget = max(budget, max_model_len)
         return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
                        max_num_encoder_tokens=config.max_num_encoder_tokens or budget)
+
+    def _kv_budget(self, config: EngineConfig) -> int:
+        """Bytes for the KV pool (planner.kv_pool_budget): on a GPU, what is free of the utilisation share
+        once the weights are loaded, less an activation reserve for the largest image."""
+        device = self.model.device
+        total = used = 0
+        if device.type == "cuda" and config.kv_cache_memory_gib is None:
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+        reserve = activation_reserve(self.model.config, self.image_config, str(self.model.dtype).removeprefix("torch."))
+        budget, _ = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
+                                   gpu_memory_utilization=config.gpu_memory_utilization,
+                                   kv_cache_memory_gib=config.kv_cache_memory_gib, reserve_bytes=reserve)
+        return budget
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling params uses: from generation_config.json unless generation_config="vllm"."""
@@ -176,22 +209,3 @@ def _with_processor_kwargs(prompt, kwargs: dict):
     if isinstance(prompt, dict) and "mm_processor_kwargs" not in prompt:
         return {**prompt, "mm_processor_kwargs": kwargs}
     return prompt
-
-
-def _kv_blocks_for_memory(model: Qwen2VL, bytes_per_block: int, gpu_memory_utilization: float,
-                          kv_cache_memory_gib: float | None, useful_blocks: int) -> int:
-    """Size the KV pool from a memory budget, capped at what max_num_seqs full-length sequences could use."""
-    device = model.device
-    if kv_cache_memory_gib is not None:
-        budget = kv_cache_memory_gib * 2**30
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        # Leave (1 - utilization) of the card, plus headroom for activations, to everything else.
-        budget = total * gpu_memory_utilization - used - 2**30
-    else:
-        budget = CPU_KV_CACHE_GIB * 2**30
-    blocks = min(int(budget // bytes_per_block), useful_blocks)
-    if blocks < 1:
-        raise ValueError("no memory left for the KV cache; lower the model size or raise gpu_memory_utilization")
-    return blocks

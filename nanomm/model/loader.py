@@ -30,9 +30,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None,
-                       download_dir: str | None = None) -> Path:
-    """A local folder as is, or a hub id downloaded (config, safetensors and tokenizer files only) into
-    download_dir (None: the Hugging Face cache)."""
+                       download_dir: str | None = None, allow_patterns: list[str] | None = None) -> Path:
+    """A local folder as is, or a hub id downloaded (config, safetensors and tokenizer files only, or only
+    allow_patterns) into download_dir (None: the Hugging Face cache)."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -43,7 +43,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = Non
         raise CheckpointError(f"{name}: no such checkpoint folder (and not a hub id of the form 'org/name')")
     from huggingface_hub import snapshot_download  # imported here: only hub ids need it
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, cache_dir=download_dir))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=allow_patterns or HUB_FILES,
+                                      cache_dir=download_dir))
     except Exception as exc:  # offline, unknown repo, gated repo...: one clear sentence for the user
         raise CheckpointError(f"cannot download {name!r} from the Hugging Face hub ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else 'no details'}); "

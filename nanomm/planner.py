@@ -1,0 +1,438 @@
+"""The KV budget planner: how many requests fit, from a checkpoint's config alone (no weights are loaded).
+
+Lesson: lessons/04-paged-kv-cache.md ("Plan the pool before you buy the GPU").
+
+    nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --max-pixels 1003520
+    nanomm-plan checkpoints/small --kv-cache-memory 2 --images 2 --json
+
+The arithmetic, in the order a request meets it:
+1. **Visual tokens per image.** smart_resize (inputs/image.py) bounds an image by `max_pixels`; the worst case
+   is the largest token count any image can produce under that cap, found by trying the image shapes that
+   reach it, each through smart_resize itself. A thin image can beat max_pixels / 784: a side is never cut
+   below 28 pixels, so at a small cap a 200:1 strip gets more tokens than the cap's area allows.
+2. **Tokens per request** = prompt text + per image (visual tokens + <|vision_start|> + <|vision_end|>) + output.
+   The KV cache holds every token but the last: the final output token is sampled and never fed back.
+3. **KV bytes per token** = 2 (k and v) x layers x KV heads x head_dim x bytes per element.
+4. **Blocks per request** = ceil(KV tokens / block_size); **concurrency** = KV blocks // blocks per request,
+   capped by max_num_seqs. The scheduler grows block tables a step at a time and preempts the newest request
+   when the pool runs dry, so this is the number of requests that hold their whole length at once.
+5. **The pool** is sized by the rule `LLM` uses (`kv_pool_budget`, shared): on a GPU, utilisation x memory,
+   less what is already used (the weights, here), less an activation reserve (at least 1 GiB, more when the
+   vision tower's working set for the largest image is larger); on a CPU, a fixed budget.
+
+The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
+from nanomm.model.config import ModelConfig
+
+GiB = 2**30
+CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
+MIN_ACTIVATION_RESERVE = GiB  # GPU memory kept back from the KV pool for activations, at the least
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
+
+
+@dataclass
+class Workload:
+    """What one request looks like, for planning."""
+    images_per_request: int = 1
+    prompt_tokens: int = 64  # text tokens, image placeholders not counted
+    output_tokens: int = 256
+    typical_image: tuple[int, int] = (1024, 768)  # (width, height): a photo shrunk for the web
+
+
+@dataclass
+class Plan:
+    model: str
+    dtype: str
+    kv_dtype: str
+    min_pixels: int
+    max_pixels: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    workload: Workload
+    worst_image: tuple[int, int]  # (width, height) of an image that reaches the worst case
+    visual_tokens_worst: int  # per image
+    visual_tokens_typical: int
+    kv_bytes_per_token: int
+    kv_tokens_worst: int  # per request: the tokens whose KV is stored
+    kv_tokens_typical: int
+    blocks_worst: int  # per request
+    blocks_typical: int
+    weights_bytes: int
+    vision_peak_bytes: int  # the vision tower's working set for the worst-case image (an estimate: see below)
+    kv_budget_bytes: int
+    num_kv_blocks: int
+    fit_worst: int  # requests the KV pool holds at once, at their full length
+    fit_typical: int
+    concurrency_worst: int  # the same, capped by max_num_seqs: what the engine runs at once
+    concurrency_typical: int
+    budget_rule: str  # how the pool was sized, in words
+    alternatives: list[dict] = field(default_factory=list)  # what a smaller cap, compression or quantization buys
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return self.num_kv_blocks * self.block_size * self.kv_bytes_per_token
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"kv_memory_bytes": self.kv_memory_bytes}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Visual tokens
+
+
+def image_tokens(width: int, height: int, config: ImageProcessorConfig) -> int:
+    """The visual tokens of one width x height image under config's cap (what the engine expands it to)."""
+    h_bar, w_bar = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    return (h_bar // config.factor) * (w_bar // config.factor)
+
+
+def worst_case_image(config: ImageProcessorConfig) -> tuple[tuple[int, int], int]:
+    """((width, height), tokens) of an image with the most visual tokens any image can have under the cap.
+
+    Candidates: exact multiples of the token size with a x b <= max_pixels / factor^2 (no resize happens, so the
+    area is used to the last token), and strips at the largest allowed aspect ratio, at which smart_resize's
+    floor of one token per side can exceed the area cap. Every candidate is measured by smart_resize itself."""
+    f = config.factor
+    cap = config.max_pixels // (f * f)  # whole tokens within the area cap
+    candidates = []
+    for a in range(1, math.isqrt(max(cap, 1)) + 1):
+        b = min(cap // a, a * int(MAX_ASPECT_RATIO))
+        if b >= a:
+            candidates.append((b * f, a * f))
+    for height in (1, 2, 4, 7, 14, 28, 56, 112):  # strips: the floor at one token can beat the area cap
+        candidates.append((int(height * MAX_ASPECT_RATIO), height))
+    scored = [(image_tokens(w, h, config), (w, h)) for w, h in candidates]
+    tokens, size = max(scored)
+    return size, tokens
+
+
+def request_kv_tokens(visual_tokens_per_image: int, workload: Workload) -> int:
+    """Tokens a request holds in the KV cache at its longest: all but the last output token."""
+    per_image = visual_tokens_per_image + 2  # <|vision_start|> pads <|vision_end|>
+    return workload.prompt_tokens + workload.images_per_request * per_image + workload.output_tokens - 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Memory
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
+    text = config.text
+    return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * int(ELEMENT_BYTES[kv_dtype])
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the model nanomm builds from this config, counted on the meta device (no memory used)."""
+    from nanomm.model.qwen2_vl import Qwen2VL  # the model code, only to count its tensors
+
+    with torch.device("meta"):
+        model = Qwen2VL(config)
+    return sum(p.numel() for p in model.parameters())  # a tied head is one tensor, counted once
+
+
+def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> int:
+    """An estimate of the vision tower's largest working set while it encodes one image of visual_tokens.
+
+    The image's patches arrive as float32 and are cast to the model's dtype; then the largest single step is a
+    block's MLP: the residual, its LayerNorm, and fc1's output with the activation's two temporaries
+    (quick_gelu is x * sigmoid(1.702 x)). Attention is not counted: scaled_dot_product_attention's fused
+    kernels never hold the patches x patches score matrix. Measured peaks belong to the GPU check
+    (issue: decode near the roofline); this is arithmetic."""
+    vision = config.vision
+    patches = visual_tokens * vision.spatial_merge_size**2
+    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    b = ELEMENT_BYTES[dtype]
+    pixels = patches * patch_values * (4 + b)
+    mlp = patches * (2 * vision.embed_dim + 3 * vision.mlp_dim) * b
+    return int(pixels + mlp)
+
+
+def activation_reserve(config: ModelConfig, image_config: ImageProcessorConfig, dtype: str) -> int:
+    """GPU memory to keep out of the KV pool: 1 GiB, or the vision tower's peak for the largest image if more."""
+    _, tokens = worst_case_image(image_config)
+    return max(MIN_ACTIVATION_RESERVE, vision_peak_bytes(config, tokens, dtype))
+
+
+def kv_pool_budget(device_type: str, *, total_bytes: int = 0, used_bytes: int = 0,
+                   gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float | None = None,
+                   reserve_bytes: int = MIN_ACTIVATION_RESERVE) -> tuple[int, str]:
+    """(bytes for the KV pool, the rule in words). `LLM` sizes its pool with this too."""
+    if kv_cache_memory_gib is not None:
+        return int(kv_cache_memory_gib * GiB), f"kv_cache_memory_gib={kv_cache_memory_gib:g}"
+    if device_type == "cuda":
+        budget = int(total_bytes * gpu_memory_utilization - used_bytes - reserve_bytes)
+        return budget, (f"{gpu_memory_utilization:g} x {total_bytes / GiB:.1f} GiB, less {used_bytes / GiB:.2f} GiB "
+                        f"in use and a {reserve_bytes / GiB:.2f} GiB activation reserve")
+    return int(CPU_KV_CACHE_GIB * GiB), f"the CPU default of {CPU_KV_CACHE_GIB:g} GiB"
+
+
+def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
+                   block_size: int) -> int:
+    """Blocks in the budget, capped at what max_num_seqs sequences of max_model_len tokens could ever use."""
+    useful = max_num_seqs * -(-max_model_len // block_size)
+    return max(0, min(budget_bytes // bytes_per_block, useful))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. The plan
+
+
+def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model: str = "model",
+              dtype: str = "bfloat16", kv_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 64,
+              max_model_len: int | None = None, workload: Workload | None = None,
+              device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
+              kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
+              weights_dtype: str | None = None, alternatives: bool = True) -> Plan:
+    """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
+    pool already decided (num_kv_blocks: a running engine's); else the CPU default."""
+    workload = workload or Workload()
+    kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
+    max_model_len = max_model_len or config.text.max_position_embeddings
+    worst_image, worst = worst_case_image(image_config)
+    typical = image_tokens(*workload.typical_image, image_config)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
+    weights = int(parameter_count(config) * ELEMENT_BYTES[weights_dtype or dtype])
+    peak = vision_peak_bytes(config, worst, dtype)
+    if num_kv_blocks is None:
+        device = "cuda" if device_memory_gib is not None else "cpu"
+        budget, rule = kv_pool_budget(device, total_bytes=int((device_memory_gib or 0) * GiB), used_bytes=weights,
+                                      gpu_memory_utilization=gpu_memory_utilization,
+                                      kv_cache_memory_gib=kv_cache_memory_gib,
+                                      reserve_bytes=max(MIN_ACTIVATION_RESERVE, peak))
+        num_kv_blocks = kv_pool_blocks(budget, block_size * per_token, max_num_seqs, max_model_len, block_size)
+        if num_kv_blocks < budget // (block_size * per_token):
+            rule += f"; capped at max_num_seqs x max_model_len"
+    else:
+        budget, rule = num_kv_blocks * block_size * per_token, f"num_kv_blocks={num_kv_blocks}, given"
+    plan = Plan(model=model, dtype=dtype, kv_dtype=kv_dtype, min_pixels=image_config.min_pixels,
+                max_pixels=image_config.max_pixels, block_size=block_size, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
+                visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
+                kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
+                vision_peak_bytes=peak, kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
+                fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule)
+    _count_requests(plan)
+    if alternatives:
+        pool = dict(device_memory_gib=device_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+                    kv_cache_memory_gib=kv_cache_memory_gib)
+        if num_kv_blocks is not None and device_memory_gib is None and kv_cache_memory_gib is None:
+            pool["kv_cache_memory_gib"] = plan.kv_memory_bytes / GiB  # a given pool keeps its bytes
+        plan.alternatives = _alternatives(config, image_config, plan, pool)
+    return plan
+
+
+def _count_requests(plan: Plan) -> None:
+    """Blocks per request and the requests that fit, from the plan's KV tokens and pool."""
+    plan.blocks_worst = -(-plan.kv_tokens_worst // plan.block_size)
+    plan.blocks_typical = -(-plan.kv_tokens_typical // plan.block_size)
+    plan.fit_worst = plan.num_kv_blocks // plan.blocks_worst
+    plan.fit_typical = plan.num_kv_blocks // plan.blocks_typical
+    plan.concurrency_worst = min(plan.max_num_seqs, plan.fit_worst)
+    plan.concurrency_typical = min(plan.max_num_seqs, plan.fit_typical)
+
+
+def _alternatives(config, image_config, plan: Plan, pool: dict) -> list[dict]:
+    """What each lever would buy, one change at a time. Compression and quantization are not built in nanomm
+    yet (their issues are open): those rows are arithmetic about tokens and bytes, not measurements."""
+    same = dict(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype, block_size=plan.block_size,
+                max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len, workload=plan.workload,
+                alternatives=False, **pool)
+    rows = []
+    for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
+        max_pixels = tokens * image_config.factor**2
+        if max_pixels < plan.max_pixels:
+            cap = replace(image_config, max_pixels=max_pixels, min_pixels=min(image_config.min_pixels, max_pixels))
+            rows.append(_row(f"max_pixels {max_pixels:,} ({tokens} tok)", make_plan(config, cap, **same)))
+    for ratio in (0.5, 0.25):
+        rows.append(_row(f"keep {ratio:.0%} of visual tokens*", _compressed(plan, ratio)))
+    if plan.kv_dtype != "fp8":
+        rows.append(_row("fp8 KV cache*", make_plan(config, image_config, **(same | {"kv_dtype": "fp8"}))))
+    if pool["device_memory_gib"] is not None:  # smaller weights leave more of the GPU to the KV pool
+        for weights in ("int8", "int4"):
+            rows.append(_row(f"{weights} weights*",
+                             make_plan(config, image_config, weights_dtype=weights, **same)))
+    return rows
+
+
+def _compressed(plan: Plan, keep_ratio: float) -> Plan:
+    """The plan with each image's visual tokens cut to ceil(keep_ratio x tokens), in the same pool."""
+    worst = math.ceil(plan.visual_tokens_worst * keep_ratio)
+    typical = math.ceil(plan.visual_tokens_typical * keep_ratio)
+    cut = replace(plan, visual_tokens_worst=worst, visual_tokens_typical=typical, alternatives=[],
+                  kv_tokens_worst=request_kv_tokens(worst, plan.workload),
+                  kv_tokens_typical=request_kv_tokens(typical, plan.workload))
+    _count_requests(cut)
+    return cut
+
+
+def _row(change: str, p: Plan) -> dict:
+    return {"change": change, "visual_tokens_worst": p.visual_tokens_worst, "blocks_worst": p.blocks_worst,
+            "num_kv_blocks": p.num_kv_blocks, "fit_worst": p.fit_worst, "fit_typical": p.fit_typical}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. Showing it
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def plan_lines(plan: Plan) -> list[tuple[str, str]]:
+    """(what, value) pairs: the table's rows, and the lines the engine logs at start-up."""
+    w = plan.workload
+    width, height = plan.worst_image
+    tw, th = w.typical_image
+    return [
+        ("model", f"{plan.model} ({plan.dtype} weights, {plan.kv_dtype} KV)"),
+        ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"),
+        ("request", f"{w.images_per_request} image(s), {w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
+        ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "
+                                    f"typical {plan.visual_tokens_typical:,} (a {tw}x{th} photo)"),
+        ("visual tokens per request", f"worst {plan.visual_tokens_worst * w.images_per_request:,}, "
+                                      f"typical {plan.visual_tokens_typical * w.images_per_request:,}"),
+        ("KV tokens per request", f"worst {plan.kv_tokens_worst:,}, typical {plan.kv_tokens_typical:,}"),
+        ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
+        ("blocks per request", f"worst {plan.blocks_worst:,}, typical {plan.blocks_typical:,} "
+                               f"(block_size {plan.block_size})"),
+        ("weights", _gib(plan.weights_bytes)),
+        ("vision peak, largest image", f"{_gib(plan.vision_peak_bytes)} (estimate)"),
+        ("KV pool", f"{plan.num_kv_blocks:,} blocks = {_gib(plan.kv_memory_bytes)} ({plan.budget_rule})"),
+        ("requests the pool holds", f"worst {plan.fit_worst:,}, typical {plan.fit_typical:,}"),
+        ("concurrency", f"worst {plan.concurrency_worst:,}, typical {plan.concurrency_typical:,} "
+                        f"(at most max_num_seqs {plan.max_num_seqs})"),
+    ] + ([("warning", f"a worst-case request ({plan.kv_tokens_worst + 1:,} tokens) is longer than max_model_len "
+                      f"{plan.max_model_len:,}: the engine refuses it")]
+         if plan.kv_tokens_worst + 1 > plan.max_model_len else [])
+
+
+def render(plan: Plan, width: int = 118) -> str:
+    """The plan as rich tables, in plain text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    table = Table(title="KV budget plan", show_header=False)
+    for what, value in plan_lines(plan):
+        table.add_row(what, value)
+    console.print(table)
+    if plan.alternatives:
+        alt = Table(title="What each lever buys, one change at a time",
+                    caption="* not built in nanomm yet: arithmetic on tokens and bytes")
+        for column in ("change", "tokens/image", "blocks/request", "KV blocks", "holds (worst)", "holds (typical)"):
+            alt.add_column(column, justify="left" if column == "change" else "right")
+        alt.add_row("(this plan)", f"{plan.visual_tokens_worst:,}", f"{plan.blocks_worst:,}",
+                    f"{plan.num_kv_blocks:,}", f"{plan.fit_worst:,}", f"{plan.fit_typical:,}")
+        for row in plan.alternatives:
+            alt.add_row(row["change"], f"{row['visual_tokens_worst']:,}", f"{row['blocks_worst']:,}",
+                        f"{row['num_kv_blocks']:,}", f"{row['fit_worst']:,}", f"{row['fit_typical']:,}")
+        console.print(alt)
+    return console.export_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. nanomm-plan
+
+
+def load_configs(model: str, revision: str | None = None) -> tuple[ModelConfig, ImageProcessorConfig]:
+    """The model and image-processor configs of a folder or hub id (a hub id downloads the JSON files only)."""
+    from nanomm.model.loader import resolve_checkpoint
+
+    folder = resolve_checkpoint(model, revision, allow_patterns=CONFIG_FILES)
+    return ModelConfig.from_pretrained(folder), ImageProcessorConfig.from_pretrained(folder)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 1024x768, got {text!r}")
+    return int(width), int(height)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanomm-plan", description="Plan the KV memory of a Qwen2-VL deployment "
+                                "from its config alone: visual tokens, blocks and concurrency.")
+    p.add_argument("model", help="checkpoint folder or hub id (only its JSON files are read)")
+    memory = p.add_mutually_exclusive_group()
+    memory.add_argument("--device-memory", type=_positive_float, metavar="GIB", help="the GPU's memory, in GiB")
+    memory.add_argument("--kv-cache-memory", type=_positive_float, metavar="GIB",
+                        help="a fixed KV budget instead (default on CPU: 2)")
+    p.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.9)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 with "
+                   "--device-memory, else float32 (nanomm's CPU default)")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="auto: the weights' dtype")
+    p.add_argument("--max-pixels", type=_positive_int, help="default: the checkpoint's preprocessor config")
+    p.add_argument("--min-pixels", type=_positive_int)
+    p.add_argument("--images", type=int, default=1, help="images per request")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=64, help="text tokens per prompt")
+    p.add_argument("--output-tokens", type=_positive_int, default=256)
+    p.add_argument("--typical-image", type=parse_size, default=(1024, 768), metavar="WxH")
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--revision")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from nanomm.errors import CheckpointError, InvalidInputError
+
+    if args.images < 0:
+        build_parser().error(f"--images must be >= 0, got {args.images}")
+    try:
+        config, image_config = load_configs(args.model, args.revision)
+        if not config.has_vision:
+            raise CheckpointError(f"{args.model} is a text-only Qwen2 model; the planner plans Qwen2-VL")
+        cap = {k: getattr(args, k) for k in ("min_pixels", "max_pixels") if getattr(args, k) is not None}
+        image_config = replace(image_config, **cap)
+        dtype = args.dtype or ("bfloat16" if args.device_memory is not None else "float32")
+        plan = make_plan(config, image_config, model=args.model, dtype=dtype, kv_dtype=args.kv_dtype,
+                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                         workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image),
+                         device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                         kv_cache_memory_gib=args.kv_cache_memory)
+    except (CheckpointError, InvalidInputError) as exc:
+        print(f"nanomm-plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_json(), indent=2) if args.json else render(plan), end="\n" if args.json else "")
+    if plan.num_kv_blocks < plan.blocks_worst:
+        print("nanomm-plan: the KV pool cannot hold even one worst-case request", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

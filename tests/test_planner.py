@@ -1,0 +1,195 @@
+"""The KV budget planner (nanomm/planner.py) against independent counts and against real engines.
+
+Oracles: the Hub's own byte count for Qwen2-VL-2B, a brute-force search over image sizes through smart_resize,
+the engine's own expansion of a prompt, and the requests a real engine actually ran at once."""
+
+import json
+import logging
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from helpers import chat_prompt, run_to_completion
+from nanomm import LLM, SamplingParams
+from nanomm.inputs.image import ImageProcessorConfig, smart_resize
+from nanomm.model.config import ModelConfig
+from nanomm.model.loader import load_model
+from nanomm.planner import (GiB, Workload, image_tokens, kv_pool_budget, load_configs, main, make_plan,
+                            parameter_count, render, worst_case_image)
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN2_VL_2B = ROOT / "tests" / "data" / "Qwen2-VL-2B-Instruct"
+
+
+def test_the_weights_of_qwen2_vl_2b_are_counted_from_its_config_alone():
+    config, _ = load_configs(QWEN2_VL_2B)
+    # The Hub's model.safetensors.index.json for Qwen2-VL-2B: total_size 4,417,971,200 bytes of bfloat16.
+    assert parameter_count(config) == 4_417_971_200 // 2
+    plan = make_plan(config, ImageProcessorConfig(), dtype="bfloat16", device_memory_gib=24)
+    assert plan.weights_bytes == 4_417_971_200
+    # 2 (k, v) x 28 layers x 2 KV heads x 128 head_dim x 2 bytes
+    assert plan.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2 == 28_672
+
+
+def test_parameter_count_equals_a_loaded_model(ckpt):
+    model = load_model(ckpt)
+    assert parameter_count(ModelConfig.from_pretrained(ckpt)) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("max_tokens", [4, 16, 100, 256])
+def test_the_worst_case_image_is_the_worst_of_every_size(max_tokens):
+    """Every image size up to a bound, through smart_resize: none gets more tokens than the planner's worst."""
+    config = ImageProcessorConfig(min_pixels=min(3136, max_tokens * 784), max_pixels=max_tokens * 784)
+    brute = 0
+    for height in range(1, 64):  # up to the 200:1 limit; past 64 px of height, no strip beats the area cap
+        for width in range(height, 200 * height + 1):
+            h, w = smart_resize(height, width, 28, config.min_pixels, config.max_pixels)
+            brute = max(brute, (h // 28) * (w // 28))
+    (width, height), tokens = worst_case_image(config)
+    assert tokens == brute
+    assert image_tokens(width, height, config) == tokens  # the witness image reaches it
+    if max_tokens == 4:  # a 200:1 strip keeps a whole token of height: more than the area allows
+        assert tokens > max_tokens
+
+
+def test_worst_case_at_the_hub_cap_is_16384_tokens():
+    _, image_config = load_configs(QWEN2_VL_2B)
+    assert image_config.max_pixels == 12_845_056
+    assert worst_case_image(image_config)[1] == 16_384
+    assert image_tokens(1024, 768, image_config) == 37 * 27  # smart_resize: 1036 x 756
+
+
+def test_the_gpu_pool_rule_by_hand():
+    budget, rule = kv_pool_budget("cuda", total_bytes=24 * GiB, used_bytes=4 * GiB, gpu_memory_utilization=0.9,
+                                  reserve_bytes=GiB)
+    assert budget == int(0.9 * 24 * GiB) - 5 * GiB
+    assert "0.9 x 24.0 GiB" in rule
+    assert kv_pool_budget("cpu")[0] == 2 * GiB
+    assert kv_pool_budget("cuda", total_bytes=80 * GiB, kv_cache_memory_gib=3)[0] == 3 * GiB
+
+
+def test_the_vision_reserve_grows_with_the_pixel_cap():
+    config, image_config = load_configs(QWEN2_VL_2B)
+    big = make_plan(config, image_config, device_memory_gib=24, alternatives=False)
+    small = make_plan(config, replace(image_config, max_pixels=1280 * 784), device_memory_gib=24, alternatives=False)
+    # 65,536 patches: pixels (1176 floats in float32 and bfloat16) + the MLP step (2 x 1280 + 3 x 5120) in bfloat16
+    assert big.vision_peak_bytes == 65_536 * 1176 * 6 + 65_536 * (2 * 1280 + 3 * 5120) * 2
+    assert big.vision_peak_bytes > GiB  # so the reserve is the vision peak, and the pool is smaller
+    assert big.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - big.vision_peak_bytes
+    assert small.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - GiB
+
+
+def _engine_plan(llm, workload):
+    return llm.plan(workload.images_per_request, workload.prompt_tokens, workload.output_tokens,
+                    workload.typical_image)
+
+
+def test_visual_tokens_and_request_length_are_the_engine_s(ckpt):
+    with LLM(ckpt, max_pixels=64 * 784, min_pixels=4 * 784, num_kv_blocks=400, block_size=4) as llm:
+        plan = llm.plan(images_per_request=2)
+        (width, height), worst = plan.worst_image, plan.visual_tokens_worst
+        images = [Image.new("RGB", (width, height), "red"), Image.new("RGB", plan.workload.typical_image, "blue")]
+        prompt = chat_prompt("What is in these pictures?", images)
+        prepared = llm.engine.prepare(prompt, SamplingParams(max_tokens=8))
+        assert [im.num_tokens for im in prepared.images] == [worst, plan.visual_tokens_typical]
+        text_tokens = len(llm.tokenizer.encode(prompt["prompt"])) - 2 * 3  # less each image's 3 placeholders
+        workload = Workload(2, text_tokens, 8)
+        plan = _engine_plan(llm, workload)
+        # The engine holds KV for every token but the last sampled one.
+        assert plan.kv_tokens_worst + 1 - 8 == text_tokens + 2 * (worst + 2)
+        mixed = len(prepared.token_ids) + 8 - 1  # one worst image, one typical
+        assert mixed == text_tokens + (worst + 2) + (plan.visual_tokens_typical + 2) + 8 - 1
+
+
+@pytest.mark.parametrize("spare_blocks", [0, -1])
+def test_the_requests_a_real_engine_runs_at_once_are_the_plan_s(ckpt, spare_blocks):
+    """A pool of exactly C requests' worth of blocks (or one block short): the engine runs C (or C - 1) requests
+    at their full length at once, the plan says so, and the rest wait or are preempted, as the scheduler does."""
+    block_size, copies = 4, 3
+    image = Image.new("RGB", (56, 56), "green")
+    prompt = chat_prompt("Describe the picture in detail.", [image])
+    with LLM(ckpt, max_pixels=16 * 784, num_kv_blocks=1000, block_size=block_size) as probe:
+        text_tokens = len(probe.tokenizer.encode(prompt["prompt"])) - 3
+        visual = probe.engine.prepare(prompt, None).images[0].num_tokens
+    prompt_tokens = text_tokens + visual + 2
+    output_tokens = 8 + (-(prompt_tokens + 8 - 1)) % block_size  # the KV fills its last block exactly
+    kv_tokens = prompt_tokens + output_tokens - 1  # the last output token is sampled, never fed back
+    assert kv_tokens % block_size == 0  # so a count one token too long would need one more block
+    blocks = -(-kv_tokens // block_size)  # counted here by hand, not by the planner
+    pool = copies * blocks + spare_blocks
+    with LLM(ckpt, max_pixels=16 * 784, num_kv_blocks=pool, block_size=block_size, max_num_seqs=16,
+             enable_prefix_caching=False) as llm:
+        plan = llm.plan(1, text_tokens, output_tokens, typical_image=(56, 56))
+        assert plan.blocks_typical == blocks and plan.num_kv_blocks == pool
+        params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=0)
+        for _ in range(copies + 2):
+            llm.engine.add_request(prompt, params)
+        most_at_full_length = 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            full = [r for r in llm.engine.scheduler.running if len(r.block_table) == blocks]
+            most_at_full_length = max(most_at_full_length, len(full))
+    expected = copies if spare_blocks >= 0 else copies - 1
+    assert most_at_full_length == plan.fit_typical == plan.concurrency_typical == expected
+
+
+def test_a_given_kv_budget_gives_the_engine_s_pool(ckpt):
+    with LLM(ckpt, kv_cache_memory_gib=0.001, block_size=8) as llm:
+        plan = llm.plan()
+        standalone = make_plan(llm.model.config, llm.image_config, dtype="float32", block_size=8,
+                               kv_cache_memory_gib=0.001, max_model_len=llm.engine.config.max_model_len)
+    per_block = 8 * 2 * 2 * 2 * 16 * 4  # block_size x (k, v) x 2 layers x 2 KV heads x head_dim 16 x float32
+    assert llm.engine.config.num_kv_blocks == int(0.001 * GiB) // per_block == plan.num_kv_blocks
+    assert standalone.num_kv_blocks == plan.num_kv_blocks
+
+
+def test_the_engine_logs_its_plan_at_start_up(ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="nanomm"):
+        with LLM(ckpt, num_kv_blocks=64) as llm:
+            blocks = llm.engine.config.num_kv_blocks
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"KV plan: KV pool: {blocks} blocks" in logged and "KV plan: visual tokens per image: worst" in logged
+
+
+def test_the_command_line(capsys, tmp_path):
+    assert main([str(QWEN2_VL_2B), "--device-memory", "24", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["visual_tokens_worst"] == 16_384 and plan["weights_bytes"] == 4_417_971_200
+    assert main([str(tmp_path / "nothing")]) == 2
+    assert "no such checkpoint folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(QWEN2_VL_2B), "--typical-image", "big"])
+    assert exit_info.value.code == 2 and "WIDTHxHEIGHT" in capsys.readouterr().err
+    # A pool that cannot hold one worst-case request is an error exit, after the plan is shown.
+    assert main([str(QWEN2_VL_2B), "--kv-cache-memory", "0.01"]) == 1
+    assert "cannot hold even one" in capsys.readouterr().err
+
+
+README_PLAN = re.compile(r"<!-- plan: (.*?) -->\n```text\n(.*?)```", re.S)
+README_SUMMARY = re.compile(r"<!-- plan-summary -->\n.*?\n\|---.*?\n(.*?)<!-- /plan-summary -->", re.S)
+
+
+def _readme_plan(memory: float, max_pixels: int):
+    config, image_config = load_configs(QWEN2_VL_2B)
+    return make_plan(config, replace(image_config, max_pixels=max_pixels), model="Qwen/Qwen2-VL-2B-Instruct",
+                     device_memory_gib=memory)
+
+
+def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [(args, text)] = README_PLAN.findall(readme)
+    argv = args.split()
+    assert argv[0] == "Qwen/Qwen2-VL-2B-Instruct"
+    plan = _readme_plan(float(argv[argv.index("--device-memory") + 1]), int(argv[argv.index("--max-pixels") + 1]))
+    assert render(plan) == text, f"the README's plan for {args} is stale: rerun nanomm-plan {args}"
+    [summary] = README_SUMMARY.findall(readme)
+    rows = [line.strip("| ").split(" | ") for line in summary.strip().splitlines()]
+    assert {(r[0], r[1]) for r in rows} == {(f"{m} GiB", f"{p:,}") for m in (24, 80) for p in (12_845_056, 1_003_520)}
+    for memory, max_pixels, worst, pool, holds_worst, holds_typical in rows:
+        plan = _readme_plan(float(memory.split()[0]), int(max_pixels.replace(",", "")))
+        assert worst == f"{plan.visual_tokens_worst:,}"
+        assert pool == f"{plan.num_kv_blocks:,} ({plan.kv_memory_bytes / GiB:.1f} GiB)"
+        assert (holds_worst, holds_typical) == (f"{plan.fit_worst:,}", f"{plan.fit_typical:,}")
