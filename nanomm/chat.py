@@ -3,6 +3,7 @@
     nanomm-chat --demo                                  # offline: a small random-weight model, made on first use
     nanomm-chat --model Qwen/Qwen2-VL-2B-Instruct --image cat.png
     nanomm-chat --demo --speculative ngram              # speculative decoding: prompt lookup (or a draft folder)
+    nanomm-chat --demo --trace run.json                 # a timeline of every step, for ui.perfetto.dev
     echo "Describe it" | nanomm-chat --demo --image cat.png   # scriptable: one user turn per line
 
 Text lines are user turns; /image PATH attaches an image to the next turn; /reset, /stats, /help, /quit.
@@ -49,7 +50,7 @@ def load_llm(args, console: Console):
     from nanomm import LLM
     from nanomm.errors import CheckpointError
 
-    kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels,
+    kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels, trace_path=args.trace,
                   speculative=speculative_config(args.speculative, args.num_speculative_tokens))
     model = args.model
     if args.demo:
@@ -198,6 +199,8 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="proposals per step (default 4)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on cuda, f32 on cpu")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto timeline of every engine step to FILE "
+                   "on exit (open it in ui.perfetto.dev)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
             if interactive:
                 console.print("type a message, or /help")
             run(chat, interactive_lines(console) if interactive else sys.stdin)
+        if args.trace:  # written as the LLM closed
+            console.print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
         return 0
     except Exception as exc:  # noqa: BLE001 - one sentence for the user; --debug for the traceback
         if args.debug:

@@ -39,6 +39,7 @@ class EngineConfig:
     limit_images_per_prompt: int = 16
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (model/fast_linear.py)
+    trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
     limit_mm_per_prompt: dict | None = None  # {"image": k}: sets limit_images_per_prompt

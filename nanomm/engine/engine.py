@@ -25,6 +25,7 @@ from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_r
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
+from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.pool import PreprocessPool
@@ -49,10 +50,11 @@ class LLMEngine:
         self.model_identity = f"{model.name_or_path}:{model.dtype}"
         kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache)
+        self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.trace)
         self.intake = RequestIntake(self.processor, PreprocessPool(config.num_preprocess_workers),
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
@@ -155,6 +157,7 @@ class LLMEngine:
                        completion_index=completion_index)
 
     def _add_to_scheduler(self, request: Request) -> None:
+        self.trace.request_ready(request)
         self.requests[request.request_id] = request
         self.output_processor.add(request)
         self.scheduler.add(request)
@@ -196,24 +199,42 @@ class LLMEngine:
         self.intake.collect(wait_s=0.0 if self.scheduler.has_work() else 0.05, admit=self._admit)
         start = time.perf_counter()
         outputs = self.intake.take_early_outputs()
-        if self.proposer is not None:
-            self._propose()
-        chunks = self.scheduler.schedule()
-        if chunks:
-            logits = self.runner.run(chunks)
+        with self.trace.span("step", step=self.num_steps):
+            with self.trace.span("schedule"):
+                if self.proposer is not None:
+                    with self.trace.span("propose"):
+                        self._propose()
+                chunks = self.scheduler.schedule()
+            self.trace.scheduled(chunks)
+            if chunks:
+                outputs += self._run(chunks)
+            self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
+        self.num_steps += 1
+        self.step_s += time.perf_counter() - start
+        self._count_in_trace()
+        return self._merge_children(outputs)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One forward pass over the scheduled chunks, then sampling, verification and commit."""
+        logits = self.runner.run(chunks)
+        with self.trace.span("sample"):
             for chunk, prompt_logits in logits.prompt:
                 self.output_processor.record_prompt_logprobs(chunk.request, chunk.start, prompt_logits)
             sampling = [c for c in chunks if c.samples_next_token]
             emitted = dict(zip(map(id, sampling), sample_and_verify(sampling, logits.sampling)))
+        outputs = []
+        with self.trace.span("commit"):
             for chunk in chunks:
                 output = self._commit(chunk, emitted.get(id(chunk), Emitted([], 0)))
                 if output is not None:
                     outputs.append(output)
-            self.num_computed_tokens += sum(c.num_tokens for c in chunks)
-        self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
-        self.num_steps += 1
-        self.step_s += time.perf_counter() - start
-        return self._merge_children(outputs)
+        self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        return outputs
+
+    def _count_in_trace(self) -> None:
+        blocks, encoder = self.block_manager.stats(), self.encoder_cache.stats()
+        self.trace.counters(blocks["kv_blocks_used"], blocks["kv_blocks_total"] - blocks["kv_blocks_used"],
+                            blocks["prefix_cache_hit_rate"], encoder["encoder_cache_hit_rate"])
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs of a request with n > 1 come from its children: one merged output per parent."""
@@ -255,15 +276,18 @@ class LLMEngine:
                                                     min(emitted.num_accepted, len(tokens)), len(tokens))
         request.token_ids += tokens
         self.scheduler.commit(chunk, num_rejected=len(chunk.spec_token_ids) - emitted.num_accepted)
+        if tokens:
+            self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
+        self.trace.committed(chunk, len(tokens), min(emitted.num_accepted, len(tokens)))
         if not tokens:
             return None
-        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
         if reason:
             self._finish(request, reason)
         return self._output(request, tokens)
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
+        self.trace.finished(request, reason)
         if self.proposer is not None:
             self.proposer.release(request)
 
@@ -294,8 +318,10 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Stop the preprocessing workers (LLM.close)."""
+        """Stop the preprocessing workers and write the trace, if one was asked for (LLM.close)."""
         self.intake.close()
+        if self.config.trace_path is not None:
+            self.trace.save()
 
 
 def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qwen2VL, target_encoder_cache):

@@ -19,6 +19,7 @@ from nanomm.engine.attention import PagedAttention, SequenceSlice, StepMetadata
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
+from nanomm.engine.trace import NoTrace
 
 
 @dataclass
@@ -52,8 +53,10 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache):
+    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache,
+                 trace=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.trace = trace or NoTrace()  # the step timeline (trace.py)
         self.encoder_cache = encoder_cache
         self.device = model.device
         self.visual_tokens_encoded, self.encode_s = 0, 0.0
@@ -62,12 +65,17 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         """Forward the packed chunks; the logits of the rows that sample, and of the prompt rows of requests
         that asked for prompt_logprobs."""
-        self._encode_images(chunks)
-        step = self._pack(chunks)
-        hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
-                            step.visual_tokens, step.image_mask)  # (tokens, hidden)
-        prompt = [(chunk, self.model.compute_logits(hidden[rows])) for chunk, rows in step.prompt_rows]
-        return StepLogits(self.model.compute_logits(hidden[step.sample_rows]), prompt)  # (sample rows, vocab)
+        with self.trace.span("encode"):
+            self._encode_images(chunks)
+        with self.trace.span("forward", tokens=sum(c.num_tokens for c in chunks), sequences=len(chunks)):
+            step = self._pack(chunks)
+            hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
+                                step.visual_tokens, step.image_mask)  # (tokens, hidden)
+            prompt = [(chunk, self.model.compute_logits(hidden[rows])) for chunk, rows in step.prompt_rows]
+            logits = self.model.compute_logits(hidden[step.sample_rows])  # (sample rows, vocab)
+            if logits.device.type == "cuda":  # the span times the work, not only its launch
+                torch.cuda.synchronize(logits.device)
+        return StepLogits(logits, prompt)
 
     def stats(self) -> dict:
         return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
@@ -123,21 +131,29 @@ class ModelRunner:
             else:
                 to_encode[key] = request.prompt.images[i]
                 cache_hits.append(False)
-        share = {}  # cache key -> the encode time it is charged
+        share, began = {}, {}  # cache key -> the encode time it is charged, and where that share starts
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
             pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
             embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])
+            if pixels.device.type == "cuda":  # time the encode, not only its launch
+                torch.cuda.synchronize(pixels.device)
             elapsed = time.perf_counter() - start
             for key, embed in zip(to_encode, embeds):
                 self.encoder_cache.add(key, embed)
             self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
             self.encode_s += elapsed
             share = {key: elapsed * im.pixel_values.shape[0] / pixels.shape[0] for key, im in to_encode.items()}
+            for key in to_encode:  # shares laid end to end, in batch order, for the timeline
+                began[key] = start
+                start += share[key]
         for (request, i), cache_hit in zip(needed, cache_hits):  # each is charged for the images encoded for it
             key = request.image_keys[i]
-            request.record_image_ready(cache_hit, share.pop(key, 0.0))
+            encode_s = share.pop(key, 0.0)
+            request.record_image_ready(cache_hit, encode_s)
+            if encode_s:
+                self.trace.encoded(request, began[key], encode_s)
             self.encoder_cache.hold(key)
             request.held_images[i] = key
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_cache import BlockManager
 from nanomm.engine.request import Request, Sequence, Status
+from nanomm.engine.trace import NoTrace
 
 
 @dataclass
@@ -47,8 +48,10 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, encoder_cache: EncoderCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_num_encoder_tokens: int, chunked_prefill: bool = True):
+                 max_num_batched_tokens: int, max_num_encoder_tokens: int, chunked_prefill: bool = True,
+                 trace=None):
         self.block_manager, self.encoder_cache = block_manager, encoder_cache
+        self.trace = trace or NoTrace()  # the step timeline (trace.py)
         self.chunked_prefill = chunked_prefill  # False: a prompt is admitted only when all of it fits this step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -177,6 +180,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.trace.preempted(request)
 
     def commit(self, chunk: ScheduledChunk, num_rejected: int = 0) -> None:
         """After the model ran a chunk and its new tokens were appended: its positions are computed, except the
