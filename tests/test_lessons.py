@@ -8,6 +8,7 @@ varies from machine to machine (timings, rates, rounding noise). Counts, ids and
 import contextlib
 import difflib
 import io
+import os
 import re
 import sys
 import traceback
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))
 FENCED_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
 CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
+PICTURE_LINK = re.compile(r"!\[[^\]]*\]\(pictures/([\w.-]+\.png)\)")
 
 NUMBER = r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?"
 SCIENTIFIC = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?e[-+]?\d+(?!\w)")
@@ -99,6 +101,18 @@ def test_lesson_runs(lesson, tmp_path, monkeypatch):
     assert python_blocks(lesson), f"{lesson.name} has no python blocks"
     monkeypatch.chdir(tmp_path)  # lessons write their checkpoints and images here
     run_blocks(lesson, {"__name__": f"lesson_{lesson.stem.replace('-', '_')}"})
+    pictures = Path(os.environ.get("NANOMM_LESSON_PICTURES", tmp_path))
+    for name in PICTURE_LINK.findall(lesson.read_text(encoding="utf-8")):  # its own code drew each picture it shows
+        assert (pictures / name).is_file(), f"{lesson.name} shows pictures/{name}, but its code did not draw it"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_lesson_pictures_are_committed_and_drawn_by_the_lesson(lesson):
+    text = lesson.read_text(encoding="utf-8")
+    code = "\n".join(python_blocks(lesson))
+    for name in PICTURE_LINK.findall(text):
+        assert (ROOT / "lessons" / "pictures" / name).is_file(), f"lessons/pictures/{name} is not committed"
+        assert f'"{name}"' in code, f"{lesson.name} shows {name} but no python block of it saves that file"
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)

@@ -36,7 +36,7 @@ class StepTrace:
     """Collects trace events; `save` writes them. Times are time.perf_counter() seconds, as in RequestMetrics."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).resolve()  # where the caller meant, even if the working folder changes
         self.origin = time.perf_counter()
         self.events: list[dict] = [
             _meta(ENGINE_PID, None, "process_name", "nanomm engine"),
