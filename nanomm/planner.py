@@ -300,7 +300,8 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
     width, height = plan.worst_image
     tw, th = w.typical_image
     return [
-        ("model", f"{plan.model} ({plan.dtype} weights, {plan.kv_dtype} KV)"),
+        ("model", f"{plan.model} ({plan.dtype} weights, {plan.kv_dtype} KV"
+                  + (": not built in nanomm yet)" if plan.kv_dtype == "fp8" else ")")),
         ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"),
         ("request", f"{w.images_per_request} image(s), {w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
         ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "

@@ -180,11 +180,15 @@ def _readme_plan(memory: float, max_pixels: int):
 
 def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    [(args, text)] = README_PLAN.findall(readme)
-    argv = args.split()
-    assert argv[0] == "Qwen/Qwen2-VL-2B-Instruct"
-    plan = _readme_plan(float(argv[argv.index("--device-memory") + 1]), int(argv[argv.index("--max-pixels") + 1]))
-    assert render(plan) == text, f"the README's plan for {args} is stale: rerun nanomm-plan {args}"
+    shown = README_PLAN.findall(readme)
+    settings = set()
+    for args, text in shown:
+        argv = args.split()
+        assert argv[0] == "Qwen/Qwen2-VL-2B-Instruct"
+        memory, max_pixels = float(argv[argv.index("--device-memory") + 1]), int(argv[argv.index("--max-pixels") + 1])
+        settings.add((memory, max_pixels))
+        assert render(_readme_plan(memory, max_pixels)) == text, f"the README's plan for {args} is stale"
+    assert settings == {(m, p) for m in (24.0, 80.0) for p in (12_845_056, 1_003_520)}
     [summary] = README_SUMMARY.findall(readme)
     rows = [line.strip("| ").split(" | ") for line in summary.strip().splitlines()]
     assert {(r[0], r[1]) for r in rows} == {(f"{m} GiB", f"{p:,}") for m in (24, 80) for p in (12_845_056, 1_003_520)}
