@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import PagedAttention, SequenceSlice, StepMetadata
+from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, SequenceSlice, StepMetadata,
+                                     batch_short_queries)
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
@@ -54,8 +55,9 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 class ModelRunner:
     def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache,
-                 trace=None):
+                 trace=None, batched_attention: bool = True):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.batched_attention = batched_attention  # False: every sequence attended alone (the definition)
         self.trace = trace or NoTrace()  # the step timeline (trace.py)
         self.encoder_cache = encoder_cache
         self.device = model.device
@@ -108,10 +110,28 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(ids, device=self.device),  # (tokens,)
             positions=torch.cat(positions, dim=1).to(self.device),  # (3, tokens)
-            meta=StepMetadata(new_slots.to(self.device), torch.cat(contexts).to(self.device), sequences),
+            meta=self._attention_metadata(new_slots, contexts, sequences),
             visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
             image_mask=image_mask.to(self.device),
             sample_rows=sample_rows, prompt_rows=prompt_rows)
+
+    def _attention_metadata(self, new_slots: torch.Tensor, contexts: list[torch.Tensor],
+                            sequences: list[SequenceSlice]) -> StepMetadata:
+        """Short query runs (decodes, verifications) in one batch; longer chunks attended one by one."""
+        batched = [self.batched_attention and s.query_len <= MAX_BATCHED_QUERIES for s in sequences]
+        short = None
+        if any(batched):
+            picked = [(s, c) for s, c, b in zip(sequences, contexts, batched) if b]
+            short = batch_short_queries([s.query_start for s, _ in picked], [s.query_len for s, _ in picked],
+                                        [c for _, c in picked]).to(self.device)
+        alone, alone_contexts, offset = [], [], 0
+        for seq, context, in_batch in zip(sequences, contexts, batched):
+            if not in_batch:
+                alone.append(SequenceSlice(seq.query_start, seq.query_len, offset, seq.context_len))
+                alone_contexts.append(context)
+                offset += seq.context_len
+        context_slots = torch.cat(alone_contexts) if alone_contexts else torch.zeros(0, dtype=torch.long)
+        return StepMetadata(new_slots.to(self.device), context_slots.to(self.device), alone, short)
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
