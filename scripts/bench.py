@@ -42,6 +42,7 @@ from rich.table import Table
 
 from nanomm import LLM, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
+from nanomm.tools.op_count import decode_step_ops
 from nanomm.tools.weights import PRESETS
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 from nanomm.model.fast_linear import PackedLinear, packed_linear_available
@@ -282,6 +283,8 @@ def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int) -> di
         probe["step_s"].append(time.perf_counter() - start)
         probe["batch"].append(len(running))
         probe["context_tokens"].append(sum(r.num_tokens for r in running))  # KV rows attended this step
+    if sched.running and not sched.waiting and all(r.num_remaining == 1 for r in sched.running):
+        probe["ops"] = decode_step_ops(engine)  # one more decode step, its ATen operations counted (not timed)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -554,6 +557,9 @@ def print_report(console: Console, results: dict) -> None:
         f"({w['decode_roofline']['bound']})")
     row("decode fraction of roofline", lambda w: f"{w['decode_roofline']['fraction_of_roofline']:.0%}")
     row("decode achieved read GB/s", lambda w: f"{w['decode_roofline']['achieved_read_gbps']:.1f}")
+    row("decode step ops: per layer / whole step (batch)", lambda w: "-" if "ops" not in w["decode_probe"] else
+        f"{w['decode_probe']['ops']['kernels_per_layer']:.0f} / {w['decode_probe']['ops']['step_kernels']} "
+        f"({w['decode_probe']['ops']['batch']})")
     console.print(table)
 
     roof, cost = results["roofline"], results["model"]

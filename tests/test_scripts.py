@@ -55,6 +55,13 @@ def test_bench_quick(tmp_path):
         assert len(token_ids) == 4 and all(len(t) == workload["max_tokens"] for t in token_ids), name  # ignore_eos
 
 
+def test_bench_attention_smallest(tmp_path):
+    results = run_script("bench_attention", [*SMALL, "--batch", "4", "--max-tokens", "4", "--repeats", "1"], tmp_path)
+    assert results["batch"] == 4 and len(results["step_s"]["batched"]) == 1
+    assert results["ops"]["batched"]["batch"] == results["ops"]["one_sequence"]["batch"] == 4
+    assert results["ops"]["batched"]["kernels_per_layer"] < results["ops"]["one_sequence"]["kernels_per_layer"]
+
+
 def test_bench_spec_quick(tmp_path):
     # The tiny preset has 2 decoder layers: a 1-layer draft (the default --draft-layers 1,5 assumes "small").
     results = run_script("bench_spec", ["--quick", "--no-hf", *SMALL, "--draft-layers", "1"], tmp_path)

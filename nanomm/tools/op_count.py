@@ -1,0 +1,75 @@
+"""Count the tensor operations a piece of code runs: how many kernels a decode step launches, and whether it
+waits on the host.
+
+Tooling outside the request path: `scripts/bench.py` prints the count per layer of a decode step, and
+tests/test_op_count.py holds the engine to it. Issue 12's target is a decode step that launches few kernels
+per layer, whatever the batch size, and that never syncs with the host (what a CUDA graph needs).
+
+    with OpCounter() as ops:
+        engine.step()
+    ops.kernels, ops.host_syncs, ops.counts.most_common(10)
+
+It is a `TorchDispatchMode`: every ATen operation passes through `__torch_dispatch__`. Operations that only
+make a new view of the same memory (view, permute, slicing...) launch nothing and are not counted as kernels.
+"""
+
+import contextlib
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "expand", "slice", "select", "unsqueeze",
+         "squeeze", "t", "split", "split_with_sizes", "unbind", "as_strided", "detach", "alias", "lift_fresh",
+         "_reshape_alias", "view_as", "expand_as", "narrow", "chunk"}
+HOST_SYNCS = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}  # they read a value back to Python
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.counting = True  # `counting_only_inside` switches it off outside some modules
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def kernels(self) -> int:
+        """Operations that compute or copy something (views excluded)."""
+        return sum(n for name, n in self.counts.items() if name not in VIEWS)
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.counts[name] for name in HOST_SYNCS)
+
+
+@contextlib.contextmanager
+def counting_only_inside(counter: OpCounter, modules):
+    """Count only while one of `modules` runs its forward (forward hooks switch the counter on and off)."""
+    counter.counting = False
+    handles = []
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(lambda *_: setattr(counter, "counting", True)))
+        handles.append(module.register_forward_hook(lambda *_: setattr(counter, "counting", False)))
+    try:
+        yield counter
+    finally:
+        for handle in handles:
+            handle.remove()
+        counter.counting = True
+
+
+def decode_step_ops(engine) -> dict:
+    """Operations of the engine's next step (call it when every running request is decoding): in the whole
+    step, per decoder layer, and the host syncs inside the decoder layers."""
+    layers = engine.model.language_model.layers
+    with OpCounter() as whole:
+        with OpCounter() as inside, counting_only_inside(inside, layers):
+            batch = len(engine.scheduler.running)
+            engine.step()
+    # The inner mode sees each op first and passes it on, so the outer one counts the whole step.
+    return {"batch": batch, "step_kernels": whole.kernels, "kernels_per_layer": inside.kernels / len(layers),
+            "host_syncs_in_layers": inside.host_syncs, "top_ops_per_layer": {
+                name: n / len(layers) for name, n in inside.counts.most_common(8) if name not in VIEWS}}

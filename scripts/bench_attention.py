@@ -1,0 +1,78 @@
+"""Decode attention, batched against one sequence at a time, in one process: step time and kernels per layer.
+
+    python scripts/bench_attention.py                    # preset tiny (overhead-bound), batch 32
+    python scripts/bench_attention.py --preset small --batch 32 --repeats 3
+
+Both ways run the same engine on the same requests (nanomm/engine/attention.py: `batched_attention` for
+decodes, `causal_attention` per sequence as the definition); the engine's runner is switched between them, and
+the runs alternate so that a machine whose speed drifts affects both. Each run prefills `--batch` text
+requests, then times its pure decode steps. Kernels are counted with nanomm/tools/op_count.py. Timings are
+wall-clock on whatever else runs: nothing asserts them.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
+
+from bench import cpu_name  # noqa: E402
+from nanomm import LLM, SamplingParams  # noqa: E402
+from nanomm.tools.op_count import decode_step_ops  # noqa: E402
+from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
+
+
+def decode_run(llm, batch: int, max_tokens: int) -> tuple[float, dict]:
+    """(mean seconds per pure decode step, the op count of one more decode step)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    for i in range(batch):
+        engine.add_request(f"Tell me a story about the number {i} and the sea, in detail.", params)
+    while engine.scheduler.waiting or any(r.num_remaining > 1 for r in engine.scheduler.running):
+        engine.step()
+    ops = decode_step_ops(engine)
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps, ops
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--cache-dir", help="where the preset's checkpoint is made (default: checkpoints/bench-PRESET)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--json", help="write the numbers to this file")
+    args = p.parse_args(argv)
+    folder = Path(args.cache_dir or f"checkpoints/bench-{args.preset}")
+    if not (folder / "config.json").is_file():
+        make_checkpoint(folder, preset=args.preset)
+    llm = LLM(str(folder), max_num_seqs=args.batch, num_kv_blocks=args.batch * 16)
+    decode_run(llm, 4, 4)  # warm-up: first steps of each shape are slow
+    times, ops = {True: [], False: []}, {}
+    for _ in range(args.repeats):
+        for batched in (True, False):
+            llm.engine.runner.batched_attention = batched
+            step_s, ops[batched] = decode_run(llm, args.batch, args.max_tokens)
+            times[batched].append(step_s)
+    print(f"{cpu_name()}; preset {args.preset}, batch {args.batch}, {args.repeats} alternating runs each")
+    for batched, label in ((False, "one sequence at a time"), (True, "batched")):
+        print(f"{label:<24} decode step {statistics.median(times[batched]) * 1e3:6.1f} ms (median; runs "
+              + ", ".join(f"{t * 1e3:.1f}" for t in times[batched]) + f"), {ops[batched]['kernels_per_layer']:.0f} "
+              f"kernels per layer, {ops[batched]['step_kernels']} in the step")
+    llm.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "machine": cpu_name(), "preset": args.preset, "batch": args.batch,
+            "step_s": {"batched": times[True], "one_sequence": times[False]},
+            "ops": {"batched": ops[True], "one_sequence": ops[False]}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
