@@ -34,13 +34,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 
 GiB = 2**30
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
 MIN_ACTIVATION_RESERVE = GiB  # GPU memory kept back from the KV pool for activations, at the least
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}  # of weights
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn}
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
 
 
@@ -131,11 +133,6 @@ def request_kv_tokens(visual_tokens_per_image: int, workload: Workload) -> int:
 # 2. Memory
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    text = config.text
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * int(ELEMENT_BYTES[kv_dtype])
-
-
 def parameter_count(config: ModelConfig) -> int:
     """Parameters of the model nanomm builds from this config, counted on the meta device (no memory used)."""
     from nanomm.model.qwen2_vl import Qwen2VL  # the model code, only to count its tensors
@@ -197,17 +194,22 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               max_model_len: int | None = None, workload: Workload | None = None,
               device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
-              weights_dtype: str | None = None, alternatives: bool = True) -> Plan:
+              weights_dtype: str | None = None, num_parameters: int | None = None,
+              alternatives: bool = True) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
-    pool already decided (num_kv_blocks: a running engine's); else the CPU default."""
+    pool already decided (num_kv_blocks: a running engine's); else the CPU default.
+    num_parameters: the model's, if already counted (parameter_count)."""
     workload = workload or Workload()
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
     max_model_len = max_model_len or config.text.max_position_embeddings
     worst_image, worst = worst_case_image(image_config)
     typical = image_tokens(*workload.typical_image, image_config)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    text = config.text
+    per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
+                                   KV_DTYPES[kv_dtype])
     kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
-    weights = int(parameter_count(config) * ELEMENT_BYTES[weights_dtype or dtype])
+    num_parameters = num_parameters or parameter_count(config)
+    weights = int(num_parameters * ELEMENT_BYTES[weights_dtype or dtype])
     peak = vision_peak_bytes(config, worst, dtype)
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
@@ -217,7 +219,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                                       reserve_bytes=max(MIN_ACTIVATION_RESERVE, peak))
         num_kv_blocks = kv_pool_blocks(budget, block_size * per_token, max_num_seqs, max_model_len, block_size)
         if num_kv_blocks < budget // (block_size * per_token):
-            rule += f"; capped at max_num_seqs x max_model_len"
+            rule += "; capped at max_num_seqs x max_model_len"
     else:
         budget, rule = num_kv_blocks * block_size * per_token, f"num_kv_blocks={num_kv_blocks}, given"
     plan = Plan(model=model, dtype=dtype, kv_dtype=kv_dtype, min_pixels=image_config.min_pixels,
@@ -233,7 +235,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                     kv_cache_memory_gib=kv_cache_memory_gib)
         if num_kv_blocks is not None and device_memory_gib is None and kv_cache_memory_gib is None:
             pool["kv_cache_memory_gib"] = plan.kv_memory_bytes / GiB  # a given pool keeps its bytes
-        plan.alternatives = _alternatives(config, image_config, plan, pool)
+        plan.alternatives = _alternatives(config, image_config, plan, pool, num_parameters)
     return plan
 
 
@@ -247,12 +249,12 @@ def _count_requests(plan: Plan) -> None:
     plan.concurrency_typical = min(plan.max_num_seqs, plan.fit_typical)
 
 
-def _alternatives(config, image_config, plan: Plan, pool: dict) -> list[dict]:
+def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: int) -> list[dict]:
     """What each lever would buy, one change at a time. Compression and quantization are not built in nanomm
     yet (their issues are open): those rows are arithmetic about tokens and bytes, not measurements."""
     same = dict(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype, block_size=plan.block_size,
                 max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len, workload=plan.workload,
-                alternatives=False, **pool)
+                num_parameters=num_parameters, alternatives=False, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2
