@@ -211,7 +211,7 @@ class LLMEngine:
             self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.num_steps += 1
         self.step_s += time.perf_counter() - start
-        self._count_in_trace()
+        self.trace.counters(self.block_manager, self.encoder_cache)
         return self._merge_children(outputs)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
@@ -230,11 +230,6 @@ class LLMEngine:
                     outputs.append(output)
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         return outputs
-
-    def _count_in_trace(self) -> None:
-        blocks, encoder = self.block_manager.stats(), self.encoder_cache.stats()
-        self.trace.counters(blocks["kv_blocks_used"], blocks["kv_blocks_total"] - blocks["kv_blocks_used"],
-                            blocks["prefix_cache_hit_rate"], encoder["encoder_cache_hit_rate"])
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs of a request with n > 1 come from its children: one merged output per parent."""

@@ -85,15 +85,15 @@ class ModelRunner:
 
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
-        ids, positions, contexts, sequences, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
+        ids, positions, contexts, query_starts, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
         prompt_rows = []
-        offset = context_offset = 0  # where this chunk starts in the packed tokens / in the packed contexts
+        offset = 0  # where this chunk starts in the packed tokens
         for chunk in chunks:
             request = chunk.request
             ids += chunk.token_ids
             positions.append(request.positions(chunk.start, chunk.end))  # (3, chunk tokens)
             contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))  # (chunk.end,)
-            sequences.append(SequenceSlice(offset, chunk.num_tokens, context_offset, chunk.end))
+            query_starts.append(offset)
             visual += self._visual_slices(chunk)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in span.clip(chunk.start, chunk.end)]
@@ -101,7 +101,7 @@ class ModelRunner:
                 last = min(chunk.end, request.num_prompt_tokens - 1)
                 if last > chunk.start:
                     prompt_rows.append((chunk, list(range(offset, offset + last - chunk.start))))
-            offset, context_offset = offset + chunk.num_tokens, context_offset + chunk.end
+            offset += chunk.num_tokens
             if chunk.samples_next_token:  # the last known token predicts the next, each proposal the one after it
                 sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
         new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
@@ -110,26 +110,27 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(ids, device=self.device),  # (tokens,)
             positions=torch.cat(positions, dim=1).to(self.device),  # (3, tokens)
-            meta=self._attention_metadata(new_slots, contexts, sequences),
+            meta=self._attention_metadata(new_slots, contexts, query_starts, [c.num_tokens for c in chunks]),
             visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
             image_mask=image_mask.to(self.device),
             sample_rows=sample_rows, prompt_rows=prompt_rows)
 
-    def _attention_metadata(self, new_slots: torch.Tensor, contexts: list[torch.Tensor],
-                            sequences: list[SequenceSlice]) -> StepMetadata:
-        """Short query runs (decodes, verifications) in one batch; longer chunks attended one by one."""
-        batched = [self.batched_attention and s.query_len <= MAX_BATCHED_QUERIES for s in sequences]
+    def _attention_metadata(self, new_slots: torch.Tensor, contexts: list[torch.Tensor], query_starts: list[int],
+                            query_lens: list[int]) -> StepMetadata:
+        """Short query runs (decodes, verifications) in one batch; longer chunks attended one by one, their
+        context slots packed sequence after sequence."""
+        runs = list(zip(query_starts, query_lens, contexts))
+        batched = [self.batched_attention and n <= MAX_BATCHED_QUERIES for n in query_lens]
         short = None
         if any(batched):
-            picked = [(s, c) for s, c, b in zip(sequences, contexts, batched) if b]
-            short = batch_short_queries([s.query_start for s, _ in picked], [s.query_len for s, _ in picked],
-                                        [c for _, c in picked]).to(self.device)
+            starts, lens, short_contexts = zip(*(run for run, b in zip(runs, batched) if b))
+            short = batch_short_queries(list(starts), list(lens), list(short_contexts)).to(self.device)
         alone, alone_contexts, offset = [], [], 0
-        for seq, context, in_batch in zip(sequences, contexts, batched):
+        for (start, n, context), in_batch in zip(runs, batched):
             if not in_batch:
-                alone.append(SequenceSlice(seq.query_start, seq.query_len, offset, seq.context_len))
+                alone.append(SequenceSlice(start, n, offset, len(context)))
                 alone_contexts.append(context)
-                offset += seq.context_len
+                offset += len(context)
         context_slots = torch.cat(alone_contexts) if alone_contexts else torch.zeros(0, dtype=torch.long)
         return StepMetadata(new_slots.to(self.device), context_slots.to(self.device), alone, short)
 

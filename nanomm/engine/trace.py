@@ -61,12 +61,14 @@ class StepTrace:
             if name == "forward":
                 self.forward_span = (start, end)
 
-    def counters(self, kv_blocks_used: int, kv_blocks_free: int, prefix_hit_rate: float,
-                 encoder_hit_rate: float) -> None:
+    def counters(self, block_manager, encoder_cache) -> None:
+        """After each step: the KV pool's blocks and the two caches' hit rates (read only when tracing)."""
+        blocks, encoder = block_manager.stats(), encoder_cache.stats()
         now = self._us(time.perf_counter())
-        for name, values in (("KV blocks", {"used": kv_blocks_used, "free": kv_blocks_free}),
-                             ("cache hit rate", {"prefix": round(prefix_hit_rate, 4),
-                                                 "encoder": round(encoder_hit_rate, 4)})):
+        used = blocks["kv_blocks_used"]
+        for name, values in (("KV blocks", {"used": used, "free": blocks["kv_blocks_total"] - used}),
+                             ("cache hit rate", {"prefix": round(blocks["prefix_cache_hit_rate"], 4),
+                                                 "encoder": round(encoder["encoder_cache_hit_rate"], 4)})):
             self.events.append({"ph": "C", "name": name, "pid": ENGINE_PID, "ts": now, "args": values})
 
     # -- the request lanes --------------------------------------------------------------------------------
@@ -92,9 +94,8 @@ class StepTrace:
 
     def encoded(self, request, start: float, encode_s: float) -> None:
         """The vision tower encoded one of the request's images; encode_s is its share of the batch."""
-        if encode_s:
-            self._complete("encode", start, start + encode_s, REQUESTS_PID, self._lane(request.request_id),
-                           {"encode_s": encode_s})
+        self._complete("encode", start, start + encode_s, REQUESTS_PID, self._lane(request.request_id),
+                       {"encode_s": encode_s})
 
     def committed(self, chunk, num_emitted: int, num_accepted: int) -> None:
         """A chunk ran in this step's forward pass and its tokens were committed."""
