@@ -70,15 +70,19 @@ class LLM:
             for what, value in plan_lines(self.plan()):
                 logger.info("KV plan: %s: %s", what, value)
 
-    def plan(self, images_per_request: int = 1, prompt_tokens: int = 64, output_tokens: int = 256,
-             typical_image: tuple[int, int] = (1024, 768)) -> Plan:
-        """The KV budget plan (planner.py) of this engine as built: its pixel cap, block size and pool."""
+    def plan(self, **workload) -> Plan:
+        """The KV budget plan (planner.py) of this engine as built: its pixel cap, block size and pool.
+        workload: the fields of planner.Workload (images_per_request, prompt_tokens, output_tokens,
+        typical_image), each defaulting as there."""
         config = self.engine.config
-        return make_plan(self.model.config, self.image_config, model=self.model_name,
-                         dtype=str(self.model.dtype).removeprefix("torch."), block_size=config.block_size,
-                         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                         workload=Workload(images_per_request, prompt_tokens, output_tokens, typical_image),
+        return make_plan(self.model.config, self.image_config, model=self.model_name, dtype=self._dtype_name,
+                         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                         max_model_len=config.max_model_len, workload=Workload(**workload),
                          num_kv_blocks=config.num_kv_blocks)
+
+    @property
+    def _dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
         """Fill in what depends on the loaded model: context length, encoder budget, KV pool size."""
@@ -110,7 +114,7 @@ class LLM:
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
             free, total = torch.cuda.mem_get_info(device)
             used = total - free
-        reserve = activation_reserve(self.model.config, self.image_config, str(self.model.dtype).removeprefix("torch."))
+        reserve = activation_reserve(self.model.config, self.image_config, self._dtype_name)
         budget, _ = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
                                    gpu_memory_utilization=config.gpu_memory_utilization,
                                    kv_cache_memory_gib=config.kv_cache_memory_gib, reserve_bytes=reserve)

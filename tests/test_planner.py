@@ -83,8 +83,8 @@ def test_the_vision_reserve_grows_with_the_pixel_cap():
 
 
 def _engine_plan(llm, workload):
-    return llm.plan(workload.images_per_request, workload.prompt_tokens, workload.output_tokens,
-                    workload.typical_image)
+    return llm.plan(images_per_request=workload.images_per_request, prompt_tokens=workload.prompt_tokens,
+                    output_tokens=workload.output_tokens, typical_image=workload.typical_image)
 
 
 def test_visual_tokens_and_request_length_are_the_engine_s(ckpt):
@@ -122,7 +122,8 @@ def test_the_requests_a_real_engine_runs_at_once_are_the_plan_s(ckpt, spare_bloc
     pool = copies * blocks + spare_blocks
     with LLM(ckpt, max_pixels=16 * 784, num_kv_blocks=pool, block_size=block_size, max_num_seqs=16,
              enable_prefix_caching=False) as llm:
-        plan = llm.plan(1, text_tokens, output_tokens, typical_image=(56, 56))
+        plan = llm.plan(images_per_request=1, prompt_tokens=text_tokens, output_tokens=output_tokens,
+                        typical_image=(56, 56))
         assert plan.blocks_typical == blocks and plan.num_kv_blocks == pool
         params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=0)
         for _ in range(copies + 2):
