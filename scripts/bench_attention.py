@@ -5,40 +5,29 @@
 
 Both ways run the same engine on the same requests (nanomm/engine/attention.py: `batched_attention` for
 decodes, `causal_attention` per sequence as the definition); the engine's runner is switched between them, and
-the runs alternate so that a machine whose speed drifts affects both. Each run prefills `--batch` text
-requests, then times its pure decode steps. Kernels are counted with nanomm/tools/op_count.py. Timings are
-wall-clock on whatever else runs: nothing asserts them.
+the runs alternate so that a machine whose speed drifts affects both. Each run is bench.py's decode probe:
+it prefills `--batch` text requests, then times their pure decode steps. Kernels are counted with
+nanomm/tools/op_count.py. Timings are wall-clock on whatever else runs: nothing asserts them.
 """
 
 import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name and decode_probe
 
-from bench import cpu_name  # noqa: E402
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.tools.op_count import decode_step_ops  # noqa: E402
+from bench import cpu_name, decode_probe  # noqa: E402
+from nanomm import LLM  # noqa: E402
 from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
 
 
 def decode_run(llm, batch: int, max_tokens: int) -> tuple[float, dict]:
-    """(mean seconds per pure decode step, the op count of one more decode step)."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    for i in range(batch):
-        engine.add_request(f"Tell me a story about the number {i} and the sea, in detail.", params)
-    while engine.scheduler.waiting or any(r.num_remaining > 1 for r in engine.scheduler.running):
-        engine.step()
-    ops = decode_step_ops(engine)
-    start, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - start) / steps, ops
+    """(mean seconds per pure decode step, the op count of one more decode step): bench.py's decode probe."""
+    prompts = [f"Tell me a story about the number {i} and the sea, in detail." for i in range(batch)]
+    probe = decode_probe(llm, prompts, max_tokens, max_steps=max_tokens - 2)  # leaves one step to count
+    return statistics.mean(probe["step_s"]), probe["ops"]
 
 
 def main(argv=None) -> None:
