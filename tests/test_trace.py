@@ -1,6 +1,7 @@
 """The step timeline (nanomm/engine/trace.py): a well-formed Chrome/Perfetto trace that agrees with the metrics."""
 
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -138,7 +139,7 @@ def test_the_chat_writes_a_trace(tmp_path):
     trace_file = tmp_path / "chat.json"
     run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--demo", "--max-tokens", "3", "--trace",
                           str(trace_file)], input="hello\n/quit\n", capture_output=True, text=True, timeout=240,
-                         env={**__import__("os").environ, "NANOMM_CACHE": str(tmp_path / "cache")})
+                         env={**os.environ, "NANOMM_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stderr[-2000:]
     by_lane, _ = lanes(load_trace(trace_file))
     [lane] = [name for name in by_lane if name.startswith("request ")]
