@@ -29,7 +29,7 @@ from nanomm.demo.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.config import VisionConfig
-from nanomm.model.loader import canonical_name, load_model
+from nanomm.model.loader import canonical_name, load_model, split_projections
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import inverse_frequencies
 from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_config, write_json
@@ -112,7 +112,7 @@ def local_attention_init(weights: dict, spec: dict, strength: float = 6.0, conte
 def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> None:
     """model.safetensors in the original Hub names (model.*, visual.*), in `dtype`; config.json says so."""
     state = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in split_projections(model.state_dict(), model.config).items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
             continue
         hub_name = "model." + name.removeprefix("language_model.") if name.startswith("language_model.") else name

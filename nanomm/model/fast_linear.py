@@ -60,6 +60,11 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) in one kernel: oneDNN adds the residual as the matmul writes its output (the same
+        float32 sum as a separate add). x (rows, in), residual (rows, out)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
+
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every nn.Linear in model by a PackedLinear (in place); returns how many were replaced.

@@ -6,6 +6,12 @@ Tokens are flat: a forward pass takes (num_tokens, hidden) with no batch dimensi
 engine packs many sequences into. Who sees whom is not decided here: each attention layer hands its rotated
 q, k, v to an *attention backend* (`attention.attend(layer, q, k, v)`), which stores k/v in its cache and returns the
 attention output. The dense reference (`reference.py`) plugs in a contiguous single-sequence cache.
+
+Written for few kernels per layer (lessons/05-continuous-batching.md, section 6): a decode step is launch-bound
+on a GPU and pays a fixed cost per operation on a CPU, so the HF checkpoint's q/k/v projections are one matrix
+here (`qkv_proj`), gate/up are one (`gate_up_proj`), both fused at load (`model/loader.py`); q and k rotate in
+one pass; RMSNorm is four kernels; the residual adds ride on the o_proj and down_proj matmuls. The arithmetic
+is the checkpoint's; only the rounding of some sums differs from an unfused implementation.
 """
 
 from typing import Protocol
@@ -15,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanomm.model.config import TextConfig
-from nanomm.model.rope import apply_rotary
+from nanomm.model.rope import apply_rotary_rolled, roll_layout_sin
 
 
 class AttentionBackend(Protocol):
@@ -24,44 +30,66 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the hidden size of (tokens, hidden) activations."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
+        self.register_buffer("eps_tensor", torch.full((1, 1, 1), eps), persistent=False)  # the addend below
         self.eps = eps
+
+    @property
+    def eps(self) -> float:
+        return self._eps
+
+    @eps.setter
+    def eps(self, value: float) -> None:  # one value: the float and the tensor that forward reads
+        self._eps = value
+        self.eps_tensor.fill_(value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()  # statistics in float32 even for bf16 activations
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        # mean(x^2) + eps as one batched dot product per token: (tokens, 1, hidden) @ (tokens, hidden, 1)
+        variance = torch.baddbmm(self.eps_tensor.float(), xf[:, None, :], xf[:, :, None],
+                                 alpha=1 / x.shape[-1])  # (tokens, 1, 1)
+        return self.weight * (xf * variance.view(-1, 1).rsqrt()).to(x.dtype)
+
+
+def residual_linear(residual: torch.Tensor, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x) for a bias-free linear layer, the add done by the matmul itself."""
+    if hasattr(layer, "forward_add"):  # fast_linear.PackedLinear: oneDNN's add post-op
+        return layer.forward_add(x, residual)
+    return torch.addmm(residual, x, layer.weight.t())  # residual + x @ W^T (beta = 1)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attention: AttentionBackend, layer: int) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        out = attention.attend(layer, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-        return self.o_proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, heads*head_dim)
+    def forward(self, x, cos, sin_rolled, attention: AttentionBackend, layer: int, residual) -> torch.Tensor:
+        """residual + attention output (tokens, hidden)."""
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)  # q heads, then k, then v
+        qk = apply_rotary_rolled(qkv[:, :heads + kv_heads], cos, sin_rolled)  # q and k rotated in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        out = attention.attend(layer, q, k, v)  # (n, heads, head_dim)
+        return residual_linear(residual, self.o_proj, out.reshape(n, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, residual):
+        """residual + down(silu(gate(x)) * up(x))."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return residual_linear(residual, self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +100,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attention: AttentionBackend, layer: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin_rolled, attention: AttentionBackend, layer: int):
+        x = self.self_attn(self.input_layernorm(x), cos, sin_rolled, attention, layer, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Qwen2Model(nn.Module):
@@ -88,6 +116,7 @@ class Qwen2Model(nn.Module):
 
     def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend) -> torch.Tensor:
         """x: input embeddings (tokens, hidden); cos/sin: M-RoPE angles (tokens, head_dim)."""
+        sin_rolled = roll_layout_sin(sin)  # once per forward, for every layer's rotary
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attention, i)
+            x = layer(x, cos, sin_rolled, attention, i)
         return self.norm(x)
