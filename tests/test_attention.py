@@ -42,9 +42,10 @@ def one_by_one(cache, q, k, v, starts, query_lens, contexts, new_slots):
 
 
 def batched(cache, q, k, v, starts, query_lens, contexts, new_slots):
+    padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, L), slot 0 after each context
     meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [],
-                        batch_short_queries(starts, query_lens, contexts))
-    return PagedAttention(cache.clone(), meta).attend(0, q, k, v)
+                        batch_short_queries(starts, query_lens, padded, [len(c) for c in contexts]))
+    return PagedAttention(cache.clone(), meta, q.shape[1]).attend(0, q, k, v)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -62,11 +63,12 @@ def test_batched_attention_in_bfloat16_scores_in_float32():
 
 def test_the_mask_is_lower_right_causal_and_padding_sees_what_the_first_query_sees():
     """A run of 3 queries at the end of a 5-token context, beside a decode with a 2-token context."""
-    short = batch_short_queries([0, 3], [3, 1], [torch.arange(10, 15), torch.arange(20, 22)])
+    slots = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 0, 0, 0]])
+    short = batch_short_queries([0, 3], [3, 1], slots, [5, 2])
     assert isinstance(short, ShortQueries)
     assert short.query_rows.tolist() == [[0, 1, 2], [3, 3, 3]]
-    assert short.query_valid.tolist() == [[True, True, True], [True, False, False]]
-    assert short.context_slots.tolist() == [[10, 11, 12, 13, 14], [20, 21, 20, 20, 20]]
+    assert short.valid_index.tolist() == [0, 1, 2, 3]  # of the 6 (run, query) slots, the real queries
+    assert short.dest_rows.tolist() == [0, 1, 2, 3] and not short.in_order
     assert short.allowed.int().tolist() == [
         [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # query i sees context_len - 3 + 1 + i keys
         [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0]],  # the decode sees both keys; so do its padding rows
@@ -101,3 +103,37 @@ def test_a_decode_step_is_one_attention_call_per_layer_not_one_per_sequence(ckpt
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     assert causal_attention is alone
+
+
+def test_decodes_in_packed_order_take_the_path_without_gathers_and_match_beside_a_long_chunk():
+    """Decodes in rows 0..B-1 read q and write the output in place; with a long chunk after them in the same
+    step (attended alone), both still equal the definition."""
+    rng = torch.Generator().manual_seed(5)
+    block_size, kv_heads, group, head_dim = 4, 2, 3, 16
+    cache = torch.randn(1, 2, 64 * block_size, kv_heads, head_dim, generator=rng)
+    contexts = [token_slots([5, 9, 2], 0, 11, block_size), token_slots([7], 0, 3, block_size),
+                token_slots([1, 3, 4, 6, 8], 0, 20, block_size)]
+    query_lens, starts = [1, 1, 20], [0, 1, 2]  # two decodes, then a whole 20-token prefill
+    new_slots = torch.cat([c[len(c) - n:] for c, n in zip(contexts, query_lens)])
+    q = torch.randn(22, kv_heads * group, head_dim, generator=rng)
+    k, v = torch.randn(2, 22, kv_heads, head_dim, generator=rng)
+    reference = one_by_one(cache, q, k, v, starts, query_lens, contexts, new_slots)
+    padded = torch.nn.utils.rnn.pad_sequence(contexts[:2], batch_first=True)
+    short = batch_short_queries(starts[:2], query_lens[:2], padded, [11, 3])
+    assert short.in_order and short.valid_index is None
+    meta = StepMetadata(new_slots, contexts[2], [SequenceSlice(2, 20, 0, 20)], short)
+    mixed = PagedAttention(cache.clone(), meta, kv_heads * group).attend(0, q, k, v)
+    torch.testing.assert_close(mixed, reference, rtol=1e-5, atol=1e-5)
+    decodes_only = StepMetadata(new_slots[:2], torch.zeros(0, dtype=torch.long), [], short)
+    alone = PagedAttention(cache.clone(), decodes_only, kv_heads * group).attend(0, q[:2], k[:2], v[:2])
+    torch.testing.assert_close(alone, reference[:2], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_context_slots_are_token_slots_row_by_row():
+    from nanomm.engine.model_runner import padded_context_slots
+    tables, lengths = [[5, 9, 2], [7], [1, 3, 4, 6, 8]], [11, 3, 20]
+    padded = padded_context_slots(tables, lengths, 4)
+    assert padded.shape == (3, 20)
+    for row, table, n in zip(padded, tables, lengths):
+        assert row[:n].tolist() == token_slots(table, 0, n, 4).tolist()
+        assert all(0 <= s < 64 for s in row.tolist())  # padding: valid slots (never attended)

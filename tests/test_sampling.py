@@ -156,3 +156,16 @@ def test_sampled_frequencies_match_transformers_distribution_at_low_temperature(
     wrong_way = oracle_probabilities(logits, 1 / temperature, top_k, 1.0)
     wrong_p_value = chi_square_p_value(counts, wrong_way)
     assert wrong_p_value < 1e-6, f"the test cannot tell T from 1/T (chi-square p = {wrong_p_value:.3g})"
+
+
+def test_greedy_tokens_is_argmax_with_the_first_maximum_on_ties():
+    from nanomm.sampling import greedy_tokens
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 151_936, generator=g)
+    logits[1, 1000] = logits[1, 90_000] = 50.0  # a tie across blocks: the first one wins
+    logits[2, 130] = logits[2, 131] = 50.0  # a tie inside a block
+    logits[3] = 0.0  # all equal: index 0
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits)[1:4].tolist() == [1000, 130, 0]
+    odd = torch.randn(3, 1001, generator=g)  # a vocabulary that is not a whole number of blocks
+    assert greedy_tokens(odd).tolist() == odd.argmax(dim=-1).tolist()

@@ -200,9 +200,10 @@ def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
     raw_rows = []
     run = llm.engine.runner.run
 
-    def keep_logits(chunks):
+    def keep_logits(chunks):  # the steps that verify proposals (plain sampling does not go through accept_sampled)
         logits = run(chunks)
-        raw_rows.append((chunks[0].request.output_token_ids, logits.sampling.clone()))
+        if chunks[0].spec_token_ids:
+            raw_rows.append((chunks[0].request.output_token_ids, logits.sampling.clone()))
         return logits
 
     llm.engine.runner.run = keep_logits

@@ -38,13 +38,42 @@ class ShortQueries:
     """The step's short query runs (decodes, verifications), padded into one batch: built on the host by
     `batch_short_queries`, used by `batched_attention`."""
     query_rows: torch.Tensor  # (B, Q) packed row of each query; padding repeats the run's first row
-    query_valid: torch.Tensor  # (B, Q) bool: a real query, not padding
-    context_slots: torch.Tensor  # (B, L) cache slot of each context token; padding repeats slot 0 of the run
-    allowed: torch.Tensor  # (B, Q, L) bool: which keys each query may see
+    context_slots: torch.Tensor  # (B, L) cache slot of each context token; any valid slot after the context
+    last_visible: torch.Tensor  # (B, Q) the last key each query may see; padding sees what query 0 sees
+    valid_index: torch.Tensor | None  # positions of the real queries among the B * Q slots; None: all are real
+    dest_rows: torch.Tensor  # (real queries,) their packed rows
+    in_order: bool  # one query per run, the runs are packed rows 0..B-1: q and the output need no gather
 
-    def to(self, device) -> "ShortQueries":
-        return ShortQueries(*(t.to(device) for t in (self.query_rows, self.query_valid, self.context_slots,
-                                                      self.allowed)))
+    @property
+    def allowed(self) -> torch.Tensor:
+        """(B, Q, L) bool: which keys each query may see (lower-right causal)."""
+        keys = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)
+        return keys[None, None, :] <= self.last_visible[:, :, None]
+
+
+@dataclass
+class BatchLayout:
+    """What every layer's `batched_attention` reads, derived once per step from ShortQueries (the same for
+    every layer: only the cache and q change)."""
+    kv_rows: torch.Tensor  # (2 * B * kv_heads * L,) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
+    mask: torch.Tensor  # (B * kv_heads, Q * group or 1, L) float32: 0 where a key is visible, -inf where not
+    query_index: torch.Tensor  # (B * Q,) packed row of each (run, query) slot
+
+    @classmethod
+    def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int) -> "BatchLayout":
+        batch, width = short.query_rows.shape
+        heads_offset = torch.arange(kv_heads, device=short.context_slots.device)[None, :, None]  # (1, kv, 1)
+        key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).flatten()  # (B * kv * L,)
+        kv_rows = torch.cat([key_rows, key_rows + num_slots * kv_heads])  # keys, then values
+        hidden = torch.zeros(short.last_visible.shape + short.context_slots.shape[1:], dtype=torch.float32,
+                             device=short.context_slots.device)
+        hidden.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
+        if width == 1:  # a decode's query heads all see the same keys: one mask row, broadcast
+            mask = hidden.repeat_interleave(kv_heads, dim=0)  # (B * kv, 1, L)
+        else:  # (B, Q, L) -> (B, kv, Q, group, L) -> (B * kv, Q * group, L), the layout of the queries below
+            mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, group, -1).reshape(
+                batch * kv_heads, width * group, -1)
+        return cls(kv_rows, mask, short.query_rows.flatten())
 
 
 @dataclass
@@ -58,18 +87,20 @@ class StepMetadata:
 MAX_BATCHED_QUERIES = 16  # runs of at most this many queries go into the batch; longer chunks use SDPA alone
 
 
-def batch_short_queries(query_starts: list[int], query_lens: list[int], contexts: list[torch.Tensor]) -> ShortQueries:
-    """Pad short query runs and their context slots (one (context_len,) tensor each) into one batch."""
-    lens, ctx = torch.tensor(query_lens), torch.tensor([len(c) for c in contexts])
-    width, length = int(lens.max()), int(ctx.max())
+def batch_short_queries(query_starts: list[int], query_lens: list[int], context_slots: torch.Tensor,
+                        context_lens: list[int]) -> ShortQueries:
+    """Short query runs in one batch, on the host. context_slots (B, L): each run's context slots, padded
+    with any valid slot (`model_runner.padded_context_slots`)."""
+    lens, ctx = torch.tensor(query_lens), torch.tensor(context_lens)
+    width = max(query_lens)
     offsets = torch.arange(width)  # (Q,)
     valid = offsets[None, :] < lens[:, None]  # (B, Q)
     rows = torch.tensor(query_starts)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q)
-    slots = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, L), zeros after each context
-    slots = torch.where(torch.arange(length)[None, :] < ctx[:, None], slots, slots[:, :1])
     last_visible = (ctx - lens)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q); padding: as query 0
-    allowed = torch.arange(length)[None, None, :] <= last_visible[:, :, None]  # (B, Q, L)
-    return ShortQueries(rows, valid, slots, allowed)
+    valid_index = None if width == min(query_lens) else valid.flatten().nonzero().flatten()
+    in_order = width == 1 and list(query_starts) == list(range(len(query_starts)))
+    return ShortQueries(rows, context_slots[:, :max(context_lens)], last_visible, valid_index,
+                        rows.flatten()[valid.flatten()], in_order)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -106,41 +137,59 @@ def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.reshape(1, heads, head_dim)
 
 
-def batched_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, short: ShortQueries) -> torch.Tensor:
-    """Attention for every short query run of the step at once.
+def batched_attention(q: torch.Tensor, cache: torch.Tensor, short: ShortQueries, layout: BatchLayout) -> torch.Tensor:
+    """Attention for every short query run of the step at once, with one gather of keys and values.
 
-    q (tokens, heads, head_dim) packed; keys, values (slots, kv_heads, head_dim): the cache, new tokens written.
-    Returns (B, Q, heads, head_dim); the rows where short.query_valid is False are padding."""
-    qb = q[short.query_rows]  # (B, Q, heads, head_dim)
-    kb, vb = keys[short.context_slots], values[short.context_slots]  # (B, L, kv_heads, head_dim)
-    batch, width, heads, head_dim = qb.shape
-    kv_heads = kb.shape[2]
+    q (tokens, heads, head_dim) packed; cache (2, slots, kv_heads, head_dim): this layer's keys and values,
+    the new tokens written. Returns (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = cache.shape[2]
     group = heads // kv_heads
-    # (B, Q, kv, group, d) -> (B, kv, group * Q, d): each KV head's query heads and queries in one matrix
-    qb = qb.view(batch, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, -1, head_dim)
-    scores = torch.matmul(qb.float(), kb.float().permute(0, 2, 3, 1)) * head_dim ** -0.5  # (B, kv, group*Q, L)
-    allowed = short.allowed[:, None].expand(batch, group, width, -1).reshape(batch, 1, group * width, -1)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(vb.dtype)
-    out = torch.matmul(probs, vb.permute(0, 2, 1, 3))  # (B, kv, group * Q, d)
-    out = out.view(batch, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)  # (B, Q, kv, group, d)
-    return out.reshape(batch, width, heads, head_dim)
+    batch, width = short.query_rows.shape
+    keys_values = cache.view(-1, head_dim).index_select(0, layout.kv_rows)  # (2 * B * kv * L, d)
+    keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
+    if short.in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
+        queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
+    else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
+        queries = q.index_select(0, layout.query_index).view(batch, width, kv_heads, group, head_dim)
+        queries = queries.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, width * group, head_dim)
+    # Scores in float32 (as prefill's), scaled and masked in one call: mask + scale * q k^T.
+    scores = torch.baddbmm(layout.mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B * kv, Q * group, L)
+    out = torch.bmm(probs, values)  # (B * kv, Q * group, d)
+    if short.in_order:
+        return out.view(batch, heads, head_dim)
+    out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
+    return out.reshape(batch * width, heads, head_dim)
 
 
 class PagedAttention:
     """The attention backend of one engine step (see `qwen2.AttentionBackend`)."""
 
-    def __init__(self, kv_cache: torch.Tensor, metadata: StepMetadata):
+    def __init__(self, kv_cache: torch.Tensor, metadata: StepMetadata, num_heads: int | None = None):
+        """num_heads: the model's query heads, needed when the step has short queries (metadata.short)."""
         self.kv_cache = kv_cache  # (layers, 2, slots, kv_heads, head_dim)
         self.meta = metadata
+        self.layout = None  # what every layer's batched call reads, derived once for the step
+        if metadata.short is not None:
+            slots, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+            self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads)
 
+    @torch.compiler.disable  # LLM(compile=True) compiles the layers around this call, not the call itself
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.kv_cache[layer]  # (slots, kv_heads, head_dim) each
+        cache = self.kv_cache[layer]  # (2, slots, kv_heads, head_dim): keys, values
+        keys, values = cache
         keys.index_copy_(0, self.meta.slot_mapping, k)
         values.index_copy_(0, self.meta.slot_mapping, v)
-        out = torch.empty_like(q)
         short = self.meta.short
+        if short is not None and short.in_order and not self.meta.sequences:
+            return batched_attention(q, cache, short, self.layout)  # a pure decode step: no scatter either
+        out = torch.empty_like(q)
         if short is not None:
-            out[short.query_rows[short.query_valid]] = batched_attention(q, keys, values, short)[short.query_valid]
+            batch_out = batched_attention(q, cache, short, self.layout)  # (B * Q, heads, head_dim)
+            if short.valid_index is not None:
+                batch_out = batch_out.index_select(0, short.valid_index)
+            out.index_copy_(0, short.dest_rows, batch_out)
         if not self.meta.sequences:
             return out
         # One gather for the other sequences; each then reads a contiguous slice of it.

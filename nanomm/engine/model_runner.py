@@ -8,15 +8,20 @@ slots so far, and the visual tokens of any image a chunk covers. An image is enc
 chunk touches it (its attention is bidirectional, so a slice cannot be encoded alone), all such images of the
 step in one batched vision forward; each chunk then takes its slice of the embeddings. Encoded images go
 into the encoder cache (encoder_cache.py), so a later request showing the same picture skips the encoder.
+
+The preparation is built for the whole step at once, in a few tensor operations however many chunks there are
+(`padded_context_slots`, `_positions`), and reaches the device in one copy (`copy_to_device`). A step of pure
+decodes on a GPU goes through a recorded CUDA graph instead (cuda_graphs.py).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, SequenceSlice, StepMetadata,
-                                     batch_short_queries)
+from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, SequenceSlice, ShortQueries,
+                                     StepMetadata, batch_short_queries)
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
@@ -30,7 +35,7 @@ class StepInputs:
     meta: StepMetadata  # cache slots to write and to read, per sequence
     visual_tokens: torch.Tensor | None  # (image tokens, hidden) the rows image_mask marks, in order
     image_mask: torch.Tensor  # (tokens,) True where a token is an image token of a prompt
-    sample_rows: list[int]  # packed rows whose logits pick a next token
+    sample_rows: torch.Tensor  # (sample rows,) packed rows whose logits pick a next token
     prompt_rows: list[tuple[ScheduledChunk, list[int]]]  # rows whose logits give prompt_logprobs, per chunk
 
 
@@ -53,10 +58,35 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def padded_context_slots(block_tables: list[list[int]], lengths: list[int], block_size: int) -> torch.Tensor:
+    """`token_slots(table, 0, length)` of many sequences at once: (sequences, longest length). Past a
+    sequence's length the row holds slots of its block table padded with block 0: valid, never attended."""
+    width = -(-max(lengths) // block_size)  # blocks of the longest
+    tables = torch.tensor([table[:width] + [0] * (width - len(table[:width])) for table in block_tables])
+    positions = torch.arange(max(lengths))
+    blocks = tables[:, positions // block_size]  # (sequences, longest length)
+    return blocks * block_size + positions % block_size
+
+
+def copy_to_device(tensors: list, device: torch.device) -> list:
+    """A step's integer inputs in one host-to-device copy: packed into one buffer (pinned on CUDA, so the copy
+    does not wait for the host), copied once, split into views. None entries pass through; on a CPU there is
+    nothing to copy."""
+    if device.type == "cpu":
+        return tensors
+    present = [t for t in tensors if t is not None]
+    flat = torch.cat([t.reshape(-1).long() for t in present])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    pieces = iter(flat.to(device, non_blocking=True).split([t.numel() for t in present]))
+    return [None if t is None else next(pieces).view(t.shape).to(t.dtype) for t in tensors]
+
+
 class ModelRunner:
     def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache,
-                 trace=None, batched_attention: bool = True):
+                 trace=None, batched_attention: bool = True, decode_graphs=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.decode_graphs = decode_graphs  # cuda_graphs.DecodeGraphs: pure decode steps replayed, or None
         self.batched_attention = batched_attention  # False: every sequence attended alone (the definition)
         self.trace = trace or NoTrace()  # the step timeline (trace.py)
         self.encoder_cache = encoder_cache
@@ -70,14 +100,19 @@ class ModelRunner:
         with self.trace.span("encode"):
             self._encode_images(chunks)
         with self.trace.span("forward", tokens=sum(c.num_tokens for c in chunks), sequences=len(chunks)):
+            if self.decode_graphs is not None and self.decode_graphs.eligible(chunks):
+                return StepLogits(self.decode_graphs.run(chunks), [])  # every chunk samples: rows in order
             step = self._pack(chunks)
-            hidden = self.model(step.input_ids, step.positions, PagedAttention(self.kv_cache, step.meta),
+            hidden = self.model(step.input_ids, step.positions, self.attention_backend(step.meta),
                                 step.visual_tokens, step.image_mask)  # (tokens, hidden)
             prompt = [(chunk, self.model.compute_logits(hidden[rows])) for chunk, rows in step.prompt_rows]
-            logits = self.model.compute_logits(hidden[step.sample_rows])  # (sample rows, vocab)
+            logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))  # (sample rows, vocab)
             if logits.device.type == "cuda":  # the span times the work, not only its launch
                 torch.cuda.synchronize(logits.device)
         return StepLogits(logits, prompt)
+
+    def attention_backend(self, meta: StepMetadata) -> PagedAttention:
+        return PagedAttention(self.kv_cache, meta, self.model.config.text.num_attention_heads)
 
     def stats(self) -> dict:
         return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
@@ -85,14 +120,11 @@ class ModelRunner:
 
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
-        ids, positions, contexts, query_starts, visual, visual_rows, sample_rows = [], [], [], [], [], [], []
-        prompt_rows = []
+        ids, visual, visual_rows, sample_rows, prompt_rows, query_starts = [], [], [], [], [], []
         offset = 0  # where this chunk starts in the packed tokens
         for chunk in chunks:
             request = chunk.request
             ids += chunk.token_ids
-            positions.append(request.positions(chunk.start, chunk.end))  # (3, chunk tokens)
-            contexts.append(token_slots(request.block_table, 0, chunk.end, self.block_size))  # (chunk.end,)
             query_starts.append(offset)
             visual += self._visual_slices(chunk)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
@@ -104,35 +136,40 @@ class ModelRunner:
             offset += chunk.num_tokens
             if chunk.samples_next_token:  # the last known token predicts the next, each proposal the one after it
                 sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
-        new_slots = torch.cat([c[chunk.start:] for c, chunk in zip(contexts, chunks)])  # (tokens,)
+        slots = padded_context_slots([c.request.block_table for c in chunks], [c.end for c in chunks],
+                                     self.block_size)  # (chunks, longest context)
+        new_slots = torch.cat([row[c.start:c.end] for row, c in zip(slots, chunks)])  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
+        short, alone = self._split_runs(chunks, query_starts, slots)
+        host = [torch.tensor(ids), _positions(chunks), new_slots, image_mask, alone[1],
+                torch.tensor(sample_rows, dtype=torch.long)] + _short_tensors(short)
+        input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
+            host, self.device)
+        if short is not None:
+            short = dataclasses.replace(short, **dict(zip(SHORT_TENSORS, short_tensors)))
         return StepInputs(
-            input_ids=torch.tensor(ids, device=self.device),  # (tokens,)
-            positions=torch.cat(positions, dim=1).to(self.device),  # (3, tokens)
-            meta=self._attention_metadata(new_slots, contexts, query_starts, [c.num_tokens for c in chunks]),
+            input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
+            meta=StepMetadata(new_slots, context_slots, alone[0], short),
             visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
-            image_mask=image_mask.to(self.device),
-            sample_rows=sample_rows, prompt_rows=prompt_rows)
+            image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
-    def _attention_metadata(self, new_slots: torch.Tensor, contexts: list[torch.Tensor], query_starts: list[int],
-                            query_lens: list[int]) -> StepMetadata:
+    def _split_runs(self, chunks: list[ScheduledChunk], query_starts: list[int], slots: torch.Tensor):
         """Short query runs (decodes, verifications) in one batch; longer chunks attended one by one, their
-        context slots packed sequence after sequence."""
-        runs = list(zip(query_starts, query_lens, contexts))
-        batched = [self.batched_attention and n <= MAX_BATCHED_QUERIES for n in query_lens]
+        context slots packed sequence after sequence. Returns (ShortQueries or None, (slices, packed slots))."""
+        batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES for c in chunks]
         short = None
         if any(batched):
-            starts, lens, short_contexts = zip(*(run for run, b in zip(runs, batched) if b))
-            short = batch_short_queries(list(starts), list(lens), list(short_contexts)).to(self.device)
-        alone, alone_contexts, offset = [], [], 0
-        for (start, n, context), in_batch in zip(runs, batched):
+            picked = [i for i, b in enumerate(batched) if b]
+            short = batch_short_queries([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
+                                        slots[picked], [chunks[i].end for i in picked])
+        alone, alone_slots, offset = [], [], 0
+        for i, (chunk, in_batch) in enumerate(zip(chunks, batched)):
             if not in_batch:
-                alone.append(SequenceSlice(start, n, offset, len(context)))
-                alone_contexts.append(context)
-                offset += len(context)
-        context_slots = torch.cat(alone_contexts) if alone_contexts else torch.zeros(0, dtype=torch.long)
-        return StepMetadata(new_slots.to(self.device), context_slots.to(self.device), alone, short)
+                alone.append(SequenceSlice(query_starts[i], chunk.num_tokens, offset, chunk.end))
+                alone_slots.append(slots[i, :chunk.end])
+                offset += chunk.end
+        return short, (alone, torch.cat(alone_slots) if alone_slots else torch.zeros(0, dtype=torch.long))
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
@@ -190,3 +227,29 @@ class ModelRunner:
                     del request.held_images[i]
                     self.encoder_cache.release(key)
         return out
+
+
+SHORT_TENSORS = ("query_rows", "context_slots", "last_visible", "valid_index", "dest_rows")
+
+
+def _short_tensors(short: ShortQueries | None) -> list:
+    return [getattr(short, name) if short is not None else None for name in SHORT_TENSORS]
+
+
+def _positions(chunks: list[ScheduledChunk]) -> torch.Tensor:
+    """(3, tokens) M-RoPE ids of the packed chunks. A chunk past its prompt (a decode, a verification) counts
+    up from index + rope delta on all three axes: those are written in one go, not built per chunk."""
+    total = sum(c.num_tokens for c in chunks)
+    positions = torch.empty(3, total, dtype=torch.long)
+    generated_rows, generated_values, offset = [], [], 0
+    for chunk in chunks:
+        request = chunk.request
+        if chunk.start >= request.num_prompt_tokens:
+            generated_rows += range(offset, offset + chunk.num_tokens)
+            generated_values += range(chunk.start + request.prompt.rope_delta, chunk.end + request.prompt.rope_delta)
+        else:
+            positions[:, offset:offset + chunk.num_tokens] = request.positions(chunk.start, chunk.end)
+        offset += chunk.num_tokens
+    if generated_rows:
+        positions[:, generated_rows] = torch.tensor(generated_values)
+    return positions

@@ -28,7 +28,7 @@ import torch
 
 from nanomm.engine.request import Request
 from nanomm.errors import check_int
-from nanomm.sampling import adjust_logits, probabilities, top_logprobs
+from nanomm.sampling import adjust_logits, greedy_tokens, probabilities, top_logprobs
 
 METHODS = ("ngram", "draft")
 
@@ -194,10 +194,11 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
     """The tokens each sampling chunk emits, in order. logits (rows, vocab): 1 + len(spec_token_ids) rows per
     chunk, the row after each known token and after each proposal. Without proposals this is plain sampling;
     with them, the acceptance rules above. Greedy rows share one argmax; sampled ones use their own request's
-    generator. Penalties and min_tokens see, at each row, the output so far plus the proposals before it: the
-    history that row would have in plain decoding."""
-    argmax = logits.argmax(dim=-1).tolist()
-    emitted, row = [], 0
+    generator, and those without proposals are drawn on the device and read back together, once per step
+    (not once per request). Penalties and min_tokens see, at each row, the output so far plus the proposals
+    before it: the history that row would have in plain decoding."""
+    argmax = greedy_tokens(logits).tolist()
+    tokens_of, draws, row = [], [], 0  # per chunk: its tokens, or None while its draw is on the device
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids
         rows = 1 + len(proposed)
@@ -205,15 +206,25 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
         adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else raw
         if request.params.greedy:
             chosen = adjusted.argmax(dim=-1).tolist() if request.params.reads_history else argmax[row:row + rows]
-            tokens = accept_greedy(proposed, chosen)
+            tokens_of.append(accept_greedy(proposed, chosen))
+        elif not proposed:  # plain sampling: the same draw as accept_sampled's, left on the device for now
+            p = probabilities(adjusted[0], request.params)
+            draws.append(torch.multinomial(p, 1, generator=request.generator))
+            tokens_of.append(None)
         else:
             p = probabilities(adjusted, request.params)  # (rows, vocab)
             q = None if request.spec_token_probs is None else request.spec_token_probs[:rows - 1]
-            tokens = accept_sampled(proposed, p, q, request.generator)
-        num_top = request.params.logprobs
+            tokens_of.append(accept_sampled(proposed, p, q, request.generator))
+        row += rows
+    drawn = iter(torch.cat(draws).tolist() if draws else [])  # the step's one read-back of sampled tokens
+    emitted, row = [], 0
+    for chunk, tokens in zip(chunks, tokens_of):
+        tokens = [next(drawn)] if tokens is None else tokens
+        num_top = chunk.request.params.logprobs
+        raw = logits[row:row + 1 + len(chunk.spec_token_ids)]
         logprobs = None if num_top is None else top_logprobs(raw[:len(tokens)], tokens, num_top)
         emitted.append(Emitted(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
-        row += rows
+        row += 1 + len(chunk.spec_token_ids)
     return emitted
 
 
