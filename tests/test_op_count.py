@@ -37,3 +37,19 @@ def test_the_counter_sees_kernels_and_host_syncs_and_skips_views():
         y.item()
     assert ops.counts["view"] == 1 and ops.counts["mul"] == 1 and ops.host_syncs == 1
     assert ops.kernels == ops.counts["mul"] + ops.counts["sum"] + ops.counts["_local_scalar_dense"]
+
+
+def test_a_decode_step_launches_at_most_25_kernels_per_layer(ckpt):
+    """Issue 12's target, on the tiny preset in float32 (the layer code is the same for every preset; bench.py
+    prints the count for the 2b-shaped one)."""
+    ops = decode_ops(ckpt, 8)
+    assert ops["kernels_per_layer"] <= 25, ops["top_ops_per_layer"]
+
+
+def test_a_reshape_that_copies_is_a_kernel_and_a_no_op_to_is_not():
+    x = torch.arange(12.0).view(3, 4)
+    with torch.inference_mode(), OpCounter() as ops:  # as in the engine: reshape reaches the counter whole
+        x.reshape(12)  # a view
+        x.t().reshape(12)  # a copy: the transposed memory cannot be viewed flat
+        x.to(torch.float32)  # nothing to do
+    assert ops.counts["reshape (copy)"] == 1 and ops.kernels == 1

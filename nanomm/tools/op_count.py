@@ -10,17 +10,21 @@ per layer, whatever the batch size, and that never syncs with the host (what a C
     ops.kernels, ops.host_syncs, ops.counts.most_common(10)
 
 It is a `TorchDispatchMode`: every ATen operation passes through `__torch_dispatch__`. Operations that only
-make a new view of the same memory (view, permute, slicing...) launch nothing and are not counted as kernels.
+make a new view of the same memory (view, permute, slicing...) launch nothing and are not counted as kernels,
+nor is a `to` that returns its input unchanged. A `reshape` (or `to`) that had to copy is counted, as
+"reshape (copy)": the result's memory is compared with the input's.
 """
 
 import contextlib
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "expand", "slice", "select", "unsqueeze",
          "squeeze", "t", "split", "split_with_sizes", "unbind", "as_strided", "detach", "alias", "lift_fresh",
          "_reshape_alias", "view_as", "expand_as", "narrow", "chunk"}
+MAYBE_COPIES = {"reshape", "to", "flatten", "contiguous"}  # a view (or nothing) when they can, a copy otherwise
 HOST_SYNCS = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}  # they read a value back to Python
 
 
@@ -31,18 +35,62 @@ class OpCounter(TorchDispatchMode):
         self.counting = True  # `counting_only_inside` switches it off outside some modules
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if self.counting:
-            self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in MAYBE_COPIES and not _same_memory(out, args[0]):
+                name += " (copy)"
+            self.counts[name] += 1
+        return out
 
     @property
     def kernels(self) -> int:
         """Operations that compute or copy something (views excluded)."""
-        return sum(n for name, n in self.counts.items() if name not in VIEWS)
+        return sum(n for name, n in self.counts.items() if name not in VIEWS and name not in MAYBE_COPIES)
 
     @property
     def host_syncs(self) -> int:
         return sum(self.counts[name] for name in HOST_SYNCS)
+
+
+class HostSyncError(RuntimeError):
+    """Raised by `NoHostSync`: the code read a device value back to the host."""
+
+
+class NoHostSync(TorchDispatchMode):
+    """Raise on anything that makes the host wait for a value on the device: `.item()`, `int(t)`, `bool(t)`,
+    `nonzero`, boolean-mask indexing (its result's size is a device value), and `.tolist()` (which bypasses
+    the dispatcher, so it is patched for the duration). This is what a CUDA graph cannot record; on a CPU it
+    checks the region before a GPU ever runs it (nanomm/engine/cuda_graphs.py)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_SYNCS or (name in ("index", "index_put", "index_put_") and _has_bool_index(args)):
+            raise HostSyncError(f"aten.{name} reads a device value back to the host")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            raise HostSyncError("Tensor.tolist reads a device value back to the host")
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+def _same_memory(out, source) -> bool:
+    return isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor) and \
+        out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
 
 
 @contextlib.contextmanager
@@ -72,4 +120,4 @@ def decode_step_ops(engine) -> dict:
     # The inner mode sees each op first and passes it on, so the outer one counts the whole step.
     return {"batch": batch, "step_kernels": whole.kernels, "kernels_per_layer": inside.kernels / len(layers),
             "host_syncs_in_layers": inside.host_syncs, "top_ops_per_layer": {
-                name: n / len(layers) for name, n in inside.counts.most_common(8) if name not in VIEWS}}
+                name: n / len(layers) for name, n in inside.counts.most_common() if name not in VIEWS | MAYBE_COPIES}}
