@@ -22,11 +22,14 @@ from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.compile import compile_decoder_layers
 from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestOutput
-from nanomm.planner import Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines
+from nanomm.engine.memory_profile import profile_memory
+from nanomm.planner import (Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines,
+                            worst_case_image)
 from nanomm.sampling import SamplingParams, generation_defaults
 
 logger = logging.getLogger("nanomm")
@@ -49,10 +52,14 @@ class LLM:
         if config.speculative is not None and config.speculative.method == "draft":
             draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)
             self.draft_model = load_model(draft_folder, device=device, dtype=dtype)
-        if config.cpu_fast_linear:
+        if config.cpu_fast_linear and not config.compile:  # Inductor picks its own matmuls
             for m in (self.model, self.draft_model):
                 if m is not None and packed_linear_available(m.device, m.dtype):
                     pack_linear_layers(m)  # CPU float32 only: oneDNN's blocked weights (model/fast_linear.py)
+        if config.compile:
+            for m in (self.model, self.draft_model):
+                if m is not None:
+                    compile_decoder_layers(m)  # torch.compile, the attention call left eager (model/compile.py)
         tokenizer_folder = folder if config.tokenizer is None else resolve_checkpoint(
             config.tokenizer, config.revision, config.download_dir)
         self.tokenizer = Tokenizer.from_pretrained(
@@ -64,6 +71,7 @@ class LLM:
         self.image_config = replace(image_config, **pixel_cap)
         self.default_sampling_params = generation_defaults(folder, config.generation_config)
         self.model_name = model
+        self.memory = {}  # how the memory budget was split, when _kv_budget sizes the pool
         self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, self._resolve(config),
                                 self.draft_model)
         if logger.isEnabledFor(logging.INFO):
@@ -107,17 +115,22 @@ class LLM:
                        max_num_encoder_tokens=config.max_num_encoder_tokens or budget)
 
     def _kv_budget(self, config: EngineConfig) -> int:
-        """Bytes for the KV pool (planner.kv_pool_budget): on a GPU, what is free of the utilisation share
-        once the weights are loaded, less an activation reserve for the largest image."""
+        """Bytes for the KV pool (planner.kv_pool_budget). On a GPU: what is free of the utilisation share once
+        the weights are loaded, less the activations of the engine's largest steps, measured by a profiling pass
+        (engine/memory_profile.py). Elsewhere: the fixed budget. How it was split lands in `self.memory`."""
         device = self.model.device
         total = used = 0
+        reserve = activation_reserve(self.model.config, self.image_config, self._dtype_name)  # the planner's estimate
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
-            free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-        reserve = activation_reserve(self.model.config, self.image_config, self._dtype_name)
-        budget, _ = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
-                                   gpu_memory_utilization=config.gpu_memory_utilization,
-                                   kv_cache_memory_gib=config.kv_cache_memory_gib, reserve_bytes=reserve)
+            max_model_len = config.max_model_len or self.model.config.text.max_position_embeddings
+            profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
+                                     config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+            total, used, reserve = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
+            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=reserve)
+        budget, rule = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
+                                      gpu_memory_utilization=config.gpu_memory_utilization,
+                                      kv_cache_memory_gib=config.kv_cache_memory_gib, reserve_bytes=reserve)
+        self.memory.update(kv_budget_rule=rule, kv_budget_bytes=budget)
         return budget
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -178,7 +191,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The engine's counters, and how the memory budget was split (on a GPU, from the profiling pass)."""
+        return {**self.engine.stats(), **self.memory}
 
     def close(self) -> None:
         """Stop the preprocessing worker threads. Also done by `with LLM(...) as llm:` on the way out."""

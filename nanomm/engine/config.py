@@ -39,6 +39,7 @@ class EngineConfig:
     limit_images_per_prompt: int = 16
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (model/fast_linear.py)
+    compile: bool = False  # torch.compile each decoder layer (model/compile.py); replaces cpu_fast_linear
     trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
@@ -47,7 +48,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
-    enforce_eager: bool = False  # nanomm has no CUDA graphs yet: it always runs eagerly
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA only)
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
     kv_cache_dtype: str = "auto"  # the model's dtype; quantized KV caches are not built yet
@@ -77,7 +78,7 @@ class EngineConfig:
                 check_int(getattr(self, name), name)
         check_int(self.num_preprocess_workers, "num_preprocess_workers", minimum=0)
         check_int(self.seed, "seed", minimum=-2**63)
-        for name in ("enable_prefix_caching", "cpu_fast_linear", "enable_chunked_prefill", "enforce_eager",
+        for name in ("enable_prefix_caching", "cpu_fast_linear", "compile", "enable_chunked_prefill", "enforce_eager",
                      "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
