@@ -2,5 +2,7 @@
 
 Read in this order: `request.py` (a request's state), `kv_cache.py` and `attention.py` (lesson 04),
 `scheduler.py` (lesson 05), `encoder_cache.py` (lesson 07), `model_runner.py`, `speculative.py` and `draft.py`
-(lesson 08), then `engine.py`, which ties them into `add_request` / `step`.
+(lesson 08), then `engine.py`, which ties them into `add_request` / `step`. Two files only matter on a GPU:
+`cuda_graphs.py` (decode steps recorded and replayed, lesson 05) and `memory_profile.py` (the KV pool sized
+from a measured profiling pass, lesson 04).
 """

@@ -15,6 +15,7 @@ import time
 import torch
 
 from nanomm.engine.config import EngineConfig
+from nanomm.engine.cuda_graphs import DecodeGraphs
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.intake import RequestIntake
@@ -48,10 +49,15 @@ class LLMEngine:
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
         self.model_identity = f"{model.name_or_path}:{model.dtype}"
-        kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks, config.block_size,
+        use_graphs = model.device.type == "cuda" and not config.enforce_eager
+        # With CUDA graphs, one block past the pool, never handed out: where padding rows write (cuda_graphs.py).
+        kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks + use_graphs, config.block_size,
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace)
+        graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
+                              config.max_num_seqs, config.max_model_len) if use_graphs else None
+        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
+                                  decode_graphs=graphs)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
                                    config.enable_chunked_prefill, self.trace)

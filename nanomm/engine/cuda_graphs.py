@@ -1,0 +1,154 @@
+"""CUDA graphs for decode steps: record a step's kernels once, then replay them all with one launch.
+
+Lesson: lessons/05-continuous-batching.md, section 6 (where a decode step's time goes).
+
+A decode step of a 2B model reads ~3 GB of weights: well under a millisecond of an H200's bandwidth. Launched
+one by one from Python, its ~25 kernels per layer x 28 layers cost more than that in CPU time alone, and the
+GPU waits for them. A CUDA graph records the kernels of one call, with their arguments, and replays them all
+from one launch. The price is that everything must stay still between replays:
+
+- **Shapes.** A graph holds one batch size and one context length. Steps are padded up to a bucket: the batch
+  to one of `BATCH_BUCKETS`, the longest context to a power of two of blocks. One graph is recorded per
+  (batch, context) bucket the first time it is needed, and kept.
+- **Addresses.** Inputs are copied into the same static buffers before every replay (one host-to-device copy:
+  they are views of one flat buffer). The KV cache never moves.
+- **Padding.** Padding rows are decodes of token 0 that write their key and value to a scratch slot, one block
+  past the pool that the block manager never hands out, and attend only to it. Real rows' padded context
+  positions point there too, and the mask hides them.
+- **No host syncs.** Nothing inside may read a value back to the host (`.item()`, `.tolist()`, `nonzero`,
+  boolean indexing): a recording cannot wait for the GPU. `decode_forward` is that region; on a CPU,
+  tests/test_cuda_graphs.py runs it under `op_count.NoHostSync`, which raises on any of them.
+
+Only steps in which every chunk decodes one token go through a graph (prefills, speculative verifications,
+prompt logprobs run eagerly). On by default on CUDA; `LLM(enforce_eager=True)` (vLLM's switch) turns it off.
+On a CPU the same static path runs without recording (`capture=False`), which is how the tests check it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanomm.engine.attention import PagedAttention, ShortQueries, StepMetadata
+from nanomm.engine.scheduler import ScheduledChunk
+from nanomm.model.qwen2_vl import Qwen2VL
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def batch_bucket(batch: int) -> int | None:
+    """The smallest bucket that holds `batch` decodes; None past the largest."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), None)
+
+
+def context_bucket(tokens: int, block_size: int) -> int:
+    """Context tokens padded to a power of two of blocks."""
+    blocks = -(-tokens // block_size)
+    return block_size * (1 << (blocks - 1).bit_length())
+
+
+@dataclass
+class StaticDecodeInputs:
+    """A decode step's inputs, at fixed addresses: views of one flat int64 buffer."""
+    flat: torch.Tensor  # everything below, back to back
+    input_ids: torch.Tensor  # (B,)
+    positions: torch.Tensor  # (3, B)
+    slot_mapping: torch.Tensor  # (B,) where each new key and value is written
+    context_slots: torch.Tensor  # (B, L) the slots each row attends to
+    last_visible: torch.Tensor  # (B, 1) the last context position each row sees
+    query_rows: torch.Tensor  # (B, 1) 0..B-1: decodes in packed order (never changes)
+
+    @classmethod
+    def allocate(cls, batch: int, length: int, device) -> "StaticDecodeInputs":
+        sizes = [batch, 3 * batch, batch, batch * length, batch, batch]
+        flat = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        ids, positions, slots, context, last, rows = flat.split(sizes)
+        rows.copy_(torch.arange(batch))
+        return cls(flat, ids, positions.view(3, batch), slots, context.view(batch, length), last.view(batch, 1),
+                   rows.view(batch, 1))
+
+    def host_values(self, chunks: list[ScheduledChunk], block_size: int, scratch_slot: int) -> torch.Tensor:
+        """The flat buffer's next contents, built on the host: the chunks' rows, then padding rows."""
+        batch, length = self.context_slots.shape
+        ids, positions, slots = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long), \
+            torch.full((batch,), scratch_slot, dtype=torch.long)
+        context, last = torch.full((batch, length), scratch_slot, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        for row, chunk in enumerate(chunks):
+            request = chunk.request
+            table = torch.tensor(request.block_table, dtype=torch.long)
+            where = torch.arange(chunk.end)
+            context[row, :chunk.end] = table[where // block_size] * block_size + where % block_size
+            ids[row], positions[row] = chunk.token_ids[0], chunk.start + request.prompt.rope_delta
+            slots[row], last[row] = context[row, chunk.start], chunk.end - 1
+        return torch.cat([ids, positions.expand(3, -1).flatten(), slots, context.flatten(), last, torch.arange(batch)])
+
+
+def decode_forward(model: Qwen2VL, kv_cache: torch.Tensor, inputs: StaticDecodeInputs) -> torch.Tensor:
+    """One decode step from the static inputs -> logits (B, vocab). This is what a graph records: it reads
+    only `inputs` and the cache, and reads nothing back to the host."""
+    short = ShortQueries(inputs.query_rows, inputs.context_slots, inputs.last_visible, valid_index=None,
+                         dest_rows=inputs.query_rows.flatten(), in_order=True)
+    no_slots = inputs.flat[:0]  # no sequence is attended alone
+    meta = StepMetadata(inputs.slot_mapping, no_slots, [], short)
+    attention = PagedAttention(kv_cache, meta, model.config.text.num_attention_heads)
+    hidden = model(inputs.input_ids, inputs.positions, attention)  # (B, hidden)
+    return model.compute_logits(hidden)
+
+
+@dataclass
+class _Recorded:
+    inputs: StaticDecodeInputs
+    graph: "torch.cuda.CUDAGraph | None"
+    logits: torch.Tensor | None  # the graph's output buffer
+
+
+class DecodeGraphs:
+    """Runs pure decode steps through one recorded graph per (batch, context) bucket."""
+
+    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, scratch_slot: int,
+                 max_batch: int, max_context: int, capture: bool = True):
+        """capture=False runs the same static, padded path without recording (on a CPU, for tests)."""
+        self.model, self.kv_cache, self.block_size, self.scratch_slot = model, kv_cache, block_size, scratch_slot
+        self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
+        self.max_context, self.capture = max_context, capture
+        self.recorded: dict[tuple[int, int], _Recorded] = {}
+        self.pool = None  # recorded graphs share one memory pool
+        self.replays = 0
+
+    def eligible(self, chunks: list[ScheduledChunk]) -> bool:
+        """Every chunk decodes one token (no prompt position, no proposals), and the step fits a bucket."""
+        return bool(chunks) and len(chunks) <= self.max_batch and all(
+            c.num_tokens == 1 and not c.spec_token_ids and c.start >= c.request.num_prompt_tokens
+            and c.samples_next_token and c.end <= self.max_context for c in chunks)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits (len(chunks), vocab) of an eligible step."""
+        key = (batch_bucket(len(chunks)), context_bucket(max(c.end for c in chunks), self.block_size))
+        recorded = self.recorded.get(key) or self._record(*key)
+        values = recorded.inputs.host_values(chunks, self.block_size, self.scratch_slot)
+        if recorded.inputs.flat.device.type == "cuda":
+            values = values.pin_memory()
+        recorded.inputs.flat.copy_(values, non_blocking=True)
+        self.replays += 1
+        if recorded.graph is None:
+            return decode_forward(self.model, self.kv_cache, recorded.inputs)[:len(chunks)]
+        recorded.graph.replay()
+        return recorded.logits[:len(chunks)]
+
+    def _record(self, batch: int, length: int) -> _Recorded:
+        inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device)
+        padding = inputs.host_values([], self.block_size, self.scratch_slot)  # every row writes the scratch slot
+        inputs.flat.copy_(padding)
+        graph = logits = None
+        if self.capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the recording: lazy initialisations, allocations
+                for _ in range(2):
+                    decode_forward(self.model, self.kv_cache, inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = decode_forward(self.model, self.kv_cache, inputs)
+            self.pool = graph.pool()
+        self.recorded[(batch, length)] = _Recorded(inputs, graph, logits)
+        return self.recorded[(batch, length)]

@@ -1,0 +1,79 @@
+"""Size the KV pool on a GPU from measured memory: run the engine's largest steps once, before the pool exists.
+
+Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy the GPU).
+
+Whatever the GPU holds besides the weights and the KV pool is activations: a prefill chunk's hidden states,
+its MLP's intermediate, its attention's gathered context; the vision tower's working set while it encodes the
+largest picture the cap allows (encoded whole, whatever the encoder budget). The planner estimates them from
+arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens attending to a context of
+`max_model_len`, then an encode of the worst-case image, with the allocator's peak read before and after.
+The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in vLLM's profile run.
+CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanomm.engine.attention import causal_attention
+from nanomm.inputs.image import ImageProcessorConfig, smart_resize
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.model.rope import text_positions
+
+
+@dataclass
+class MemoryProfile:
+    total_bytes: int  # the device's memory
+    used_bytes: int  # in use after the profile, its temporaries freed: weights, CUDA context, other processes
+    activation_peak_bytes: int  # the most the profiled steps held above the weights
+
+    def as_stats(self) -> dict:
+        return {"memory_total_bytes": self.total_bytes, "memory_used_bytes": self.used_bytes,
+                "memory_activation_peak_bytes": self.activation_peak_bytes}
+
+
+class _LongContextAttention:
+    """An attention backend for the profile: each layer's queries attend to a context of `context` keys (the
+    new keys repeated), so the gathered context and the score tiles are as large as the engine's worst step."""
+
+    def __init__(self, context: int):
+        self.context = context
+
+    def attend(self, layer: int, q, k, v):
+        repeats = -(-self.context // k.shape[0])
+        keys, values = k.repeat(repeats, 1, 1)[-self.context:], v.repeat(repeats, 1, 1)[-self.context:]
+        return causal_attention(q, keys, values)
+
+
+def worst_case_patches(image_config: ImageProcessorConfig, width: int, height: int) -> tuple[int, tuple[int, int, int]]:
+    """(patches, grid (t, h, w)) of a width x height picture after smart_resize, as the processor makes them."""
+    h_bar, w_bar = smart_resize(height, width, image_config.factor, image_config.min_pixels, image_config.max_pixels)
+    grid = (1, h_bar // image_config.patch_size, w_bar // image_config.patch_size)
+    return grid[1] * grid[2], grid
+
+
+@torch.inference_mode()
+def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_image: tuple[int, int],
+                   max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> MemoryProfile:
+    """Run the profile on the model's CUDA device; see the module docstring."""
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    tokens = min(max_num_batched_tokens, max_model_len)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    hidden = model(ids, text_positions(tokens).to(device), _LongContextAttention(max_model_len))
+    model.compute_logits(hidden[-min(tokens, max_num_seqs):])  # the rows that sample
+    del hidden
+    if model.visual is not None:
+        patches, grid = worst_case_patches(image_config, *worst_image)
+        patch_values = model.config.vision.in_channels * model.config.vision.temporal_patch_size * \
+            model.config.vision.patch_size ** 2
+        pixels = torch.zeros(patches, patch_values, dtype=torch.float32, device=device)  # as the processor sends
+        model.encode_images(pixels, [grid])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryProfile(total_bytes=total, used_bytes=total - free, activation_peak_bytes=peak)

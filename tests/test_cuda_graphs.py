@@ -1,0 +1,109 @@
+"""CUDA graphs for decode (nanomm/engine/cuda_graphs.py): the static, padded path it records gives the dense
+reference's tokens, it never reads a value back to the host, and on a GPU a replay equals eager decoding."""
+
+import pytest
+import torch
+
+from helpers import assert_no_leaks, random_workload, reference_tokens
+from nanomm import LLM, SamplingParams
+from nanomm.engine import attention
+from nanomm.engine.cuda_graphs import DecodeGraphs, batch_bucket, context_bucket, decode_forward
+from nanomm.tools.op_count import HostSyncError, NoHostSync
+from test_engine import MAX_PIXELS, STRESS
+
+
+def with_static_decode(llm) -> tuple[DecodeGraphs, int]:
+    """The engine's decode steps through DecodeGraphs without recording (a CPU has no graphs), padding rows
+    writing to a block taken from the pool for the test (given back by `release`)."""
+    engine = llm.engine
+    scratch = engine.block_manager.allocate(1)[0]
+    graphs = DecodeGraphs(llm.model, engine.runner.kv_cache, engine.config.block_size,
+                          scratch * engine.config.block_size, engine.config.max_num_seqs,
+                          engine.config.max_model_len, capture=False)
+    engine.runner.decode_graphs = graphs
+    return graphs, scratch
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 256)] == [1, 4, 8, 24, 48, 256]
+    assert batch_bucket(257) is None
+    assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [16, 16, 32, 64, 256]
+
+
+@pytest.mark.parametrize("setting", ["default", "block-1", "tiny-pool-preemption", "few-seqs"])
+def test_the_padded_static_decode_path_matches_the_dense_reference(ckpt, setting):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, **STRESS[setting])
+    graphs, scratch = with_static_decode(llm)
+    prompts = random_workload(seed=2, num_prompts=7)  # 7 decodes pad to a bucket of 8
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=5 + 2 * i, ignore_eos=True)
+              for i in range(7)]
+    outputs = llm.generate(prompts, params)
+    assert graphs.replays > 0 and any(batch > 1 for batch, _ in graphs.recorded)
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, p), f"prompt {i} differs"
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
+def test_padding_rows_write_only_the_scratch_slot(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    graphs, scratch = with_static_decode(llm)
+    for i in range(3):  # 3 decodes: a bucket of 4, one padding row
+        llm.engine.add_request(f"request {i} asks", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    llm.engine.step()  # prefills
+    llm.engine.step()  # first decode step (static path)
+    llm.engine.runner.kv_cache[:, :, scratch * 4:scratch * 4 + 4] = 0  # so that the padding row's write shows
+    before = llm.engine.runner.kv_cache.clone()
+    running = list(llm.engine.scheduler.running)
+    last = [(r.block_table, r.num_tokens - 1) for r in running]  # the token this step computes: its k/v are new
+    new_slots = {table[p // 4] * 4 + p % 4 for table, p in last}
+    llm.engine.step()
+    changed = (llm.engine.runner.kv_cache != before).any(dim=(0, 1, 3, 4)).nonzero().flatten().tolist()  # slots
+    scratch_slots = set(range(scratch * 4, scratch * 4 + 4))
+    assert set(changed) <= new_slots | scratch_slots and set(changed) & scratch_slots
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
+def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypatch):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    graphs, scratch = with_static_decode(llm)
+    for i in range(3):
+        llm.engine.add_request(f"request {i}", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    llm.engine.step()  # prefills
+    llm.engine.step()  # a decode step through the static path: its inputs stay in the buffers
+    inputs = next(iter(graphs.recorded.values())).inputs
+    with torch.inference_mode(), NoHostSync():
+        logits = decode_forward(llm.model, llm.engine.runner.kv_cache.clone(), inputs)
+    assert logits.shape == (4, llm.model.config.text.vocab_size)
+    # The check has teeth: each kind of sync inside the attention call is caught.
+    attend = attention.PagedAttention.attend
+    for sync in (lambda q: q.sum().item(), lambda q: q.flatten()[:2].tolist(), lambda q: (q > 0).nonzero(),
+                 lambda q: q[q > 0]):
+        def attend_and_sync(self, layer, q, k, v, sync=sync):
+            sync(q)
+            return attend(self, layer, q, k, v)
+        monkeypatch.setattr(attention.PagedAttention, "attend", attend_and_sync)
+        with pytest.raises(HostSyncError), torch.inference_mode(), NoHostSync():
+            decode_forward(llm.model, llm.engine.runner.kv_cache.clone(), inputs)
+    monkeypatch.undo()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype):
+    prompts = random_workload(seed=4, num_prompts=6)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS, enforce_eager=True) as eager:
+        expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS) as graphed:
+        got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
+        assert graphed.engine.runner.decode_graphs.replays > 0
+        assert all(r.graph is not None for r in graphed.engine.runner.decode_graphs.recorded.values())
+    assert got == expected
