@@ -3,6 +3,7 @@
     python scripts/bench.py                          # preset "small" (~100M params, real Qwen vocabulary), CPU
     python scripts/bench.py --quick                  # a smoke run: a few requests, a few tokens
     python scripts/bench.py --checkpoint DIR --workload decode --hf-batch-sizes 1,8,32 --json bench.json
+    python scripts/bench.py --device cuda --dtype bfloat16 --preset 2b-shaped   # on a GPU (scripts/gpu_check.sh)
 
 Two workloads, each greedy with ignore_eos so both engines generate exactly the same number of tokens:
   decode   many requests, 0 or 1 small image each, short varied text, --max-tokens output tokens each
@@ -13,8 +14,8 @@ requests in order, in static left-padded batches of each size in --hf-batch-size
 the one compared. Both see identical token ids and pixel values: the transformers inputs are built from
 nanomm's own prepared prompts, which the test suite proves identical to transformers' processor output.
 
-The same run measures the machine's roofline (memory bandwidth, float32 matmul rate) and nanomm's pure decode
-step time, and prints decode's fraction of the roofline. Timings are wall-clock on whatever else is running:
+The same run measures the machine's roofline (memory bandwidth, matmul rate in the run's dtype) and nanomm's
+pure decode step time at the workload's batch and at batch 1, and prints each one's fraction of the roofline. Timings are wall-clock on whatever else is running:
 run it on a quiet machine. Results go in BENCHMARKS.md. Benchmarks are not tests: nothing asserts a timing.
 """
 
@@ -137,20 +138,30 @@ def machine_info() -> dict:
                 memory_gib=round(mem_gib, 1) if mem_gib else None, load_avg=list(os.getloadavg()),
                 python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                 torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
-                cuda=torch.cuda.is_available())
+                cuda=torch.cuda.is_available(),
+                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
-def best_time(fn, repeats: int) -> float:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device: on a GPU, work is queued and a timer around a launch measures only the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     fn()  # warm-up: page faults, thread pool start
+    synchronize(device)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_roofline(bw_mib: int, matmul_n: int, repeats: int) -> dict:
+def measure_roofline(bw_mib: int, matmul_n: int, repeats: int, device: torch.device = torch.device("cpu"),
+                     dtype: torch.dtype = torch.float32) -> dict:
     """Memory bandwidth and matmul rate with torch and the same thread count as the engines.
 
     Read bandwidth: x.sum() over a tensor much larger than the caches reads every byte once and does one add
@@ -158,15 +169,15 @@ def measure_roofline(bw_mib: int, matmul_n: int, repeats: int) -> dict:
     Copy bandwidth (read + write) is reported too, for reference. Matmul: an n x n @ n x n float32 product,
     2 n^3 FLOPs, timed with torch.mm (MKL) and, on CPU, with the oneDNN packed kernel nanomm's linear layers
     use (nanomm/model/fast_linear.py); the machine's rate is the faster of the two, so neither engine is measured
-    against a roof its own library could beat."""
+    against a roof its own library could beat. On a GPU the same, in the run's dtype (cuBLAS only)."""
     n = bw_mib * 2**20 // 4
-    x, y = torch.ones(n), torch.empty(n)
-    read_s = best_time(lambda: x.sum(), repeats)
-    copy_s = best_time(lambda: y.copy_(x), repeats)
-    a, b, c = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n), torch.empty(matmul_n, matmul_n)
-    mm_s = best_time(lambda: torch.mm(a, b, out=c), repeats)
+    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
+    read_s = best_time(lambda: x.sum(), repeats, device)
+    copy_s = best_time(lambda: y.copy_(x), repeats, device)
+    a, b, c = (torch.randn(matmul_n, matmul_n, device=device, dtype=dtype) for _ in range(3))
+    mm_s = best_time(lambda: torch.mm(a, b, out=c), repeats, device)
     packed_s = math.inf
-    if packed_linear_available(torch.device("cpu"), torch.float32):
+    if packed_linear_available(device, dtype):
         layer = torch.nn.Linear(matmul_n, matmul_n, bias=False)
         layer.weight.data = b
         packed = PackedLinear(layer, batch_size_hint=matmul_n)
@@ -263,7 +274,7 @@ def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
         run_counters=delta, stats=after, token_ids=[o.outputs[0].token_ids for o in outs])
 
 
-def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int) -> dict:
+def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int, count_ops: bool = True) -> dict:
     """Time pure decode steps at the workload's batch size: add every request, step until none is waiting or
     prefilling, then time up to `max_steps` steps in which every running request decodes one token; abort the
     rest. The scheduler is only read here, never driven from outside."""
@@ -279,11 +290,11 @@ def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int) -> di
         if not running or sched.waiting or any(r.num_remaining != 1 for r in running):
             break
         start = time.perf_counter()
-        engine.step()
+        engine.step()  # it ends by reading the sampled tokens back to the host: the device work is done
         probe["step_s"].append(time.perf_counter() - start)
         probe["batch"].append(len(running))
         probe["context_tokens"].append(sum(r.num_tokens for r in running))  # KV rows attended this step
-    if sched.running and not sched.waiting and all(r.num_remaining == 1 for r in sched.running):
+    if count_ops and sched.running and not sched.waiting and all(r.num_remaining == 1 for r in sched.running):
         probe["ops"] = decode_step_ops(engine)  # one more decode step, its ATen operations counted (not timed)
     for rid in ids:
         engine.abort_request(rid)
@@ -315,7 +326,9 @@ def hf_batch(prepared: list, pad_id: int, image_token_id: int) -> dict:
 
 
 def hf_generate(model, prepared: list, max_tokens: int, pad_id: int, image_token_id: int) -> list[list[int]]:
-    inputs = hf_batch(prepared, pad_id, image_token_id)
+    inputs = {k: v.to(model.device) for k, v in hf_batch(prepared, pad_id, image_token_id).items()}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=pad_id)
@@ -362,6 +375,13 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 # Main
 
 
+def add_device_args(parser) -> None:
+    """--device and --dtype, the same in every bench script: where the engines run, and in what."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines run")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="weights and activations")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -389,6 +409,7 @@ def parse_args(argv=None):
     e.add_argument("--no-cpu-fast-linear", dest="cpu_fast_linear", action="store_false",
                    help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
+    add_device_args(e)
     r = p.add_argument_group("roofline")
     r.add_argument("--bw-mib", type=int, default=512, help="tensor size for the bandwidth test")
     r.add_argument("--matmul-n", type=int, default=2048)
@@ -435,7 +456,7 @@ def main(argv=None) -> dict:
     log(f"[bold]machine:[/bold] {machine['cpu']}, {machine['usable_cores']} usable / {machine['logical_cores']} "
         f"logical cores, {machine['memory_gib']} GiB, load avg {machine['load_avg'][0]:.2f}; python "
         f"{machine['python']}, torch {machine['torch']} ({machine['torch_threads']} threads), transformers "
-        f"{machine['transformers']}")
+        f"{machine['transformers']}" + (f"; GPU {machine['gpu']}" if machine["gpu"] else ""))
     if machine["load_avg"][0] > 0.5:
         log(f"[yellow]load average {machine['load_avg'][0]:.2f} on {machine['usable_cores']} cores: something else "
             f"is running, timings will be noisy (oversubscribed threads slow steps down many times over; see --threads)"
@@ -444,15 +465,16 @@ def main(argv=None) -> dict:
         log("[yellow]--quick: a smoke run (few requests, few tokens); not a measurement[/yellow]")
 
     folder = load_checkpoint(args, log)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     log("measuring the roofline ...")
-    roof = measure_roofline(args.bw_mib, args.matmul_n, args.repeats)
+    roof = measure_roofline(args.bw_mib, args.matmul_n, args.repeats, device, dtype)
     log(f"  read {roof['read_gbps']:.1f} GB/s, copy {roof['copy_gbps']:.1f} GB/s, "
         f"matmul {roof['matmul_gflops']:.1f} GFLOP/s")
 
     engine_kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=max(args.max_pixels, args.prefill_max_pixels),
+    llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
               cpu_fast_linear=args.cpu_fast_linear, **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
@@ -463,7 +485,7 @@ def main(argv=None) -> dict:
         import transformers
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        hf_model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        hf_model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(device).eval()
         attn_impl = hf_model.config._attn_implementation
         pad_id = llm.tokenizer.pad_token_id
         pad_id = llm.tokenizer.eos_token_ids[0] if pad_id is None else pad_id
@@ -471,6 +493,7 @@ def main(argv=None) -> dict:
         hf_generate(hf_model, [llm.engine.prepare(p, greedy(2)) for p in warm], 2, pad_id, image_token_id)
 
     results = dict(command=command, machine=machine, quick=args.quick, checkpoint=str(folder),
+                   device=args.device, dtype=args.dtype,
                    preset=None if args.checkpoint else args.preset, model=cost, roofline=roof,
                    engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels)),
                    hf_attn_implementation=None if hf_model is None else attn_impl, workloads={})
@@ -484,6 +507,9 @@ def main(argv=None) -> dict:
         probe = decode_probe(llm, prompts, max_tokens, args.decode_probe_steps)
         res["decode_probe"] = probe
         res["decode_roofline"] = decode_roofline(cost, roof, probe)
+        if name == "decode":  # one request alone: the step reads every weight for one token (bandwidth-bound)
+            single = decode_probe(llm, prompts[:1], max_tokens, args.decode_probe_steps, count_ops=False)
+            res["batch1_probe"], res["batch1_roofline"] = single, decode_roofline(cost, roof, single)
         if hf_model is not None:
             prepared = [llm.engine.prepare(p, greedy(max_tokens)) for p in prompts]
             sizes = sorted({min(bs, len(prepared)) for bs in args.hf_batch_sizes})  # 32 and 64 are one size for 8
@@ -514,7 +540,8 @@ def main(argv=None) -> dict:
 
 def print_report(console: Console, results: dict) -> None:
     names = list(results["workloads"])
-    table = Table(title="nanomm vs transformers generate (float32, CPU, greedy, ignore_eos)")
+    table = Table(title=f"nanomm vs transformers generate ({results['dtype']}, {results['device']}, greedy, "
+                        "ignore_eos)")
     table.add_column("")
     for name in names:
         table.add_column(name, justify="right")
@@ -557,6 +584,10 @@ def print_report(console: Console, results: dict) -> None:
         f"({w['decode_roofline']['bound']})")
     row("decode fraction of roofline", lambda w: f"{w['decode_roofline']['fraction_of_roofline']:.0%}")
     row("decode achieved read GB/s", lambda w: f"{w['decode_roofline']['achieved_read_gbps']:.1f}")
+    row("batch-1 decode step measured (median) / roofline ms", lambda w: "{:.1f} ({:.1f}) / {:.1f} ({})".format(
+        w["batch1_roofline"]["measured_step_s_mean"] * 1e3, w["batch1_roofline"]["measured_step_s_median"] * 1e3,
+        w["batch1_roofline"]["roofline_step_s_mean"] * 1e3, w["batch1_roofline"]["bound"]))
+    row("batch-1 decode fraction of roofline", lambda w: f"{w['batch1_roofline']['fraction_of_roofline']:.0%}")
     row("decode step ops: per layer / whole step (batch)", lambda w: "-" if "ops" not in w["decode_probe"] else
         f"{w['decode_probe']['ops']['kernels_per_layer']:.0f} / {w['decode_probe']['ops']['step_kernels']} "
         f"({w['decode_probe']['ops']['batch']})")
@@ -565,7 +596,7 @@ def print_report(console: Console, results: dict) -> None:
     roof, cost = results["roofline"], results["model"]
     console.print(
         f"roofline: read {roof['read_gbps']:.1f} GB/s (sum over {roof['bw_tensor_mib']} MiB), copy "
-        f"{roof['copy_gbps']:.1f} GB/s, float32 matmul {roof['matmul_gflops']:.1f} GFLOP/s ({roof['matmul_n']}^3: "
+        f"{roof['copy_gbps']:.1f} GB/s, {results['dtype']} matmul {roof['matmul_gflops']:.1f} GFLOP/s ({roof['matmul_n']}^3: "
         f"torch.mm {roof['mkl_matmul_gflops']:.1f}, oneDNN packed {roof['onednn_matmul_gflops'] or 0:.1f}), "
         f"best of {roof['repeats']}")
     console.print(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name and decode_probe
 
-from bench import cpu_name, decode_probe  # noqa: E402
+from bench import add_device_args, cpu_name, decode_probe  # noqa: E402
 from nanomm import LLM  # noqa: E402
 from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
 
@@ -38,11 +38,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--json", help="write the numbers to this file")
+    add_device_args(p)
     args = p.parse_args(argv)
     folder = Path(args.cache_dir or f"checkpoints/bench-{args.preset}")
     if not (folder / "config.json").is_file():
         make_checkpoint(folder, preset=args.preset)
-    llm = LLM(str(folder), max_num_seqs=args.batch, num_kv_blocks=args.batch * 16)
+    llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+              num_kv_blocks=args.batch * 16)
     decode_run(llm, 4, 4)  # warm-up: first steps of each shape are slow
     times, ops = {True: [], False: []}, {}
     for _ in range(args.repeats):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
-from bench import chat_prompt, load_checkpoint, machine_info, random_image  # noqa: E402
+from bench import add_device_args, chat_prompt, load_checkpoint, machine_info, random_image  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from nanomm import LLM, SamplingParams  # noqa: E402
@@ -42,8 +42,9 @@ def other_system_prompt(text: str, images) -> dict:
     return {"prompt": prompt, "multi_modal_data": {"image": list(images)}}
 
 
-def new_engine(folder, **kwargs) -> LLM:
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=448 * 448, **kwargs)
+def new_engine(folder, device: dict, **kwargs) -> LLM:
+    """device: {"device": ..., "dtype": ...} from the command line."""
+    llm = LLM(str(folder), **device, max_pixels=448 * 448, **kwargs)
     llm.generate(chat_prompt("warm up", [random_image(64, 64, 999)]), FIRST_TOKEN)  # one-time kernel setup
     return llm
 
@@ -53,8 +54,8 @@ def ttft(llm: LLM, prompt) -> tuple[float, object]:
     return out.metrics.ttft_s, out.metrics
 
 
-def encoder_cache_ratio(folder, repeats: int) -> dict:
-    llm = new_engine(folder)
+def encoder_cache_ratio(folder, repeats: int, device: dict) -> dict:
+    llm = new_engine(folder, device)
     question = "What is in this picture, and what colours dominate it?"
     cold, warm, cached_tokens, hits = [], [], [], []
     for k in range(repeats):
@@ -69,8 +70,8 @@ def encoder_cache_ratio(folder, repeats: int) -> dict:
                 prefix_cached_tokens=cached_tokens, encoder_cache_hits=hits)
 
 
-def two_turn_ratio(folder, repeats: int) -> dict:
-    llm = new_engine(folder)
+def two_turn_ratio(folder, repeats: int, device: dict) -> dict:
+    llm = new_engine(folder, device)
     turn2_times, cold_times, cached = [], [], []
     for k in range(repeats):
         image = random_image(448, 448, 300 + k)
@@ -81,7 +82,7 @@ def two_turn_ratio(folder, repeats: int) -> dict:
         out = llm.chat(turn2, FIRST_TOKEN)[0]
         turn2_times.append(out.metrics.ttft_s)
         cached.append(out.metrics.num_cached_tokens)
-        fresh = new_engine(folder)  # has never seen this image or this conversation
+        fresh = new_engine(folder, device)  # has never seen this image or this conversation
         cold_times.append(fresh.chat(turn2, FIRST_TOKEN)[0].metrics.ttft_s)
     return dict(turn2_ttft_s=turn2_times, cold_ttft_s=cold_times, prefix_cached_tokens=cached,
                 ratio=statistics.median(turn2_times) / statistics.median(cold_times))
@@ -109,13 +110,13 @@ def stream_all(llm: LLM, prompts, params) -> float:
     return time.perf_counter() - start
 
 
-def worker_pool_ratio(folder, files: list[Path], workers: int, max_tokens: int) -> dict:
+def worker_pool_ratio(folder, files: list[Path], workers: int, max_tokens: int, device: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [chat_prompt(f"Photo {k}: what is in it?", [str(path)]) for k, path in enumerate(files)]
     times = {}
     for name, n in (("inline", 0), ("pool", workers)):
         # A fresh engine for each run: nothing cached from the other run.
-        times[name] = stream_all(new_engine(folder, num_preprocess_workers=n), prompts, params)
+        times[name] = stream_all(new_engine(folder, device, num_preprocess_workers=n), prompts, params)
     return dict(inline_s=times["inline"], pool_s=times["pool"], workers=workers, requests=len(files),
                 max_tokens=max_tokens, ratio=times["inline"] / times["pool"])
 
@@ -130,20 +131,22 @@ def main(argv=None) -> dict:
     p.add_argument("--jpeg-requests", type=int, default=16)
     p.add_argument("--jpeg-max-tokens", type=int, default=16)
     p.add_argument("--json", help="write every number to this file")
+    add_device_args(p)
     args = p.parse_args(argv)
+    device = dict(device=args.device, dtype=args.dtype)
     console = Console()
     console.print(f"command: python {' '.join(sys.argv)}")
     console.print(f"machine: {machine_info()}")
     folder = load_checkpoint(args, console.print)
     results = dict(machine=machine_info(), checkpoint=str(folder))
-    results["encoder_cache"] = encoder_cache_ratio(folder, args.repeats)
+    results["encoder_cache"] = encoder_cache_ratio(folder, args.repeats, device)
     console.print(f"encoder cache: TTFT warm / cold = {results['encoder_cache']['ratio']:.2f} "
                   f"(median of {args.repeats}; prefix-cached tokens {results['encoder_cache']['prefix_cached_tokens']})")
-    results["two_turn"] = two_turn_ratio(folder, args.repeats)
+    results["two_turn"] = two_turn_ratio(folder, args.repeats, device)
     console.print(f"two-turn chat: TTFT turn 2 / cold = {results['two_turn']['ratio']:.2f} "
                   f"(prefix-cached tokens {results['two_turn']['prefix_cached_tokens']})")
     files = jpeg_files(Path(args.cache_dir) / "jpegs", args.jpeg_requests)
-    results["worker_pool"] = worker_pool_ratio(folder, files, args.workers, args.jpeg_max_tokens)
+    results["worker_pool"] = worker_pool_ratio(folder, files, args.workers, args.jpeg_max_tokens, device)
     wp = results["worker_pool"]
     console.print(f"worker pool: {wp['requests']} x 2000x1500 JPEG, {wp['max_tokens']} tokens each: inline "
                   f"{wp['inline_s']:.2f} s, pool ({wp['workers']} workers) {wp['pool_s']:.2f} s, "

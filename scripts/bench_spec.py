@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
-from bench import chat_prompt, load_checkpoint, machine_info, measure_roofline, model_cost  # noqa: E402
+from bench import (add_device_args, chat_prompt, load_checkpoint, machine_info, measure_roofline,  # noqa: E402
+                   model_cost)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -77,7 +78,7 @@ def run_nanomm(llm: LLM, prompt_ids: list[int], params, max_tokens: int, repeats
 
 def run_hf(model, prompt_ids: list[int], max_tokens: int, repeats: int, lookup: int | None) -> dict:
     """transformers' generate on the same ids; lookup = prompt_lookup_num_tokens (its n-gram speculation)."""
-    input_ids = torch.tensor([prompt_ids])
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     extra = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
 
     def timed(n):
@@ -109,6 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="smoke run: few tokens, one repeat")
+    add_device_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.max_tokens, args.history, args.repeats = 16, 32, 1
@@ -131,15 +133,16 @@ def main(argv=None) -> dict:
                                                                  num_speculative_tokens=args.k)
     results = dict(machine=machine_info(), command=" ".join(["python", "scripts/bench_spec.py", *(argv or sys.argv[1:])]),
                    args=vars(args), workloads={})
-    plain = LLM(str(folder), device="cpu", dtype="float32")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    plain = LLM(str(folder), device=args.device, dtype=args.dtype)
     prompts = workloads(plain, args.history)
     cost = model_cost(plain)
-    results["roofline"] = roof = measure_roofline(bw_mib=1024, matmul_n=1024, repeats=5)
+    results["roofline"] = roof = measure_roofline(bw_mib=1024, matmul_n=1024, repeats=5, device=device, dtype=dtype)
     results["weight_bytes_per_step"] = cost["weight_bytes_per_step"]
     results["memory_bound_tokens_per_s"] = roof["read_gbps"] * 1e9 / cost["weight_bytes_per_step"]
     del plain
     for name, spec in configs.items():
-        llm = LLM(str(folder), device="cpu", dtype="float32", speculative=spec)
+        llm = LLM(str(folder), device=args.device, dtype=args.dtype, speculative=spec)
         for workload, (ids, params) in prompts.items():
             log(f"{name} / {workload} ...")
             results["workloads"].setdefault(workload, {"prompt_tokens": len(ids), "greedy": params is greedy})[name] \
@@ -147,7 +150,7 @@ def main(argv=None) -> dict:
         del llm
     if not args.no_hf:
         from transformers import Qwen2VLForConditionalGeneration
-        model = Qwen2VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+        model = Qwen2VLForConditionalGeneration.from_pretrained(str(folder), dtype=dtype).to(device).eval()
         for name, lookup in (("transformers", None), (f"transformers + prompt lookup (k={args.k})", args.k)):
             for workload, (ids, params) in prompts.items():
                 if params is not greedy:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The first thing to run on a CUDA machine: nanomm's GPU checks, one prepared script (issue 12, item 6).
+#
+#   bash scripts/gpu_check.sh            # results under gpu_check/ (or $OUT when set)
+#
+# It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
+# have no network. Every stage has its own time limit, so that the whole run fits in about 9 minutes; a stage
+# that fails or times out is reported and the next one still runs. It writes:
+#   env.txt              nvidia-smi, python, torch, CUDA, transformers
+#   tests.txt            the CUDA tests: engine against the dense reference (float32, with and without CUDA
+#                        graphs), bf16 logits, transformers parity, a graph replay against eager (fp32, bf16)
+#   bench-small.json     bench.py on the `small` preset, bf16, against transformers, decode workload
+#   bench-2b.json        bench.py on the 2b-shaped preset (real Qwen2-VL-2B widths, 1 layer), bf16
+#   summary.txt          the numbers issue 12 asks for, read from the two JSON files
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_check}"
+mkdir -p "$OUT"
+status=0
+
+stage() {  # stage NAME SECONDS COMMAND...: run one stage under a time limit into $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/stages.txt"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.txt"
+    echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+{
+    nvidia-smi || echo "nvidia-smi: not found"
+    python --version
+    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available',
+torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    python -c "import transformers; print('transformers', transformers.__version__)" || echo "transformers: missing"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device visible to torch: nothing to check" | tee "$OUT/summary.txt"
+    exit 1
+fi
+
+stage tests 200 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
+    tests/test_loader.py::test_loads_onto_cuda
+
+stage bench-small 150 python scripts/bench.py --device cuda --dtype bfloat16 --preset small \
+    --cache-dir checkpoints/bench-small --workload decode --hf-batch-sizes 1,32 --json "$OUT/bench-small.json"
+
+stage bench-2b 180 python scripts/bench.py --device cuda --dtype bfloat16 --preset 2b-shaped \
+    --cache-dir checkpoints/bench-2b-shaped --workload decode --hf-batch-sizes 1,32 --json "$OUT/bench-2b.json"
+
+python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for name in ("bench-small", "bench-2b"):
+    path = out / f"{name}.json"
+    if not path.exists():
+        print(f"{name}: no result")
+        continue
+    r = json.loads(path.read_text())
+    w = r["workloads"]["decode"]
+    print(f"{name}: {r['machine'].get('gpu')}, {r['dtype']}; read {r['roofline']['read_gbps']:.0f} GB/s, "
+          f"matmul {r['roofline']['matmul_gflops'] / 1e3:.0f} TFLOP/s")
+    print(f"  batch 32: nanomm {w['nanomm']['tokens_per_s']:.0f} tok/s, transformers best "
+          f"{w.get('hf', {}).get('best_tokens_per_s', float('nan')):.0f} tok/s, ratio {w.get('speedup', float('nan')):.2f}x "
+          f"(target >= 3x), identical {w.get('agreement', {}).get('identical')}/{w['num_requests']}")
+    b1 = w["batch1_roofline"]
+    print(f"  batch 1: decode step {b1['measured_step_s_median'] * 1e3:.2f} ms against a roofline of "
+          f"{b1['roofline_step_s_mean'] * 1e3:.2f} ms: {b1['fraction_of_roofline']:.0%} (target >= 50% on 2b)")
+    print(f"  batch 32 decode step: {w['decode_roofline']['fraction_of_roofline']:.0%} of the roofline")
+EOF
+exit $status
