@@ -183,3 +183,21 @@ def test_text_only_needs_the_one_qwen2_layout(tmp_path):
     with pytest.raises(ValueError, match="unknown model field 'vision_config.depth'"):
         make_checkpoint(tmp_path / "x", text_only=True, overrides={"vision_config.depth": 1})
     assert not (tmp_path / "x").exists()
+
+
+def test_a_long_chunk_s_mlp_in_passes_equals_one_pass(monkeypatch):
+    """qwen2.MLP runs more than MLP_ROWS_PER_PASS rows in passes (small temporaries): the same rows out."""
+    import nanomm.model.qwen2 as qwen2
+    from nanomm.model.config import TextConfig
+    torch.manual_seed(0)
+    mlp = qwen2.MLP(TextConfig(hidden_size=32, intermediate_size=48))
+    x, residual = torch.randn(1100, 32), torch.randn(1100, 32)
+    calls = []
+    mlp.gate_up_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    with torch.no_grad():
+        in_passes = mlp(x, residual)
+        assert calls == [512, 512, 76]
+        monkeypatch.setattr(qwen2, "MLP_ROWS_PER_PASS", 10_000)
+        one_pass = mlp(x, residual)
+    assert in_passes.shape == (1100, 32)
+    torch.testing.assert_close(in_passes, one_pass, rtol=1e-6, atol=1e-6)
