@@ -410,6 +410,7 @@ def parse_args(argv=None):
                    help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
     add_device_args(e)
+    e.add_argument("--compile", action="store_true", help="nanomm with LLM(compile=True): torch.compile'd layers")
     r = p.add_argument_group("roofline")
     r.add_argument("--bw-mib", type=int, default=512, help="tensor size for the bandwidth test")
     r.add_argument("--matmul-n", type=int, default=2048)
@@ -475,7 +476,7 @@ def main(argv=None) -> dict:
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
     llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
-              cpu_fast_linear=args.cpu_fast_linear, **engine_kwargs)
+              cpu_fast_linear=args.cpu_fast_linear, compile=args.compile, **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
     llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools

@@ -16,7 +16,9 @@ Two ways to run it, with the same result:
   (lower-right causal: query i of a run of q sees the first context_len - q + 1 + i keys). GQA groups the
   query heads by KV head instead of copying K and V, and scores and softmax are float32, as in prefill. A
   step of 32 decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is
-  the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids.
+  the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads
+  (the rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value
+  back to the host, so a CUDA graph can record it (cuda_graphs.py).
 """
 
 from dataclasses import dataclass
