@@ -4,17 +4,29 @@
 #   bash scripts/gpu_check.sh            # results under gpu_check/ (or $OUT when set)
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
-# have no network. Every stage has its own time limit, so that the whole run fits in about 9 minutes; a stage
+# have no network. Every stage has its own time limit, so that the whole run ends within 8 minutes; a stage
 # that fails or times out is reported and the next one still runs. It writes:
-#   env.txt              nvidia-smi, python, torch, CUDA, transformers
-#   tests.txt            the CUDA tests: engine against the dense reference (float32, with and without CUDA
-#                        graphs), bf16 logits, transformers parity, a graph replay against eager (fp32, bf16)
-#   bench-small.json     bench.py on the `small` preset, bf16, against transformers, decode workload
-#   bench-2b.json        bench.py on the 2b-shaped preset (real Qwen2-VL-2B widths, 1 layer), bf16
-#   summary.txt          the numbers issue 12 asks for, read from the two JSON files
+#   gpu_check.json       everything: the machine, each stage's exit status and time, both bench results
+#   summary.txt          the numbers issue 12 asks for, in words
+#   env.txt, tests.txt, bench-small.txt, bench-2b.txt: each stage's own output
+# The tests: engine against the dense reference on CUDA (float32, with and without CUDA graphs), bf16 logits,
+# transformers parity, a graph replay against eager (float32 and bf16), the profiled KV pool. The benches:
+# bench.py in bf16 against transformers at batch 32, on `small` and on the 2b-shaped preset (the real
+# Qwen2-VL-2B widths, 1 text layer).
+#
+# GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
+# suite checks this script (tests/test_scripts.py) without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check}"
+DEVICE=(--device cuda --dtype bfloat16)
+SMALL=(--preset small --cache-dir checkpoints/bench-small)
+TWO_B=(--preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped)
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+    DEVICE=(--device cpu --dtype float32 --quick)
+    SMALL=(--preset tiny --cache-dir "$OUT/ckpt-tiny")
+    TWO_B=("${SMALL[@]}")
+fi
 mkdir -p "$OUT"
 status=0
 
@@ -27,6 +39,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run one stage under a time limit int
     local rc=$?
     tail -n 25 "$OUT/$name.txt"
     echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
+    echo "$name $rc $((SECONDS - start))" >> "$OUT/stages.tsv"
     [ "$rc" -eq 0 ] || status=1
 }
 
@@ -38,24 +51,33 @@ torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_availa
     python -c "import transformers; print('transformers', transformers.__version__)" || echo "transformers: missing"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "${GPU_CHECK_DRY_RUN:-0}" != 1 ] && ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device visible to torch: nothing to check" | tee "$OUT/summary.txt"
     exit 1
 fi
 
-stage tests 200 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
+stage tests 180 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
     tests/test_loader.py::test_loads_onto_cuda
 
-stage bench-small 150 python scripts/bench.py --device cuda --dtype bfloat16 --preset small \
-    --cache-dir checkpoints/bench-small --workload decode --hf-batch-sizes 1,32 --json "$OUT/bench-small.json"
+stage bench-small 120 python scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
+    --json "$OUT/bench-small.json"
 
-stage bench-2b 180 python scripts/bench.py --device cuda --dtype bfloat16 --preset 2b-shaped \
-    --cache-dir checkpoints/bench-2b-shaped --workload decode --hf-batch-sizes 1,32 --json "$OUT/bench-2b.json"
+stage bench-2b 150 python scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
+    --json "$OUT/bench-2b.json"
 
 python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
+stages = {name: {"exit": int(rc), "seconds": int(s)} for name, rc, s in
+          (line.split() for line in (out / "stages.tsv").read_text().splitlines())}
+combined = {"env": (out / "env.txt").read_text(), "stages": stages,
+            "tests_tail": (out / "tests.txt").read_text()[-4000:] if (out / "tests.txt").exists() else None}
+for name in ("bench-small", "bench-2b"):
+    path = out / f"{name}.json"
+    combined[name] = json.loads(path.read_text()) if path.exists() else None
+(out / "gpu_check.json").write_text(json.dumps(combined, indent=1, default=str))
+print("stages:", ", ".join(f"{k} exit {v['exit']} in {v['seconds']}s" for k, v in stages.items()))
 for name in ("bench-small", "bench-2b"):
     path = out / f"{name}.json"
     if not path.exists():

@@ -49,6 +49,7 @@ def test_bench_quick(tmp_path):
     assert set(results["workloads"]) == {"decode", "prefill"}
     for name, workload in results["workloads"].items():
         assert {"num_requests", "max_tokens", "nanomm", "decode_probe", "decode_roofline"} <= set(workload), name
+        assert ("batch1_roofline" in workload) == (name == "decode"), name
         assert "hf" not in workload and "speedup" not in workload, name
         assert workload["num_requests"] == 4, name  # --quick's size
         token_ids = workload["nanomm"]["token_ids"]
@@ -120,3 +121,22 @@ def test_soak_serve_smallest(tmp_path):
     assert results["kv_blocks_used_after"] == 0 and results["requests_left"] == 0 and results["machine"]["cpu"]
     assert results["kv_blocks_used_peak"] > 0  # the gauge read at the end is live: it rose while clients ran
     assert len(results["rss_curve"]) >= 2 and len(results["rss_mib_peak_by_quarter"]) == 4
+
+
+def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
+    """scripts/gpu_check.sh end to end on the CPU (GPU_CHECK_DRY_RUN=1: tiny preset, quick benches); on a GPU the
+    same stages run on CUDA. The CUDA tests are skipped here, so the tests stage only shows it runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"), OMP_NUM_THREADS="2", COLUMNS="150",
+               GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=2 * TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b"}
+    assert all(stage["exit"] == 0 for stage in combined["stages"].values())
+    for name in ("bench-small", "bench-2b"):
+        decode = combined[name]["workloads"]["decode"]
+        assert decode["agreement"]["identical"] == decode["num_requests"]  # against transformers, token for token
+        assert decode["batch1_roofline"]["steps"] > 0 and decode["decode_probe"]["ops"]["kernels_per_layer"] <= 25
+    assert "batch 32:" in (tmp_path / "out" / "summary.txt").read_text()
