@@ -25,7 +25,6 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.compile import compile_decoder_layers
 from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
-from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestOutput
 from nanomm.engine.memory_profile import profile_memory
 from nanomm.planner import (Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines,

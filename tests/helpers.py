@@ -8,6 +8,7 @@ import zlib
 import torch
 from PIL import Image
 
+from nanomm import SamplingParams
 from nanomm.reference import generate as reference_generate
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 
@@ -80,6 +81,21 @@ def assert_engine_matches_reference(llm, prompts, params_list):
         assert out.outputs[0].token_ids == reference_tokens(llm, prompt, params), f"prompt {i} differs"
     assert_no_leaks(llm)
     return outputs
+
+
+def assert_mixed_workload_matches(llm, reference_model) -> None:
+    """Eight random prompts, half greedy and half seeded sampling, through the engine: each must equal the dense
+    reference run on `reference_model` (the engine's own model, or an eager copy of it), token for token."""
+    prompts = random_workload(seed=1, num_prompts=8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
+                             ignore_eos=True) for i in range(8)]
+    outputs = llm.generate(prompts, params)
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
+        prepared = llm.engine.prepare(prompt, p)
+        expected = reference_generate(reference_model, prepared.token_ids, prepared.images, p,
+                                      llm.tokenizer.eos_token_ids).token_ids
+        assert out.outputs[0].token_ids == expected, f"prompt {i} differs"
+    assert_no_leaks(llm)
 
 
 def force_first_token(monkeypatch, token_id: int) -> None:

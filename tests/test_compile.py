@@ -4,10 +4,9 @@ the engine's stress settings, and proof that compiled code ran."""
 import pytest
 import torch
 
-from helpers import assert_no_leaks, random_workload
-from nanomm import LLM, SamplingParams
+from helpers import assert_mixed_workload_matches
+from nanomm import LLM
 from nanomm.model.loader import load_model
-from nanomm.reference import generate as reference_generate
 from test_engine import MAX_PIXELS, STRESS
 
 
@@ -20,16 +19,7 @@ def eager_model(ckpt):
 def test_compiled_engine_matches_the_eager_dense_reference(ckpt, eager_model, setting):
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
     llm = LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, compile=True, **STRESS[setting])
-    prompts = random_workload(seed=1, num_prompts=8)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
-                             ignore_eos=True) for i in range(8)]
-    outputs = llm.generate(prompts, params)
-    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
-        prepared = llm.engine.prepare(prompt, p)
-        expected = reference_generate(eager_model, prepared.token_ids, prepared.images, p,
-                                      llm.tokenizer.eos_token_ids).token_ids
-        assert out.outputs[0].token_ids == expected, f"prompt {i} differs"
-    assert_no_leaks(llm)
+    assert_mixed_workload_matches(llm, eager_model)
     if setting == "tiny-pool-preemption":
         assert llm.stats()["preemptions"] > 0
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before or setting != "default", \

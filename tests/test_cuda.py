@@ -9,7 +9,7 @@ differences into different tokens now and then, so the check is on logits, row b
 import pytest
 import torch
 
-from helpers import assert_no_leaks, random_workload
+from helpers import assert_mixed_workload_matches, assert_no_leaks, random_workload
 from nanomm import LLM, SamplingParams
 from nanomm.reference import generate as reference_generate
 from test_engine import MAX_PIXELS, STRESS, record_logit_rows
@@ -22,16 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_float32_on_cuda_matches_the_dense_reference(ckpt, setting, enforce_eager):
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS, enforce_eager=enforce_eager,
               **STRESS[setting])
-    prompts = random_workload(seed=1, num_prompts=8)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
-                             ignore_eos=True) for i in range(8)]
-    outputs = llm.generate(prompts, params)
-    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
-        prepared = llm.engine.prepare(prompt, p)
-        expected = reference_generate(llm.model, prepared.token_ids, prepared.images, p,
-                                      llm.tokenizer.eos_token_ids).token_ids
-        assert out.outputs[0].token_ids == expected, f"prompt {i} differs"
-    assert_no_leaks(llm)
+    assert_mixed_workload_matches(llm, llm.model)
 
 
 def test_bfloat16_on_cuda_logits_follow_the_dense_reference(ckpt):

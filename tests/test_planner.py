@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import chat_prompt, run_to_completion
+from helpers import chat_prompt
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.image import ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
