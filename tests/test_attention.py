@@ -137,3 +137,16 @@ def test_padded_context_slots_are_token_slots_row_by_row():
     for row, table, n in zip(padded, tables, lengths):
         assert row[:n].tolist() == token_slots(table, 0, n, 4).tolist()
         assert all(0 <= s < 64 for s in row.tolist())  # padding: valid slots (never attended)
+
+
+def test_the_packed_host_to_device_copy_gives_back_every_tensor():
+    """model_runner.packed_copy (what copy_to_device does on a GPU; run here on the CPU): one int64 buffer, then
+    each tensor back in its shape and dtype, None kept in its place."""
+    from nanomm.engine.model_runner import packed_copy
+    tensors = [torch.arange(5), None, torch.arange(6).view(3, 2), torch.tensor([True, False, True]),
+               torch.zeros(0, dtype=torch.long)]
+    copied = packed_copy(tensors, torch.device("cpu"))
+    assert copied[1] is None
+    for original, back in zip(tensors, copied):
+        if original is not None:
+            assert back.dtype == original.dtype and torch.equal(back, original)

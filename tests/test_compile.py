@@ -1,5 +1,5 @@
 """LLM(compile=True) (nanomm/model/compile.py): the compiled engine against the *eager* dense reference, under
-the engine's stress settings, and proof that compiled code ran."""
+every one of the engine's stress settings, and proof that compiled code ran."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ def eager_model(ckpt):
     return load_model(ckpt)  # its own copy: the engine's model is the compiled one
 
 
-@pytest.mark.parametrize("setting", ["default", "block-16-tiny-budget", "tiny-pool-preemption"])
+@pytest.mark.parametrize("setting", list(STRESS))
 def test_compiled_engine_matches_the_eager_dense_reference(ckpt, eager_model, setting):
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
     llm = LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, compile=True, **STRESS[setting])

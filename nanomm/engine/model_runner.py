@@ -74,6 +74,11 @@ def copy_to_device(tensors: list, device: torch.device) -> list:
     nothing to copy."""
     if device.type == "cpu":
         return tensors
+    return packed_copy(tensors, device)
+
+
+def packed_copy(tensors: list, device: torch.device) -> list:
+    """`copy_to_device`'s work, for any device: int64 buffer, one copy, views back in each tensor's shape and dtype."""
     present = [t for t in tensors if t is not None]
     flat = torch.cat([t.reshape(-1).long() for t in present])
     if device.type == "cuda":
