@@ -70,11 +70,11 @@ class BatchLayout:
         hidden = torch.zeros(short.last_visible.shape + short.context_slots.shape[1:], dtype=torch.float32,
                              device=short.context_slots.device)
         hidden.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
-        if width == 1:  # a decode's query heads all see the same keys: one mask row, broadcast
-            mask = hidden.repeat_interleave(kv_heads, dim=0)  # (B * kv, 1, L)
-        else:  # (B, Q, L) -> (B, kv, Q, group, L) -> (B * kv, Q * group, L), the layout of the queries below
-            mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, group, -1).reshape(
-                batch * kv_heads, width * group, -1)
+        # (B, Q, L) -> (B, kv, Q, group, L) -> (B * kv, Q * group, L), the layout of the queries below; a decode
+        # (Q = 1) needs one row per KV head: its query heads all see the same keys, and baddbmm broadcasts it.
+        rows = 1 if width == 1 else group
+        mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, rows, -1).reshape(
+            batch * kv_heads, width * rows, -1)
         return cls(kv_rows, mask, short.query_rows.flatten())
 
 
