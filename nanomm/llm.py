@@ -19,6 +19,7 @@ import torch
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.kv_cache import kv_bytes_per_token
+from nanomm.engine.memory_profile import profile_memory
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
@@ -26,7 +27,6 @@ from nanomm.model.compile import compile_decoder_layers
 from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
-from nanomm.engine.memory_profile import profile_memory
 from nanomm.planner import (Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines,
                             worst_case_image)
 from nanomm.sampling import SamplingParams, generation_defaults
@@ -122,8 +122,10 @@ class LLM:
         reserve = activation_reserve(self.model.config, self.image_config, self._dtype_name)  # the planner's estimate
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
             max_model_len = config.max_model_len or self.model.config.text.max_position_embeddings
+            chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else max(  # the largest step
+                config.max_num_batched_tokens, max_model_len)
             profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
-                                     config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+                                     chunk, config.max_num_seqs, max_model_len)
             total, used, reserve = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
             self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=reserve)
         budget, rule = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
