@@ -27,8 +27,7 @@ from nanomm.model.compile import compile_decoder_layers
 from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
-from nanomm.planner import (Plan, Workload, activation_reserve, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines,
-                            worst_case_image)
+from nanomm.planner import Plan, Workload, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines, worst_case_image
 from nanomm.sampling import SamplingParams, generation_defaults
 
 logger = logging.getLogger("nanomm")
@@ -97,40 +96,38 @@ class LLM:
         max_model_len = config.max_model_len or limit
         if max_model_len > limit:  # positions past the trained range: the model was never taught them
             raise ValueError(f"max_model_len={max_model_len} is beyond this model's max_position_embeddings={limit}")
+        token_budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
+            token_budget = max(token_budget, max_model_len)
         num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
             per_block = config.block_size * sum(  # a draft model's KV lives in the same budget
                 kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
                                    m.config.text.head_dim, m.dtype) for m in (self.model, self.draft_model) if m)
-            num_kv_blocks = kv_pool_blocks(self._kv_budget(config), per_block, config.max_num_seqs, max_model_len,
-                                           config.block_size)
+            num_kv_blocks = kv_pool_blocks(self._kv_budget(config, max_model_len, token_budget), per_block,
+                                           config.max_num_seqs, max_model_len, config.block_size)
             if num_kv_blocks < 1:
                 raise ValueError("no memory left for the KV cache; lower the model size or raise "
                                  "gpu_memory_utilization")
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
-            budget = max(budget, max_model_len)
-        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
-                       max_num_encoder_tokens=config.max_num_encoder_tokens or budget)
+        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                       max_num_batched_tokens=token_budget,
+                       max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget)
 
-    def _kv_budget(self, config: EngineConfig) -> int:
+    def _kv_budget(self, config: EngineConfig, max_model_len: int, token_budget: int) -> int:
         """Bytes for the KV pool (planner.kv_pool_budget). On a GPU: what is free of the utilisation share once
-        the weights are loaded, less the activations of the engine's largest steps, measured by a profiling pass
-        (engine/memory_profile.py). Elsewhere: the fixed budget. How it was split lands in `self.memory`."""
+        the weights are loaded, less the activations of the engine's largest step (token_budget tokens against
+        max_model_len), measured by a profiling pass (engine/memory_profile.py). Elsewhere: the fixed budget.
+        How it was split lands in `self.memory`."""
         device = self.model.device
-        total = used = 0
-        reserve = activation_reserve(self.model.config, self.image_config, self._dtype_name)  # the planner's estimate
+        profiled = {}
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
-            max_model_len = config.max_model_len or self.model.config.text.max_position_embeddings
-            chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else max(  # the largest step
-                config.max_num_batched_tokens, max_model_len)
             profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
-                                     chunk, config.max_num_seqs, max_model_len)
-            total, used, reserve = profile.total_bytes, profile.used_bytes, profile.activation_peak_bytes
-            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=reserve)
-        budget, rule = kv_pool_budget(device.type, total_bytes=total, used_bytes=used,
-                                      gpu_memory_utilization=config.gpu_memory_utilization,
-                                      kv_cache_memory_gib=config.kv_cache_memory_gib, reserve_bytes=reserve)
+                                     token_budget, config.max_num_seqs, max_model_len)
+            profiled = dict(total_bytes=profile.total_bytes, used_bytes=profile.used_bytes,
+                            reserve_bytes=profile.activation_peak_bytes)
+            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=profile.activation_peak_bytes)
+        budget, rule = kv_pool_budget(device.type, gpu_memory_utilization=config.gpu_memory_utilization,
+                                      kv_cache_memory_gib=config.kv_cache_memory_gib, **profiled)
         self.memory.update(kv_budget_rule=rule, kv_budget_bytes=budget)
         return budget
 

@@ -17,8 +17,9 @@ The arithmetic, in the order a request meets it:
    capped by max_num_seqs. The scheduler grows block tables a step at a time and preempts the newest request
    when the pool runs dry, so this is the number of requests that hold their whole length at once.
 5. **The pool** is sized by the rule `LLM` uses (`kv_pool_budget`, shared): on a GPU, utilisation x memory,
-   less what is already used (the weights, here), less an activation reserve (at least 1 GiB, more when the
-   vision tower's working set for the largest image is larger); on a CPU, a fixed budget.
+   less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
+   more when the vision tower's working set for the largest image is larger; `LLM` measures it instead, with
+   a profiling pass, engine/memory_profile.py); on a CPU, a fixed budget.
 
 The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
 """
@@ -157,12 +158,6 @@ def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> in
     pixels = patches * patch_values * (4 + b)
     mlp = patches * (2 * vision.embed_dim + 3 * vision.mlp_dim) * b
     return int(pixels + mlp)
-
-
-def activation_reserve(config: ModelConfig, image_config: ImageProcessorConfig, dtype: str) -> int:
-    """GPU memory to keep out of the KV pool: 1 GiB, or the vision tower's peak for the largest image if more."""
-    _, tokens = worst_case_image(image_config)
-    return max(MIN_ACTIVATION_RESERVE, vision_peak_bytes(config, tokens, dtype))
 
 
 def kv_pool_budget(device_type: str, *, total_bytes: int = 0, used_bytes: int = 0,
