@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nanomm.engine.attention import PagedAttention, ShortQueries, StepMetadata
+from nanomm.engine.model_runner import packed_positions, padded_context_slots
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.model.qwen2_vl import Qwen2VL
 
@@ -67,19 +68,22 @@ class StaticDecodeInputs:
                    rows.view(batch, 1))
 
     def host_values(self, chunks: list[ScheduledChunk], block_size: int, scratch_slot: int) -> torch.Tensor:
-        """The flat buffer's next contents, built on the host: the chunks' rows, then padding rows."""
+        """The flat buffer's next contents, built on the host: the chunks' rows, then padding rows (token 0 at
+        position 0, writing and reading only the scratch slot). A decode's new token sits at position end - 1."""
         batch, length = self.context_slots.shape
-        ids, positions, slots = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long), \
-            torch.full((batch,), scratch_slot, dtype=torch.long)
-        context, last = torch.full((batch, length), scratch_slot, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
-        for row, chunk in enumerate(chunks):
-            request = chunk.request
-            table = torch.tensor(request.block_table, dtype=torch.long)
-            where = torch.arange(chunk.end)
-            context[row, :chunk.end] = table[where // block_size] * block_size + where % block_size
-            ids[row], positions[row] = chunk.token_ids[0], chunk.start + request.prompt.rope_delta
-            slots[row], last[row] = context[row, chunk.start], chunk.end - 1
-        return torch.cat([ids, positions.expand(3, -1).flatten(), slots, context.flatten(), last, torch.arange(batch)])
+        n = len(chunks)
+        ids, positions = torch.zeros(batch, dtype=torch.long), torch.zeros(3, batch, dtype=torch.long)
+        slots, last = torch.full((batch,), scratch_slot), torch.zeros(batch, dtype=torch.long)
+        context = torch.full((batch, length), scratch_slot)
+        if chunks:
+            ends = torch.tensor([c.end for c in chunks])
+            real = padded_context_slots([c.request.block_table for c in chunks], ends.tolist(), block_size)
+            visible = torch.arange(real.shape[1]) < ends[:, None]  # past a row's context: the scratch slot
+            context[:n, :real.shape[1]] = torch.where(visible, real, scratch_slot)
+            ids[:n] = torch.tensor([c.token_ids[0] for c in chunks])
+            positions[:, :n] = packed_positions(chunks)
+            slots[:n], last[:n] = real[torch.arange(n), ends - 1], ends - 1
+        return torch.cat([ids, positions.flatten(), slots, context.flatten(), last, torch.arange(batch)])
 
 
 def decode_forward(model: Qwen2VL, kv_cache: torch.Tensor, inputs: StaticDecodeInputs) -> torch.Tensor:

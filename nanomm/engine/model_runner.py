@@ -10,7 +10,7 @@ step in one batched vision forward; each chunk then takes its slice of the embed
 into the encoder cache (encoder_cache.py), so a later request showing the same picture skips the encoder.
 
 The preparation is built for the whole step at once, in a few tensor operations however many chunks there are
-(`padded_context_slots`, `_positions`), and reaches the device in one copy (`copy_to_device`). A step of pure
+(`padded_context_slots`, `packed_positions`), and reaches the device in one copy (`copy_to_device`). A step of pure
 decodes on a GPU goes through a recorded CUDA graph instead (cuda_graphs.py).
 """
 
@@ -147,7 +147,7 @@ class ModelRunner:
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
         short, alone = self._split_runs(chunks, query_starts, slots)
-        host = [torch.tensor(ids), _positions(chunks), new_slots, image_mask, alone[1],
+        host = [torch.tensor(ids), packed_positions(chunks), new_slots, image_mask, alone[1],
                 torch.tensor(sample_rows, dtype=torch.long)] + _short_tensors(short)
         input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
             host, self.device)
@@ -241,7 +241,7 @@ def _short_tensors(short: ShortQueries | None) -> list:
     return [getattr(short, name) if short is not None else None for name in SHORT_TENSORS]
 
 
-def _positions(chunks: list[ScheduledChunk]) -> torch.Tensor:
+def packed_positions(chunks: list[ScheduledChunk]) -> torch.Tensor:
     """(3, tokens) M-RoPE ids of the packed chunks. A chunk past its prompt (a decode, a verification) counts
     up from index + rope delta on all three axes: those are written in one go, not built per chunk."""
     total = sum(c.num_tokens for c in chunks)
