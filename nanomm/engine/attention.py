@@ -59,7 +59,6 @@ class BatchLayout:
     every layer: only the cache and q change)."""
     kv_rows: torch.Tensor  # (2 * B * kv_heads * L,) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
     mask: torch.Tensor  # (B * kv_heads, Q * group or 1, L) float32: 0 where a key is visible, -inf where not
-    query_index: torch.Tensor  # (B * Q,) packed row of each (run, query) slot
 
     @classmethod
     def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int) -> "BatchLayout":
@@ -75,7 +74,7 @@ class BatchLayout:
         rows = 1 if width == 1 else group
         mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, rows, -1).reshape(
             batch * kv_heads, width * rows, -1)
-        return cls(kv_rows, mask, short.query_rows.flatten())
+        return cls(kv_rows, mask)
 
 
 @dataclass
@@ -153,7 +152,7 @@ def batched_attention(q: torch.Tensor, cache: torch.Tensor, short: ShortQueries,
     if short.in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
         queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
     else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
-        queries = q.index_select(0, layout.query_index).view(batch, width, kv_heads, group, head_dim)
+        queries = q.index_select(0, short.query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
         queries = queries.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, width * group, head_dim)
     # Scores in float32 (as prefill's), scaled and masked in one call: mask + scale * q k^T.
     scores = torch.baddbmm(layout.mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)

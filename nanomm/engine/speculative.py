@@ -198,7 +198,7 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
     (not once per request). Penalties and min_tokens see, at each row, the output so far plus the proposals
     before it: the history that row would have in plain decoding."""
     argmax = greedy_tokens(logits).tolist()
-    tokens_of, draws, row = [], [], 0  # per chunk: its tokens, or None while its draw is on the device
+    per_chunk, draws, row = [], [], 0  # per chunk: (its raw rows, its tokens or None while drawn on the device)
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids
         rows = 1 + len(proposed)
@@ -206,25 +206,24 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
         adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else raw
         if request.params.greedy:
             chosen = adjusted.argmax(dim=-1).tolist() if request.params.reads_history else argmax[row:row + rows]
-            tokens_of.append(accept_greedy(proposed, chosen))
+            tokens = accept_greedy(proposed, chosen)
         elif not proposed:  # plain sampling: the same draw as accept_sampled's, left on the device for now
             p = probabilities(adjusted[0], request.params)
             draws.append(torch.multinomial(p, 1, generator=request.generator))
-            tokens_of.append(None)
+            tokens = None
         else:
             p = probabilities(adjusted, request.params)  # (rows, vocab)
             q = None if request.spec_token_probs is None else request.spec_token_probs[:rows - 1]
-            tokens_of.append(accept_sampled(proposed, p, q, request.generator))
+            tokens = accept_sampled(proposed, p, q, request.generator)
+        per_chunk.append((raw, tokens))
         row += rows
     drawn = iter(torch.cat(draws).tolist() if draws else [])  # the step's one read-back of sampled tokens
-    emitted, row = [], 0
-    for chunk, tokens in zip(chunks, tokens_of):
+    emitted = []
+    for chunk, (raw, tokens) in zip(chunks, per_chunk):
         tokens = [next(drawn)] if tokens is None else tokens
         num_top = chunk.request.params.logprobs
-        raw = logits[row:row + 1 + len(chunk.spec_token_ids)]
         logprobs = None if num_top is None else top_logprobs(raw[:len(tokens)], tokens, num_top)
         emitted.append(Emitted(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
-        row += 1 + len(chunk.spec_token_ids)
     return emitted
 
 
