@@ -21,11 +21,17 @@ TIMEOUT_S = 240  # each script takes well under a minute on two busy cores; this
 SMALL = ["--preset", "tiny", "--cache-dir", "ck"]
 
 
+def offline_env(cwd: Path, **extra) -> dict:
+    """The environment of a script's run: no hub, an empty HF_HOME under cwd, two threads, a wide console."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf-home"), OMP_NUM_THREADS="2", COLUMNS="150", **extra)
+    return env
+
+
 def run_script(name: str, args: list[str], cwd: Path) -> dict:
     """Run scripts/<name>.py with `args` and --json; the JSON it wrote."""
     out = cwd / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(cwd / "hf-home"), OMP_NUM_THREADS="2", COLUMNS="150")
+    env = offline_env(cwd)
     cmd = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args, "--json", str(out)]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -126,9 +132,7 @@ def test_soak_serve_smallest(tmp_path):
 def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
     """scripts/gpu_check.sh end to end on the CPU (GPU_CHECK_DRY_RUN=1: tiny preset, quick benches); on a GPU the
     same stages run on CUDA. The CUDA tests are skipped here, so the tests stage only shows it runs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"), OMP_NUM_THREADS="2", COLUMNS="150",
-               GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path / "out"))
+    env = offline_env(tmp_path, GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path / "out"))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=2 * TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
