@@ -38,12 +38,13 @@ import torch
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
+from nanomm.model.loader import DTYPES
 
 GiB = 2**30
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
 MIN_ACTIVATION_RESERVE = GiB  # GPU memory kept back from the KV pool for activations, at the least
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}  # of weights
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
 
 
