@@ -200,17 +200,14 @@ def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
         assert (holds_worst, holds_typical) == (f"{plan.fit_worst:,}", f"{plan.fit_typical:,}")
 
 
-def test_the_memory_profile_s_worst_image_has_the_processor_s_grid(ckpt):
-    """The profiling pass (engine/memory_profile.py, CUDA only) encodes the planner's worst-case image as the
-    processor would cut it: same patch count and grid as preprocessing a real picture of that size."""
-    from PIL import Image
+def test_the_memory_profile_encodes_as_many_visual_tokens_as_the_planner_s_worst_case(ckpt):
+    """The profiling pass (engine/memory_profile.py, CUDA only) encodes the planner's worst-case image through
+    the engine's preprocessing: as many patches as the planner counts visual tokens (4 patches per token)."""
     from nanomm import LLM
-    from nanomm.engine.memory_profile import worst_case_patches
+    from nanomm.engine.memory_profile import worst_case_pixels
     from nanomm.planner import worst_case_image
     with LLM(str(ckpt), max_pixels=28 * 28 * 40) as llm:
-        (width, height), tokens = worst_case_image(llm.image_config)
-        patches, grid = worst_case_patches(llm.image_config, width, height)
-        prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>x",
-                  "multi_modal_data": {"image": [Image.new("RGB", (width, height))]}}
-        image = llm.engine.prepare(prompt, None).images[0]
-    assert tuple(image.grid_thw) == grid and image.pixel_values.shape[0] == patches == tokens * 4
+        size, tokens = worst_case_image(llm.image_config)
+        image = worst_case_pixels(llm.image_config, size)
+    _, rows, cols = image.grid_thw
+    assert image.pixel_values.shape[0] == rows * cols == tokens * 4 and image.num_tokens == tokens

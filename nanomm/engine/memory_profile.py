@@ -14,9 +14,10 @@ CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 
 from nanomm.engine.attention import causal_attention
-from nanomm.inputs.image import ImageProcessorConfig, smart_resize
+from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import text_positions
 
@@ -45,11 +46,10 @@ class _LongContextAttention:
         return causal_attention(q, keys, values)
 
 
-def worst_case_patches(image_config: ImageProcessorConfig, width: int, height: int) -> tuple[int, tuple[int, int, int]]:
-    """(patches, grid (t, h, w)) of a width x height picture after smart_resize, as the processor makes them."""
-    h_bar, w_bar = smart_resize(height, width, image_config.factor, image_config.min_pixels, image_config.max_pixels)
-    grid = (1, h_bar // image_config.patch_size, w_bar // image_config.patch_size)
-    return grid[1] * grid[2], grid
+def worst_case_pixels(image_config: ImageProcessorConfig, size: tuple[int, int]) -> ProcessedImage:
+    """A blank picture of `size` (width, height) through the engine's own preprocessing: the patches and grid
+    the vision tower would get."""
+    return preprocess_image(Image.new("RGB", size), image_config)
 
 
 @torch.inference_mode()
@@ -67,11 +67,8 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
     model.compute_logits(hidden[-min(tokens, max_num_seqs):])  # the rows that sample
     del hidden
     if model.visual is not None:
-        patches, grid = worst_case_patches(image_config, *worst_image)
-        patch_values = model.config.vision.in_channels * model.config.vision.temporal_patch_size * \
-            model.config.vision.patch_size ** 2
-        pixels = torch.zeros(patches, patch_values, dtype=torch.float32, device=device)  # as the processor sends
-        model.encode_images(pixels, [grid])
+        image = worst_case_pixels(image_config, worst_image)
+        model.encode_images(image.pixel_values.to(device), [image.grid_thw])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
