@@ -408,6 +408,9 @@ def parse_args(argv=None):
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e.add_argument("--no-cpu-fast-linear", dest="cpu_fast_linear", action="store_false",
                    help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
+    e.add_argument("--no-cpu-keep-freed-memory", dest="cpu_keep_freed_memory", action="store_false",
+                   help="leave glibc's malloc thresholds as they are (LLM(cpu_keep_freed_memory=False)); they are "
+                        "per process, so this changes transformers' side of the run too")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
     add_device_args(e)
     e.add_argument("--compile", action="store_true", help="nanomm with LLM(compile=True): torch.compile'd layers")
@@ -476,7 +479,8 @@ def main(argv=None) -> dict:
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
     llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
-              cpu_fast_linear=args.cpu_fast_linear, compile=args.compile, **engine_kwargs)
+              cpu_fast_linear=args.cpu_fast_linear, cpu_keep_freed_memory=args.cpu_keep_freed_memory,
+              compile=args.compile, **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
     llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools
@@ -496,7 +500,8 @@ def main(argv=None) -> dict:
     results = dict(command=command, machine=machine, quick=args.quick, checkpoint=str(folder),
                    device=args.device, dtype=args.dtype,
                    preset=None if args.checkpoint else args.preset, model=cost, roofline=roof,
-                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels)),
+                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
+                                      cpu_keep_freed_memory=args.cpu_keep_freed_memory),
                    hf_attn_implementation=None if hf_model is None else attn_impl, workloads={})
     for name, wl in workloads(args).items():
         prompts, max_tokens = wl["prompts"], wl["max_tokens"]

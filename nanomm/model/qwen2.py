@@ -79,9 +79,11 @@ class Attention(nn.Module):
         return residual_linear(residual, self.o_proj, out.reshape(n, -1))
 
 
-# On a CPU a fresh multi-megabyte tensor costs a page fault per 4 KiB on first touch: a 2,048-token chunk's
-# gate/up output alone is 25 MB for the `small` preset. Passes of 512 rows keep each temporary a quarter of that.
-MLP_ROWS_PER_PASS = 512
+# On a CPU a fresh multi-megabyte tensor costs a page fault per 4 KiB on first touch, and glibc gives an
+# allocation above 32 MiB back to the kernel when it is freed (engine/host_memory.py), so a long prefill chunk's
+# MLP goes through in passes whose (rows, 2 x intermediate) output stays under MLP_PASS_BYTES: 1,365 rows for the
+# `small` preset (intermediate 1,536), 234 for Qwen2-VL-2B's shape (8,960), in float32.
+MLP_PASS_BYTES = 16 * 2**20
 
 
 class MLP(nn.Module):
@@ -91,11 +93,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def rows_per_pass(self, element_size: int) -> int:
+        """How many rows' gate/up output fits in MLP_PASS_BYTES (at least 64, so that a pass is still a matmul)."""
+        return max(64, MLP_PASS_BYTES // (2 * self.intermediate_size * element_size))
+
     def forward(self, x, residual):
         """residual + down(silu(gate(x)) * up(x)). A long prefill chunk goes through in passes of
-        MLP_ROWS_PER_PASS rows, so that its (rows, 2 x intermediate) temporaries stay small."""
-        if x.shape[0] > MLP_ROWS_PER_PASS:
-            passes = zip(x.split(MLP_ROWS_PER_PASS), residual.split(MLP_ROWS_PER_PASS))
+        `rows_per_pass` rows, so that its temporaries stay small; each row's result is the same either way."""
+        rows_per_pass = self.rows_per_pass(x.element_size())
+        if x.shape[0] > rows_per_pass:
+            passes = zip(x.split(rows_per_pass), residual.split(rows_per_pass))
             return torch.cat([self.forward(rows, rows_residual) for rows, rows_residual in passes])
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return residual_linear(residual, self.down_proj, F.silu(gate) * up)
