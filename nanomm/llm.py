@@ -18,7 +18,6 @@ import torch
 
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.engine import LLMEngine
-from nanomm.engine.host_memory import keep_freed_memory
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.engine.memory_profile import profile_memory
 from nanomm.errors import CheckpointError, InvalidInputError
@@ -42,8 +41,6 @@ class LLM:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         config = replace(config, device=device, dtype=dtype)  # the engine's config says what it runs on
-        if torch.device(device).type == "cpu" and config.cpu_keep_freed_memory:
-            keep_freed_memory()  # for the whole process: big step temporaries reuse their pages (engine/host_memory.py)
         folder = resolve_checkpoint(model, config.revision, config.download_dir)
         self.model = load_model(folder, device=device, dtype=dtype)
         if not self.model.config.has_vision:

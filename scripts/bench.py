@@ -32,6 +32,11 @@ import time
 from pathlib import Path
 
 try:
+    import resource  # page faults and system time of a run (Unix)
+except ImportError:
+    resource = None
+
+try:
     import nanomm  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,6 +53,7 @@ from nanomm.tools.weights import PRESETS
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 from nanomm.model.fast_linear import PackedLinear, packed_linear_available
 from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.model import qwen2
 
 WORDS = ("the a cat dog sat on mat and looked at picture of red blue green house tree sky river boat "
          "mountain city street window small large old new bright dark quickly slowly under over").split()
@@ -253,11 +259,20 @@ COUNTERS = ("steps", "generated_tokens", "computed_tokens", "visual_tokens_encod
             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions")
 
 
+def process_usage() -> tuple[float, float]:
+    """(minor page faults, seconds in the kernel) of this whole process so far; NaNs where there is no `resource`."""
+    if resource is None:
+        return math.nan, math.nan
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_stime
+
+
 def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    before = llm.stats()
+    before, usage_before = llm.stats(), process_usage()
     start = time.perf_counter()
     outs = llm.generate(prompts, greedy(max_tokens))
     wall = time.perf_counter() - start
+    usage = process_usage()
     after = llm.stats()
     delta = {k: after[k] - before[k] for k in COUNTERS}  # this run only, without the warm-up
     m = [o.metrics for o in outs]
@@ -271,6 +286,7 @@ def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
         mean_queue_s=statistics.mean(x.queue_s for x in m), mean_preprocess_s=statistics.mean(x.preprocess_s for x in m),
         mean_encode_s=statistics.mean(x.encode_s for x in m), mean_prefill_s=statistics.mean(x.prefill_s for x in m),
         mean_tpot_s=statistics.mean([x.tpot_s for x in m if x.tpot_s is not None] or [0.0]),
+        page_faults=usage[0] - usage_before[0], system_s=usage[1] - usage_before[1],
         run_counters=delta, stats=after, token_ids=[o.outputs[0].token_ids for o in outs])
 
 
@@ -408,9 +424,8 @@ def parse_args(argv=None):
     e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e.add_argument("--no-cpu-fast-linear", dest="cpu_fast_linear", action="store_false",
                    help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
-    e.add_argument("--no-cpu-keep-freed-memory", dest="cpu_keep_freed_memory", action="store_false",
-                   help="leave glibc's malloc thresholds as they are (LLM(cpu_keep_freed_memory=False)); they are "
-                        "per process, so this changes transformers' side of the run too")
+    e.add_argument("--mlp-pass-bytes", type=int, help="nanomm: a long chunk's MLP in passes of this many bytes of "
+                   "gate/up output (default: qwen2.MLP_PASS_BYTES, 16 MiB); 36700160 is the old 512 rows of the 2B")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
     add_device_args(e)
     e.add_argument("--compile", action="store_true", help="nanomm with LLM(compile=True): torch.compile'd layers")
@@ -469,6 +484,8 @@ def main(argv=None) -> dict:
         log("[yellow]--quick: a smoke run (few requests, few tokens); not a measurement[/yellow]")
 
     folder = load_checkpoint(args, log)
+    if args.mlp_pass_bytes:
+        qwen2.MLP_PASS_BYTES = args.mlp_pass_bytes  # read at every MLP call: this process's nanomm model only
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     log("measuring the roofline ...")
     roof = measure_roofline(args.bw_mib, args.matmul_n, args.repeats, device, dtype)
@@ -479,8 +496,7 @@ def main(argv=None) -> dict:
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
     llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
-              cpu_fast_linear=args.cpu_fast_linear, cpu_keep_freed_memory=args.cpu_keep_freed_memory,
-              compile=args.compile, **engine_kwargs)
+              cpu_fast_linear=args.cpu_fast_linear, compile=args.compile, **engine_kwargs)
     cost = model_cost(llm)
     warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
     llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools
@@ -500,8 +516,7 @@ def main(argv=None) -> dict:
     results = dict(command=command, machine=machine, quick=args.quick, checkpoint=str(folder),
                    device=args.device, dtype=args.dtype,
                    preset=None if args.checkpoint else args.preset, model=cost, roofline=roof,
-                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
-                                      cpu_keep_freed_memory=args.cpu_keep_freed_memory),
+                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels)),
                    hf_attn_implementation=None if hf_model is None else attn_impl, workloads={})
     for name, wl in workloads(args).items():
         prompts, max_tokens = wl["prompts"], wl["max_tokens"]
@@ -576,6 +591,7 @@ def print_report(console: Console, results: dict) -> None:
     row("first divergence {req: index}", lambda w: str(w["agreement"]["first_divergence"] or "none"))
     row("identical by batch size", lambda w: ", ".join(
         f"{bs}: {r['agreement']['identical']}" for bs, r in w["hf"]["runs"].items() if not r["skipped"]))
+    row("nanomm page faults / system s", lambda w: f"{w['nanomm']['page_faults']:,.0f} / {w['nanomm']['system_s']:.2f}")
     row("TTFT p50 / p95 s", lambda w: f"{w['nanomm']['ttft_p50_s']:.3f} / {w['nanomm']['ttft_p95_s']:.3f}")
     row("mean queue/preproc/encode/prefill s", lambda w: " / ".join(
         f"{w['nanomm'][k]:.3f}" for k in ("mean_queue_s", "mean_preprocess_s", "mean_encode_s", "mean_prefill_s")))

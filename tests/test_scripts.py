@@ -60,6 +60,16 @@ def test_bench_quick(tmp_path):
         assert workload["num_requests"] == 4, name  # --quick's size
         token_ids = workload["nanomm"]["token_ids"]
         assert len(token_ids) == 4 and all(len(t) == workload["max_tokens"] for t in token_ids), name  # ignore_eos
+        assert workload["nanomm"]["page_faults"] >= 0 and workload["nanomm"]["system_s"] >= 0, name
+
+
+def test_bench_prefill_steps_smallest(tmp_path):
+    results = run_script("bench_prefill_steps", [*SMALL, "--mlp-pass-bytes", "65536"], tmp_path)
+    assert results["mlp_pass_bytes"] == 65536  # the flag reached the model code
+    for wave in ("first", "second"):
+        step = results[wave]
+        assert step["tokens"] > 2048, step  # a wave is more than one step's token budget: the step is full
+        assert step["wall_s"] > 0 and step["page_faults"] >= 0 and step["system_s"] >= 0, step
 
 
 def test_bench_attention_smallest(tmp_path):

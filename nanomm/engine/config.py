@@ -40,7 +40,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (model/fast_linear.py)
     compile: bool = False  # torch.compile each decoder layer (model/compile.py); replaces cpu_fast_linear
-    cpu_keep_freed_memory: bool = True  # CPU: glibc keeps freed memory for reuse, per process (engine/host_memory.py)
     trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
@@ -79,8 +78,8 @@ class EngineConfig:
                 check_int(getattr(self, name), name)
         check_int(self.num_preprocess_workers, "num_preprocess_workers", minimum=0)
         check_int(self.seed, "seed", minimum=-2**63)
-        for name in ("enable_prefix_caching", "cpu_fast_linear", "cpu_keep_freed_memory", "compile",
-                     "enable_chunked_prefill", "enforce_eager", "trust_remote_code"):
+        for name in ("enable_prefix_caching", "cpu_fast_linear", "compile", "enable_chunked_prefill", "enforce_eager",
+                     "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:

@@ -79,10 +79,11 @@ class Attention(nn.Module):
         return residual_linear(residual, self.o_proj, out.reshape(n, -1))
 
 
-# On a CPU a fresh multi-megabyte tensor costs a page fault per 4 KiB on first touch, and glibc gives an
-# allocation above 32 MiB back to the kernel when it is freed (engine/host_memory.py), so a long prefill chunk's
-# MLP goes through in passes whose (rows, 2 x intermediate) output stays under MLP_PASS_BYTES: 1,365 rows for the
-# `small` preset (intermediate 1,536), 234 for Qwen2-VL-2B's shape (8,960), in float32.
+# On a CPU a fresh multi-megabyte tensor costs a page fault per 4 KiB on first touch, and glibc's malloc maps an
+# allocation above 32 MiB afresh every time (and unmaps it on free), while it reuses freed smaller blocks. So a
+# long prefill chunk's MLP goes through in passes whose (rows, 2 x intermediate) output stays under
+# MLP_PASS_BYTES: 1,365 rows for the `small` preset (intermediate 1,536), 234 for Qwen2-VL-2B's shape (8,960),
+# in float32. Lesson 05, section 6, "Temporaries under 32 MiB".
 MLP_PASS_BYTES = 16 * 2**20
 
 

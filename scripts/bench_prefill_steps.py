@@ -1,0 +1,82 @@
+"""Time and page faults of big prefill steps: the first one of a process, then one more with other prompts.
+
+    python scripts/bench_prefill_steps.py --preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped
+    python scripts/bench_prefill_steps.py --preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped \\
+        --mlp-pass-bytes 36700160        # the MLP passes of 512 rows the 2B's shape had before
+
+Each wave is bench.py's decode workload (32 prompts, half with a picture), all added at once; its first engine
+step prefills up to the token budget (2,048 tokens). The second wave uses other prompts (another seed), so the
+prefix cache does not shorten it: it shows the steady state, when the first step has already touched memory.
+Page faults and kernel time come from getrusage, for the whole process over the step. Run it alone: the cores
+are shared with nothing else, and one process per setting (a process's memory history is the point).
+"""
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
+
+import bench  # noqa: E402
+from nanomm import LLM  # noqa: E402
+from nanomm.model import qwen2  # noqa: E402
+
+
+def timed_step(engine) -> dict:
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    engine.step()
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    return dict(wall_s=wall, user_s=after.ru_utime - before.ru_utime, system_s=after.ru_stime - before.ru_stime,
+                page_faults=after.ru_minflt - before.ru_minflt)
+
+
+def prefill_wave(llm: LLM, args, seed: int) -> dict:
+    """Add the decode workload of `seed`, time the engine's first step (the big prefill), then abort it."""
+    engine, sampling = llm.engine, bench.greedy(args.max_tokens)
+    args.seed = seed
+    prompts = bench.workloads(args)["decode"]["prompts"]
+    prepared = engine.prepare_all(prompts, [sampling] * len(prompts))
+    ids = [engine.add_request(p, sampling, request_id=f"wave{seed}-{i}", prepared=pp)
+           for i, (p, pp) in enumerate(zip(prompts, prepared))]
+    step = timed_step(engine) | {"tokens": sum(len(p.token_ids) for p in prepared)}
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return step
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(bench.PRESETS), default="small")
+    p.add_argument("--cache-dir", default="checkpoints/bench-small")
+    p.add_argument("--checkpoint", help="a local Qwen2-VL folder; overrides --preset")
+    p.add_argument("--mlp-pass-bytes", type=int, help="qwen2.MLP_PASS_BYTES for this run (default 16 MiB)")
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args(argv)
+    workload = bench.parse_args(["--workload", "decode"])  # bench.py's decode workload and its pixel caps
+    workload.max_tokens = 8
+    if args.mlp_pass_bytes:
+        qwen2.MLP_PASS_BYTES = args.mlp_pass_bytes
+    folder = bench.load_checkpoint(argparse.Namespace(checkpoint=args.checkpoint, preset=args.preset,
+                                                      cache_dir=args.cache_dir), print)
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=workload.max_pixels)
+    llm.generate(bench.make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True), bench.greedy(4))  # warm-up
+    waves = {"first": prefill_wave(llm, workload, seed=0), "second": prefill_wave(llm, workload, seed=1)}
+    results = dict(machine=bench.machine_info(), checkpoint=str(folder), mlp_pass_bytes=qwen2.MLP_PASS_BYTES, **waves)
+    for name, w in waves.items():
+        print(f"{name} prefill step ({w['tokens']} prompt tokens, the first {llm.engine.config.max_num_batched_tokens} "
+              f"in this step): {w['wall_s']:.2f} s wall, {w['user_s']:.2f} s user, {w['system_s']:.2f} s system, "
+              f"{w['page_faults']:,} page faults")
+    print(f"machine: {results['machine']['cpu']}; MLP passes of {qwen2.MLP_PASS_BYTES:,} bytes")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    llm.close()
+    return results
+
+
+if __name__ == "__main__":
+    main()
