@@ -100,7 +100,7 @@ class MLP(nn.Module):
 
     def forward(self, x, residual):
         """residual + down(silu(gate(x)) * up(x)). A long prefill chunk goes through in passes of
-        `rows_per_pass` rows, so that its temporaries stay small; each row's result is the same either way."""
+        `rows_per_pass` rows, so that its temporaries stay small (rows do not interact: only rounding can differ)."""
         rows_per_pass = self.rows_per_pass(x.element_size())
         if x.shape[0] > rows_per_pass:
             passes = zip(x.split(rows_per_pass), residual.split(rows_per_pass))
