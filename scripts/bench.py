@@ -259,12 +259,18 @@ COUNTERS = ("steps", "generated_tokens", "computed_tokens", "visual_tokens_encod
             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions")
 
 
-def process_usage() -> tuple[float, float]:
-    """(minor page faults, seconds in the kernel) of this whole process so far; NaNs where there is no `resource`."""
+def process_usage() -> dict:
+    """Minor page faults and CPU seconds (user, system) of this whole process so far; NaNs where there is no
+    `resource` (not Unix)."""
     if resource is None:
-        return math.nan, math.nan
+        return dict(page_faults=math.nan, user_s=math.nan, system_s=math.nan)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt, usage.ru_stime
+    return dict(page_faults=usage.ru_minflt, user_s=usage.ru_utime, system_s=usage.ru_stime)
+
+
+def usage_since(before: dict) -> dict:
+    """process_usage() now, less `before`."""
+    return {key: value - before[key] for key, value in process_usage().items()}
 
 
 def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
@@ -272,7 +278,7 @@ def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, greedy(max_tokens))
     wall = time.perf_counter() - start
-    usage = process_usage()
+    usage = usage_since(usage_before)
     after = llm.stats()
     delta = {k: after[k] - before[k] for k in COUNTERS}  # this run only, without the warm-up
     m = [o.metrics for o in outs]
@@ -286,8 +292,30 @@ def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
         mean_queue_s=statistics.mean(x.queue_s for x in m), mean_preprocess_s=statistics.mean(x.preprocess_s for x in m),
         mean_encode_s=statistics.mean(x.encode_s for x in m), mean_prefill_s=statistics.mean(x.prefill_s for x in m),
         mean_tpot_s=statistics.mean([x.tpot_s for x in m if x.tpot_s is not None] or [0.0]),
-        page_faults=usage[0] - usage_before[0], system_s=usage[1] - usage_before[1],
+        page_faults=usage["page_faults"], system_s=usage["system_s"],
         run_counters=delta, stats=after, token_ids=[o.outputs[0].token_ids for o in outs])
+
+
+def add_all(engine, prompts: list, sampling: SamplingParams, prefix: str) -> list[str]:
+    """Prepare every prompt, then add them all (admitted at once, as in generate); their request ids."""
+    prepared = engine.prepare_all(prompts, [sampling] * len(prompts))
+    return [engine.add_request(p, sampling, request_id=f"{prefix}-{i}", prepared=pp)
+            for i, (p, pp) in enumerate(zip(prompts, prepared))]
+
+
+def abort_all(engine, request_ids: list[str]) -> None:
+    """Abort the requests and step until the engine has given everything back."""
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def warm_up(llm: LLM) -> list:
+    """A tiny generate first (first-call allocations, thread pools); returns its prompts, for transformers'."""
+    prompts = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
+    llm.generate(prompts, greedy(4))
+    return prompts
 
 
 def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int, count_ops: bool = True) -> dict:
@@ -295,9 +323,7 @@ def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int, count
     prefilling, then time up to `max_steps` steps in which every running request decodes one token; abort the
     rest. The scheduler is only read here, never driven from outside."""
     engine, sched = llm.engine, llm.engine.scheduler
-    prepared = engine.prepare_all(prompts, [greedy(max_tokens)] * len(prompts))  # all admitted at once, as in generate
-    ids = [engine.add_request(p, greedy(max_tokens), request_id=f"decode-probe-{i}", prepared=pp)
-           for i, (p, pp) in enumerate(zip(prompts, prepared))]
+    ids = add_all(engine, prompts, greedy(max_tokens), "decode-probe")
     while sched.waiting or any(r.num_remaining > 1 for r in sched.running):
         engine.step()
     probe = dict(step_s=[], batch=[], context_tokens=[])
@@ -312,10 +338,7 @@ def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int, count
         probe["context_tokens"].append(sum(r.num_tokens for r in running))  # KV rows attended this step
     if count_ops and sched.running and not sched.waiting and all(r.num_remaining == 1 for r in sched.running):
         probe["ops"] = decode_step_ops(engine)  # one more decode step, its ATen operations counted (not timed)
-    for rid in ids:
-        engine.abort_request(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_all(engine, ids)
     return probe
 
 
@@ -498,8 +521,7 @@ def main(argv=None) -> dict:
     llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
               cpu_fast_linear=args.cpu_fast_linear, compile=args.compile, **engine_kwargs)
     cost = model_cost(llm)
-    warm = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
-    llm.generate(warm, greedy(4))  # warm-up: first-call allocations, thread pools
+    warm = warm_up(llm)
 
     hf_model = None
     if not args.no_hf:

@@ -13,7 +13,6 @@ are shared with nothing else, and one process per setting (a process's memory hi
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -26,26 +25,20 @@ from nanomm.model import qwen2  # noqa: E402
 
 
 def timed_step(engine) -> dict:
-    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    before, start = bench.process_usage(), time.perf_counter()
     engine.step()
-    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-    return dict(wall_s=wall, user_s=after.ru_utime - before.ru_utime, system_s=after.ru_stime - before.ru_stime,
-                page_faults=after.ru_minflt - before.ru_minflt)
+    wall = time.perf_counter() - start
+    return dict(wall_s=wall, **bench.usage_since(before))
 
 
 def prefill_wave(llm: LLM, args, seed: int) -> dict:
     """Add the decode workload of `seed`, time the engine's first step (the big prefill), then abort it."""
-    engine, sampling = llm.engine, bench.greedy(args.max_tokens)
     args.seed = seed
     prompts = bench.workloads(args)["decode"]["prompts"]
-    prepared = engine.prepare_all(prompts, [sampling] * len(prompts))
-    ids = [engine.add_request(p, sampling, request_id=f"wave{seed}-{i}", prepared=pp)
-           for i, (p, pp) in enumerate(zip(prompts, prepared))]
-    step = timed_step(engine) | {"tokens": sum(len(p.token_ids) for p in prepared)}
-    for request_id in ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
+    ids = bench.add_all(llm.engine, prompts, bench.greedy(args.max_tokens), f"wave{seed}")
+    tokens = sum(llm.engine.requests[request_id].num_prompt_tokens for request_id in ids)
+    step = timed_step(llm.engine) | {"tokens": tokens}
+    bench.abort_all(llm.engine, ids)
     return step
 
 
@@ -64,7 +57,7 @@ def main(argv=None) -> dict:
     folder = bench.load_checkpoint(argparse.Namespace(checkpoint=args.checkpoint, preset=args.preset,
                                                       cache_dir=args.cache_dir), print)
     llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=workload.max_pixels)
-    llm.generate(bench.make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True), bench.greedy(4))  # warm-up
+    bench.warm_up(llm)
     waves = {"first": prefill_wave(llm, workload, seed=0), "second": prefill_wave(llm, workload, seed=1)}
     results = dict(machine=bench.machine_info(), checkpoint=str(folder), mlp_pass_bytes=qwen2.MLP_PASS_BYTES, **waves)
     for name, w in waves.items():
