@@ -1,6 +1,6 @@
 """Accuracy of the demo model per task, at several pixel caps, with TTFT per cap; and on independently drawn pictures.
 
-    python scripts/eval_demo.py --model runs/demo                        # 200 questions per task, four caps
+    python scripts/eval_demo.py --model runs/demo                        # 200 questions per task, five caps
     python scripts/eval_demo.py --model runs/demo --per-task 50 --caps 16 100
     python scripts/eval_demo.py --model runs/demo --draft runs/draft     # plus the draft's speed-up
     python scripts/eval_demo.py --model runs/demo --json results.json    # also write the numbers as JSON
@@ -26,6 +26,7 @@ from nanomm import LLM, SamplingParams  # noqa: E402
 from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, conversation, held_out_items,  # noqa: E402
                                     median_ttft, tasks_with_follow_up)
 from nanomm.demo.tasks import QA  # noqa: E402
+from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -56,9 +57,9 @@ def held_out_table(model: str, args) -> dict:
     tasks = tasks_with_follow_up()
     items = {task: held_out_items(task, args.per_task, args.seed) for task in tasks}
     ttft_items = held_out_items("number", 13, seed=args.seed + 1000)  # pictures of their own: no cache hits
-    table = {}
+    table, token_pixels = {}, ImageProcessorConfig.from_pretrained(model).factor  # one visual token's side
     for cap in args.caps:
-        with LLM(model, max_pixels=cap * 28 * 28, min_pixels=min(cap, 16) * 28 * 28) as llm:
+        with LLM(model, max_pixels=cap * token_pixels ** 2, min_pixels=min(cap, 16) * token_pixels ** 2) as llm:
             row = {"ttft": median_ttft(llm, ttft_items)}  # first: on pictures no cache holds yet
             began = time.perf_counter()
             row |= {task: accuracy(llm, items[task])[:2] for task in tasks}

@@ -40,6 +40,11 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     parser.add_argument("--curriculum-steps", type=int, default=TrainConfig.curriculum_steps)
+    parser.add_argument("--vision-steps", type=int, default=TrainConfig.vision_steps,
+                        help="stage 1: the first steps train the vision tower alone, on the hints")
+    parser.add_argument("--vision-lr", type=float, default=TrainConfig.vision_lr)
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
     parser.add_argument("--stop-at", type=int, help="end the run (unexported) before this step; resume it later")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -54,6 +59,8 @@ def main(argv=None) -> None:
 
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       curriculum_steps=args.curriculum_steps, save_every=args.save_every, seed=args.seed,
+                      vision_steps=0 if args.draft_of else args.vision_steps, vision_lr=args.vision_lr,
+                      bf16=torch.cpu._is_amx_tile_supported() if args.bf16 is None else args.bf16,
                       threads=args.threads, freeze_vision=args.draft_of is not None,
                       flush_denormal=not args.no_flush_denormal)
     if not (args.out / "config.json").is_file():

@@ -13,9 +13,10 @@ import torch
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
-from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, make_batch, token_hints
+from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, learning_rate, make_batch, token_hints
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.loader import load_model
 
 
 def shape(kind, colour, x, y, radius=10):
@@ -176,14 +177,35 @@ def test_batches_depend_only_on_seed_and_step(tiny_run):
 
 
 def tiny_config(steps, **kwargs):
-    settings = dict(batch_size=4, lr=3e-3, warmup_steps=2, curriculum_steps=0, save_every=100, max_turns=4)
+    settings = dict(batch_size=4, lr=3e-3, warmup_steps=2, curriculum_steps=0, save_every=100, max_turns=4,
+                    vision_steps=0)
     return TrainConfig(steps=steps, **(settings | kwargs))
+
+
+def test_each_stage_warms_up_then_decays_on_its_own_schedule():
+    cfg = TrainConfig(steps=30, vision_steps=10, warmup_steps=2, lr=1e-2, vision_lr=1e-3, min_lr_ratio=0.1)
+    rates = [learning_rate(step, cfg) for step in range(30)]
+    assert rates[:2] == pytest.approx([5e-4, 1e-3])  # stage 1: warm-up to vision_lr
+    assert 1e-4 < rates[9] < 1.5e-4  # and decay towards a tenth of it by the end of stage 1
+    assert rates[10:12] == pytest.approx([5e-3, 1e-2])  # stage 2: its own warm-up, to lr
+    assert rates[29] == pytest.approx(1e-3, rel=0.1)
+
+
+def test_stage_one_trains_the_vision_tower_alone(tiny_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run, folder)
+    before = load_model(folder).state_dict()
+    result = train(folder, tiny_config(3, vision_steps=3), show_progress=False, log=lambda _: None)
+    after = result["model"].state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert "visual.patch_embed.proj.weight" in changed and "visual.merger.mlp.2.weight" in changed
+    assert all(name.startswith("visual.") for name in changed), sorted(changed)
 
 
 def test_a_few_training_steps_make_the_loss_fall(tiny_run, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(tiny_run, folder)
-    result = train(folder, tiny_config(16), show_progress=False, log=lambda _: None)
+    result = train(folder, tiny_config(24), show_progress=False, log=lambda _: None)
     losses = result["losses"]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert first > 4.0  # about ln(vocab): the untrained model knows nothing

@@ -25,8 +25,8 @@ from nanomm.demo.tasks import QA, TASKS, compare_questions, grade, question, sce
 from nanomm.demo.training import counting_scene
 from nanomm.sampling import SamplingParams
 
-# Pixel caps by visual tokens per picture (one token is a 28x28-pixel block): 16 up to the demo's default, 100.
-CAPS = (16, 36, 64, 100)
+# Pixel caps by visual tokens per picture: 16 up to the demo model's default, 144 (a token is a 14x14-pixel block).
+CAPS = (16, 36, 64, 100, 144)
 FOLLOW_UP = "follow-up"  # a second question in the same chat, graded on its own
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 

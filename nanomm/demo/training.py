@@ -45,33 +45,43 @@ IGNORE = -100  # the label of a token the loss skips
 
 @dataclass
 class TrainConfig:
-    steps: int = 4800
+    steps: int = 4500  # stage 1 (vision_steps) and stage 2 together
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    curriculum_steps: int = 800  # pictures with 1-2 shapes first, then the full mix
+    curriculum_steps: int = 300  # stage 2 starts on pictures with 1-2 shapes, then the full mix
     compare_fraction: float = 0.2  # chats with two pictures
     max_turns: int = 8
     seed: int = 0
-    save_every: int = 250
+    save_every: int = 100
     threads: int = 0  # torch threads; 0 = leave torch's default
     freeze_vision: bool = False  # train the text model only (the draft)
     flush_denormal: bool = True  # tiny floats as zero: CPU arithmetic on denormals is many times slower
     hint_weight: float = 0.5  # weight of the vision hints' loss (0: answers only)
+    vision_steps: int = 2000  # the first steps train the vision tower alone, on the hints (stage 1)
+    vision_lr: float = 1e-3  # stage 1's peak learning rate
+    vision_lr_scale: float = 0.3  # in stage 2 the tower learns at this fraction of the language model's rate
+    bf16: bool = False  # matmuls and attention under bfloat16 autocast (fast on CPUs with AMX or AVX512-BF16)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    """Each stage (the tower alone, then the whole model) has its own linear warm-up, then cosine decay to
+    min_lr_ratio of its peak."""
+    if step < cfg.vision_steps:
+        peak, step, length = cfg.vision_lr, step, cfg.vision_steps
+    else:
+        peak, step, length = cfg.lr, step - cfg.vision_steps, cfg.steps - cfg.vision_steps
+    warmup = min(cfg.warmup_steps, max(1, length // 4))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, length - warmup))
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -121,13 +131,26 @@ def pick_questions(by_task: dict[str, list[QA]], rng: random.Random, max_turns: 
     return rng.sample(chosen, len(chosen))
 
 
+def in_curriculum(step: int, cfg: TrainConfig) -> bool:
+    """The first curriculum_steps of the whole-model stage see easy pictures (the tower's stage sees the full mix)."""
+    return cfg.vision_steps <= step < cfg.vision_steps + cfg.curriculum_steps
+
+
 def training_scene(rng: random.Random, step: int, cfg: TrainConfig):
     """A random scene; during the curriculum only 1-2 shapes; a third of the time many of one shape (counting)."""
-    if step < cfg.curriculum_steps:
+    if in_curriculum(step, cfg):
         return random_scene(rng, num_shapes=rng.randint(1, 2))
     if rng.random() < 0.35:
         return counting_scene(rng)
     return random_scene(rng, num_shapes=rng.randint(1, 5))
+
+
+def training_cap(rng: random.Random, image_config: ImageProcessorConfig) -> int:
+    """The pixel cap of one training picture: mostly the model's default, sometimes down to its minimum, so that
+    the smaller caps a user (or the evaluation) may set are not a picture size the model has never seen."""
+    if rng.random() < 0.7:
+        return image_config.max_pixels
+    return rng.randint(image_config.min_pixels, image_config.max_pixels)
 
 
 def counting_scene(rng: random.Random, kind: str | None = None, count: int | None = None, **kwargs):
@@ -141,7 +164,7 @@ def counting_scene(rng: random.Random, kind: str | None = None, count: int | Non
 
 def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
                  image_config: ImageProcessorConfig) -> Example:
-    if step >= cfg.curriculum_steps and rng.random() < cfg.compare_fraction:
+    if not in_curriculum(step, cfg) and rng.random() < cfg.compare_fraction:
         scenes = [counting_scene(rng), counting_scene(rng)]
         qas = compare_questions(*scenes)
         if not qas:
@@ -152,7 +175,8 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
         qas = pick_questions(scene_questions(scenes[0]), rng, cfg.max_turns)
         if not qas:
             return make_example(rng, step, cfg, tokenizer, image_config)
-    images = [preprocess_image(render(scene, rng), image_config) for scene in scenes]
+    images = [preprocess_image(render(scene, rng), image_config, max_pixels=training_cap(rng, image_config))
+              for scene in scenes]
     qas = [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas]
     example = encode_chat(tokenizer, images, qas)
     example.hints = [token_hints(scene, image) for scene, image in zip(scenes, images)]
@@ -256,10 +280,16 @@ class PackedCausalAttention:
 
 
 def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear | None = None,
-               hint_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+               hint_weight: float = 0.0, vision_only: bool = False) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
     """Mean cross-entropy over answer tokens (plus hint_weight x the hints' loss, if a head is given), and per
-    task (first answer tokens right, answers); with hints, also each hint's accuracy on the tokens it labels."""
+    task (first answer tokens right, answers); with hints, also each hint's accuracy on the tokens it labels.
+
+    vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model)."""
     cfg = model.config
+    if vision_only:
+        pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
+        image_embeds = torch.cat(model.encode_images(pixels, [tuple(im.grid_thw) for ex in batch for im in ex.images]))
+        return hint_loss(hint_head(image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
     targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]])
@@ -271,11 +301,11 @@ def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear 
     attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
     hidden = model(ids, positions, attention, image_embeds, ids == cfg.image_token_id)  # (total tokens, hidden)
     rows = (targets != IGNORE).nonzero().squeeze(1)
-    logits = model.compute_logits(hidden[rows])
+    logits = model.compute_logits(hidden[rows]).float()
     loss = F.cross_entropy(logits, targets[rows])
     accuracy = _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
     if hint_head is not None and hint_weight:
-        hints_loss, hint_accuracy = hint_loss(hint_head(image_embeds), torch.cat([h for ex in batch for h in ex.hints]))
+        hints_loss, hint_accuracy = hint_loss(hint_head(image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
         loss = loss + hint_weight * hints_loss
         accuracy |= hint_accuracy
     return loss, accuracy
