@@ -13,7 +13,8 @@ import torch
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
-from nanomm.demo.training import IGNORE, TrainConfig, encode_chat, learning_rate, make_batch, token_hints
+from nanomm.demo.training import (IGNORE, TrainConfig, encode_chat, image_token_places, learning_rate, make_batch,
+                                  token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import load_model
@@ -189,6 +190,14 @@ def test_each_stage_warms_up_then_decays_on_its_own_schedule():
     assert 1e-4 < rates[9] < 1.5e-4  # and decay towards a tenth of it by the end of stage 1
     assert rates[10:12] == pytest.approx([5e-3, 1e-2])  # stage 2: its own warm-up, to lr
     assert rates[29] == pytest.approx(1e-3, rel=0.1)
+
+
+def test_image_token_places_go_row_by_row_from_the_top_left():
+    # A (1, 4, 6) patch grid with a 2x2 merge is 2 rows of 3 tokens; then a 1-token picture.
+    places = image_token_places([(1, 4, 6), (1, 2, 2)], merge_size=2)
+    third = 1 / 3
+    expected = [[-third, -0.25], [0, -0.25], [third, -0.25], [-third, 0.25], [0, 0.25], [third, 0.25], [0, 0]]
+    assert torch.allclose(places, torch.tensor(expected))
 
 
 def test_stage_one_trains_the_vision_tower_alone(tiny_run, tmp_path):

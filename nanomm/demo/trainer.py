@@ -36,9 +36,14 @@ from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_c
 from nanomm.tools.tokenizers import TINY_CORPUS, build_bpe_tokenizer, write_tokenizer_files
 from nanomm.tools.weights import model_spec, random_weights, save_safetensors
 
-# The demo model's shape: 5.3M parameters. head_dim 64 = 2 * (8 + 12 + 12), the M-RoPE split of Qwen2-VL-2B scaled.
+# The demo model's shape: 5.1M parameters. M-RoPE: head_dim 64 = 2 * (2 + 6 + 24) rotary pairs for (t, h, w) and
+# rope_theta 1e4. Qwen2-VL-2B's split scaled down ([8, 12, 12], theta 1e6) gives the column axis only the slowest
+# pairs, which turn by at most 0.0002 rad from one column to the next: to the language model every column of a
+# picture would sit at the same place, and "left of" could not be learned. Here the fastest column pair turns
+# 0.1 rad per column and the fastest row pairs 0.56 rad per row, while the pairs from 20 on (under 0.004 rad per
+# token) still let attention match content across a chat.
 DEMO_SPEC = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "mrope_section": [8, 12, 12], "tie_word_embeddings": True,
+             "num_key_value_heads": 2, "mrope_section": [2, 6, 24], "rope_theta": 10000.0, "tie_word_embeddings": True,
              "max_position_embeddings": 4096,
              "vision_config": {"depth": 4, "embed_dim": 192, "num_heads": 3, "patch_size": 7, "spatial_merge_size": 2,
                                "hidden_act": "gelu"}}
@@ -139,11 +144,11 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     torch.set_flush_denormal(cfg.flush_denormal)  # measured: 1.4 instead of 2.2 s per step once training warms up
     torch.manual_seed(cfg.seed)
     model = load_model(folder).float().train()
-    hint_head = None if cfg.freeze_vision or not cfg.hint_weight else _new_hint_head(model, cfg.seed)
-    trainable = _trainable_parameters(model, cfg) + (list(hint_head.parameters()) if hint_head else [])
-    vision = {id(p) for p in model.visual.parameters()} | {id(p) for p in (hint_head.parameters() if hint_head else [])}
+    heads = None if cfg.freeze_vision or not cfg.hint_weight else new_heads(model, cfg.seed)
+    trainable = _trainable_parameters(model, cfg) + (list(heads.parameters()) if heads else [])
+    vision = {id(p) for p in model.visual.parameters()} | {id(p) for p in (heads["hints"].parameters() if heads else [])}
     optimizer = torch.optim.AdamW(_param_groups(trainable, cfg.weight_decay, vision), lr=cfg.lr, betas=(0.9, 0.98))
-    start = _resume(folder, model, optimizer, hint_head)
+    start = _resume(folder, model, optimizer, heads)
     history, window, began = [], {}, time.perf_counter()
     # Batches are drawn in a second process, one step ahead, while this one computes.
     # A spawned worker, not a forked one: a fork after torch has started its OpenMP threads can hang the child.
@@ -155,12 +160,12 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
             batch = next_batch.result()
             if step + 1 < cfg.steps:
                 next_batch = pool.submit(_make_batch_in_worker, str(folder), step + 1, cfg)
-            loss, accuracy = _train_step(model, hint_head, optimizer, trainable, step, cfg, batch)
+            loss, accuracy = _train_step(model, heads, optimizer, trainable, step, cfg, batch)
             history.append(loss)
             _accumulate(window, accuracy)
             progress.update(bar, advance=1, loss=sum(history[-50:]) / len(history[-50:]))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                _save_state(folder, model, optimizer, hint_head, step + 1, cfg)
+                _save_state(folder, model, optimizer, heads, step + 1, cfg)
                 log(f"step {step + 1}: loss {sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
                     + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items()))
                 window = {}
@@ -183,18 +188,22 @@ def _make_batch_in_worker(folder: str, step: int, cfg: TrainConfig):
     return make_batch(step, cfg, *_processors(folder))
 
 
-def _new_hint_head(model: Qwen2VL, seed: int) -> torch.nn.Linear:
-    """The training-only head that reads hints off each visual token (training.py, `token_hints`)."""
+def new_heads(model: Qwen2VL, seed: int) -> torch.nn.ModuleDict:
+    """The training-only heads, dropped at export: "hints" reads what lies under each visual token off the
+    tower's output (training.py, `token_hints`); "position" reads each image token's place in its picture off
+    the language model's middle layer (`position_loss`)."""
     torch.manual_seed(seed)
-    return torch.nn.Linear(model.config.text.hidden_size, HINT_OUTPUTS)
+    hidden = model.config.text.hidden_size
+    return torch.nn.ModuleDict({"hints": torch.nn.Linear(hidden, HINT_OUTPUTS), "position": torch.nn.Linear(hidden, 2)})
 
 
-def _train_step(model, hint_head, optimizer, trainable, step, cfg, batch):
+def _train_step(model, heads, optimizer, trainable, step, cfg, batch):
     for group in optimizer.param_groups:
         scale = cfg.vision_lr_scale if group["vision"] and step >= cfg.vision_steps else 1.0
         group["lr"] = scale * learning_rate(step, cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-        loss, accuracy = batch_loss(model, batch, hint_head, cfg.hint_weight, vision_only=step < cfg.vision_steps)
+        loss, accuracy = batch_loss(model, batch, heads, cfg.hint_weight, vision_only=step < cfg.vision_steps,
+                                    position_weight=cfg.position_weight)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
@@ -225,22 +234,22 @@ def _accumulate(window: dict, accuracy: dict) -> None:
         window[task] = (r + right, n + total)
 
 
-def _resume(folder: Path, model, optimizer, hint_head) -> int:
+def _resume(folder: Path, model, optimizer, heads) -> int:
     path = folder / STATE_FILE
     if not path.is_file():
         return 0
     state = torch.load(path, weights_only=False)
     model.load_state_dict(state["model"])
-    if hint_head is not None:
-        hint_head.load_state_dict(state["hint_head"])
+    if heads is not None:
+        heads.load_state_dict(state["heads"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"]
 
 
-def _save_state(folder: Path, model, optimizer, hint_head, step: int, cfg: TrainConfig) -> None:
+def _save_state(folder: Path, model, optimizer, heads, step: int, cfg: TrainConfig) -> None:
     tmp = folder / (STATE_FILE + ".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "hint_head": hint_head.state_dict() if hint_head else None, "config": cfg.to_dict()}, tmp)
+                "heads": heads.state_dict() if heads else None, "config": cfg.to_dict()}, tmp)
     tmp.replace(folder / STATE_FILE)  # atomic: a kill mid-save leaves the previous state
 
 

@@ -64,6 +64,7 @@ class TrainConfig:
     vision_steps: int = 2000  # the first steps train the vision tower alone, on the hints (stage 1)
     vision_lr: float = 1e-3  # stage 1's peak learning rate
     vision_lr_scale: float = 0.3  # in stage 2 the tower learns at this fraction of the language model's rate
+    position_weight: float = 1.0  # weight of the image tokens' position loss in stage 2 (`position_loss`)
     bf16: bool = False  # matmuls and attention under bfloat16 autocast (fast on CPUs with AMX or AVX512-BF16)
 
     def to_dict(self) -> dict:
@@ -279,17 +280,19 @@ class PackedCausalAttention:
         return torch.cat([causal_attention(*chat) for chat in chats])
 
 
-def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear | None = None,
-               hint_weight: float = 0.0, vision_only: bool = False) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
-    """Mean cross-entropy over answer tokens (plus hint_weight x the hints' loss, if a head is given), and per
-    task (first answer tokens right, answers); with hints, also each hint's accuracy on the tokens it labels.
+def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict | None = None,
+               hint_weight: float = 0.0, vision_only: bool = False,
+               position_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """Mean cross-entropy over answer tokens, and per task (first answer tokens right, answers). With the
+    training heads (trainer.new_heads): plus hint_weight x the hints' loss and position_weight x the position
+    loss, and each hint's accuracy on the tokens it labels.
 
     vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model)."""
     cfg = model.config
     if vision_only:
         pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
         image_embeds = torch.cat(model.encode_images(pixels, [tuple(im.grid_thw) for ex in batch for im in ex.images]))
-        return hint_loss(hint_head(image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
+        return hint_loss(heads["hints"](image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
     targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]])
@@ -299,19 +302,42 @@ def batch_loss(model: Qwen2VL, batch: list[Example], hint_head: torch.nn.Linear 
     pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
     image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))
     attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
+    middle = {}  # the output of the language model's POSITION_LAYER, for the position loss
+    hook = model.language_model.layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out))
     hidden = model(ids, positions, attention, image_embeds, ids == cfg.image_token_id)  # (total tokens, hidden)
+    hook.remove()
     rows = (targets != IGNORE).nonzero().squeeze(1)
     logits = model.compute_logits(hidden[rows]).float()
     loss = F.cross_entropy(logits, targets[rows])
     accuracy = _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
-    if hint_head is not None and hint_weight:
-        hints_loss, hint_accuracy = hint_loss(hint_head(image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
+    if heads is not None and position_weight:
+        position = heads["position"](middle["x"][ids == cfg.image_token_id]).float()  # (visual tokens, 2)
+        loss = loss + position_weight * F.mse_loss(position, image_token_places([g for chat in grids for g in chat],
+                                                                                cfg.vision.spatial_merge_size))
+    if heads is not None and hint_weight:
+        hints_loss, hint_accuracy = hint_loss(heads["hints"](image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
         loss = loss + hint_weight * hints_loss
         accuracy |= hint_accuracy
     return loss, accuracy
 
 
 HINT_OUTPUTS = sum(HINT_CLASSES) + 2 * RELATION_HINTS  # the hint head's width
+POSITION_LAYER = 1  # the position loss reads the output of this decoder layer (the second of four)
+
+
+def image_token_places(grids: list[tuple[int, int, int]], merge_size: int) -> torch.Tensor:
+    """(visual tokens, 2): each image token's column and row in its picture, from -0.5 (left, top) to 0.5.
+
+    The position loss: the language model's middle layer must know where each image token lies. The vision
+    tower cannot say (its attention sees only offsets between patches, so on a plain background every place
+    looks the same); the language model can, from M-RoPE: an image token at (row, column) sits (row + 1,
+    column + 1) positions after <|vision_start|>. Then "left of" is a comparison of two places."""
+    places = []
+    for _, h, w in grids:
+        rows, cols = h // merge_size, w // merge_size
+        row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")  # (rows, cols) each
+        places.append(torch.stack([(col.flatten() + 0.5) / cols, (row.flatten() + 0.5) / rows], dim=1) - 0.5)
+    return torch.cat(places)
 
 
 def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
