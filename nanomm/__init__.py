@@ -3,6 +3,7 @@
 Start with lessons/README.md. The public API is re-exported here.
 """
 
+from nanomm.demo import demo_checkpoint
 from nanomm.engine.engine import LLMEngine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.llm import LLM
@@ -10,5 +11,5 @@ from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "InvalidInputError", "CheckpointError"]
+           "InvalidInputError", "CheckpointError", "demo_checkpoint"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """nanomm-chat: a multi-turn chat with a Qwen2-VL model about your images, in one file.
 
-    nanomm-chat --demo                                  # offline: a small random-weight model, made on first use
+    nanomm-chat --demo --image shapes.png               # offline: the trained demo model (pictures of shapes)
+    nanomm-chat --demo random                           # offline: a tiny random-weight model, made on first use
     nanomm-chat --model Qwen/Qwen2-VL-2B-Instruct --image cat.png
     nanomm-chat --demo --speculative ngram              # speculative decoding: prompt lookup (or a draft folder)
     nanomm-chat --demo --trace run.json                 # a timeline of every step, for ui.perfetto.dev
@@ -33,7 +34,16 @@ HELP = """commands:
   /quit         leave (Ctrl-D works too)"""
 
 
-def demo_checkpoint(console: Console) -> Path:
+def demo_folder(choice: str, console: Console) -> Path:
+    """--demo: the trained demo model shipped with the package; --demo random: a tiny random-weight one."""
+    if choice == "random":
+        return random_demo_checkpoint(console)
+    from nanomm.demo import demo_checkpoint
+
+    return demo_checkpoint()
+
+
+def random_demo_checkpoint(console: Console) -> Path:
     """A tiny random-weight Qwen2-VL checkpoint, generated once into a cache folder (no network needed)."""
     from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -54,18 +64,18 @@ def load_llm(args, console: Console):
                   speculative=speculative_config(args.speculative, args.num_speculative_tokens))
     model = args.model
     if args.demo:
-        model = str(demo_checkpoint(console))
+        model = str(demo_folder(args.demo, console))
     try:
         with console.status(f"loading {model or DEFAULT_MODEL} ..."):
-            return LLM(model or DEFAULT_MODEL, **kwargs), bool(args.demo)
+            return LLM(model or DEFAULT_MODEL, **kwargs), args.demo
     except CheckpointError as exc:
         if model is not None or "cannot download" not in str(exc):
             raise
         console.print(f"[yellow]could not reach the Hugging Face hub for {DEFAULT_MODEL}; "
                       "starting the offline demo model instead (--demo)[/yellow]")
-        folder = demo_checkpoint(console)
+        folder = demo_folder("trained", console)
         with console.status(f"loading {folder} ..."):
-            return LLM(str(folder), **kwargs), True
+            return LLM(str(folder), **kwargs), "trained"
 
 
 def speculative_config(choice: str | None, k: int) -> dict | None:
@@ -189,7 +199,9 @@ def interactive_lines(console: Console):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="nanomm-chat", description="Chat with a Qwen2-VL model about your images.")
     p.add_argument("--model", help=f"local checkpoint folder or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--demo", action="store_true", help="a small random-weight model made locally (offline)")
+    p.add_argument("--demo", nargs="?", const="trained", choices=["trained", "random"],
+                   help="offline: the trained demo model shipped with nanomm (pictures of shapes), "
+                        "or 'random', a tiny random-weight model made locally")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="attach to the first turn")
     p.add_argument("--max-pixels", type=int, help="the dynamic-resolution cap (visual tokens ~ pixels / 784)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -215,9 +227,13 @@ def main(argv=None) -> int:
 
         llm, demo = load_llm(args, console)
         with llm:  # stops the preprocessing threads on the way out
-            if demo:
+            if demo == "random":
                 console.print("[yellow]demo model: random weights made on this machine. The replies are noise; "
                               "the engine is real.[/yellow]")
+            elif demo:
+                console.print("[yellow]demo model: a 5M-parameter Qwen2-VL trained on pictures of shapes. Ask what "
+                              "shape the red object is, what colour the circle is, how many stars there are "
+                              "(lesson 11 measures how often it is right).[/yellow]")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             chat = Chat(llm, params, console, interactive)
             for path in args.image:

@@ -33,7 +33,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a trained demo checkpoint folder (scripts/train_demo.py)")
     parser.add_argument("--per-task", type=int, default=200)
-    parser.add_argument("--caps", type=int, nargs="+", default=list(CAPS), help="visual tokens per picture")
+    parser.add_argument("--caps", type=int, nargs="*", default=list(CAPS),
+                        help="visual tokens per picture (none: skip the held-out table)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-external", action="store_true", help="skip the independently drawn set")
     parser.add_argument("--draft", default=None, help="a draft folder: also measure speculative decoding with it")
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
     model = args.model
     print(f"model {model} | {cpu_name()} | torch {torch.__version__} | "
           f"{torch.get_num_threads()} threads")
-    results = {"held_out": held_out_table(model, args), "external": None, "speculative": None}
+    results = {"held_out": held_out_table(model, args) if args.caps else None, "external": None, "speculative": None}
     if not args.no_external:
         results["external"] = external_table(model, args)
     if args.draft:

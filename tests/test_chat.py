@@ -1,7 +1,8 @@
 """nanomm-chat end to end: through a pipe (the scriptable mode) and in a pseudo-terminal (the interactive mode).
 
-Most runs use `--demo`, the random-weight checkpoint the chat generates on first use into $NANOMM_CACHE, which
-points at a temporary folder here, so nothing is written under the home directory. Every run is offline
+Most runs use `--demo random`, the random-weight checkpoint the chat generates on first use into $NANOMM_CACHE,
+which points at a temporary folder here, so nothing is written under the home directory; `--demo` alone serves
+the trained demo model that ships with the package, and the README's first run is checked with it. Every run is offline
 (HF_HUB_OFFLINE=1, an empty HF_HOME) and on the CPU in float32 (`--device cpu --dtype float32`): on a machine with
 a GPU the chat would otherwise pick CUDA and bfloat16, and the replies compared here would not be float32 replies.
 Every wait has a deadline and fails with what the chat printed so far.
@@ -84,7 +85,7 @@ def stat(stderr: str, key: str) -> list[float]:
 
 def test_pipe_two_turns_about_an_image_stats_and_reset(image, env, tmp_path):
     stdin = "Describe it\n/stats\nAnd the colours?\n/stats\n/reset\nhello again\n"
-    rc, replies, err = chat(["--demo", "--image", str(image), "--max-tokens", "6"], stdin, env, tmp_path)
+    rc, replies, err = chat(["--demo", "random", "--image", str(image), "--max-tokens", "6"], stdin, env, tmp_path)
     assert rc == 0, err
     assert len(replies) == 3, replies  # one line per user turn; everything else went to stderr
     assert "demo model" in err and "random weights" in err and "the engine is real" in err
@@ -103,6 +104,18 @@ def test_pipe_two_turns_about_an_image_stats_and_reset(image, env, tmp_path):
     assert stat(err, "encoder_cache_misses") == [1, 1]
 
 
+def test_the_readme_s_first_run_answers_about_a_red_circle(env, tmp_path):
+    """The README's first run: a red circle drawn in one line, then one question to the trained demo model."""
+    subprocess.run([sys.executable, "-c", "from PIL import Image, ImageDraw; im = Image.new('RGB', (224, 224), "
+                    "'white'); ImageDraw.Draw(im).ellipse((62, 62, 162, 162), fill='red'); im.save('red_circle.png')"],
+                   cwd=tmp_path, check=True)
+    stdin = "What colour is the circle?\nHow many circles are there?\nWhat shape is the red object?\n"
+    rc, replies, err = chat(["--demo", "--image", "red_circle.png"], stdin, env, tmp_path)
+    assert rc == 0, err
+    assert [r.strip().lower() for r in replies] == ["red", "1", "circle"], (replies, err)
+    assert "trained on pictures of shapes" in err and "random weights" not in err
+
+
 def test_console_script_is_installed_and_runs(env, tmp_path):
     # CI installs with `pip install -e .[dev]`, which puts the console script on PATH.
     assert any(ep.name == "nanomm-chat" and ep.value == "nanomm.chat:main"
@@ -110,7 +123,7 @@ def test_console_script_is_installed_and_runs(env, tmp_path):
     script = shutil.which("nanomm-chat", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                               os.environ.get("PATH", "")]))
     assert script is not None, "nanomm-chat is not on PATH: install the package with `pip install -e .[dev]`"
-    rc, replies, err = chat(["--demo", "--max-tokens", "3"], "hello\n/quit\nnot reached\n", env, tmp_path,
+    rc, replies, err = chat(["--demo", "random", "--max-tokens", "3"], "hello\n/quit\nnot reached\n", env, tmp_path,
                             executable=script)
     assert rc == 0, err
     assert len(replies) == 1, replies
@@ -118,7 +131,7 @@ def test_console_script_is_installed_and_runs(env, tmp_path):
 
 def test_pipe_errors_keep_the_chat_going(env, tmp_path):
     stdin = "/image /no/such/file.png\n/frobnicate\nhello there\n"
-    rc, replies, err = chat(["--demo", "--max-tokens", "4"], stdin, env, tmp_path)
+    rc, replies, err = chat(["--demo", "random", "--max-tokens", "4"], stdin, env, tmp_path)
     assert rc == 0, err
     assert "no such file" in err and "/no/such/file.png" in err
     assert "unknown command /frobnicate" in err
@@ -129,7 +142,7 @@ def test_pipe_errors_keep_the_chat_going(env, tmp_path):
 def test_bad_image_on_the_command_line_is_one_sentence(env, tmp_path):
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("this is not a picture")
-    rc, replies, err = chat(["--demo", "--image", str(not_an_image), "--max-tokens", "3"], "hi\n", env, tmp_path)
+    rc, replies, err = chat(["--demo", "random", "--image", str(not_an_image), "--max-tokens", "3"], "hi\n", env, tmp_path)
     assert rc == 0, err
     assert str(not_an_image) in err and "attached" not in err
     assert "Traceback" not in err
@@ -139,7 +152,7 @@ def test_bad_image_on_the_command_line_is_one_sentence(env, tmp_path):
 @pytest.mark.slow
 def test_speculative_ngram_chat_replies_as_without_it(env, tmp_path):
     stdin = "tell me about the cat on the mat\n/stats\n"
-    args = ["--demo", "--max-tokens", "24"]
+    args = ["--demo", "random", "--max-tokens", "24"]
     rc, plain, err = chat(args, stdin, env, tmp_path)
     assert rc == 0, err
     rc, spec, err = chat(args + ["--speculative", "ngram", "--num-speculative-tokens", "3"], stdin, env, tmp_path)
@@ -167,7 +180,7 @@ def test_speculative_draft_model_chat_replies_as_without_it(ckpt, env, tmp_path)
 
 
 def test_bad_speculative_option_exits_1_with_one_sentence(env, tmp_path):
-    rc, _, err = chat(["--demo", "--speculative", "ngram", "--num-speculative-tokens", "0"], "hi\n", env, tmp_path)
+    rc, _, err = chat(["--demo", "random", "--speculative", "ngram", "--num-speculative-tokens", "0"], "hi\n", env, tmp_path)
     assert rc == 1
     assert "num_speculative_tokens must be a positive int" in err and "Traceback" not in err
 
@@ -206,7 +219,7 @@ def test_unreachable_hub_falls_back_to_the_demo_model(env, tmp_path):
     assert rc == 0, err
     assert "NETWORK ATTEMPT" not in err, err  # offline means offline: not even a DNS lookup
     assert err.count(FALLBACK) == 1, err
-    assert "demo model: random weights" in err and "the engine is real" in err, err  # the demo notice follows
+    assert "demo model: a 5M-parameter Qwen2-VL trained on pictures of shapes" in err, err  # the demo notice follows
     assert "Traceback" not in err and "error" not in err.lower(), err
     assert len(replies) == 1 and 0 < stat(err, "generated_tokens")[0] <= 8, (replies, err)
     # It is the demo model: the same reply as --demo gives (which never tries the hub).
@@ -293,7 +306,7 @@ class Terminal:
 def test_interactive_chat_streams_and_reports_ttft(image, env, tmp_path):
     # 48 tokens: a reply that takes a good fraction of a second on the demo model, so that its first tokens reach
     # the screen well before the summary line even when this machine is busy and the reader is slow to wake.
-    term = Terminal(["--demo", "--max-tokens", "48"], {**env, "TERM": "xterm-256color"}, tmp_path)
+    term = Terminal(["--demo", "random", "--max-tokens", "48"], {**env, "TERM": "xterm-256color"}, tmp_path)
     try:
         at = term.expect(r"you>").end()
         assert "the engine is real" in term.text  # the demo notice, before the first prompt

@@ -164,6 +164,20 @@ def test_a_smaller_vision_patch_matches_transformers(tmp_path):
     assert_matches_oracle(folder, ours, oracle, num_images=3)
 
 
+def test_the_demo_model_s_vision_shape_matches_transformers(tmp_path):
+    # The trained demo model's tower: 7-pixel patches with a 2x2 merge (a visual token is a 14x14-pixel block)
+    # and exact GELU instead of quick_gelu. tests/test_demo_model.py checks the trained weights themselves.
+    folder = make_checkpoint(tmp_path, preset="tiny", overrides={"vision_config.patch_size": 7,
+                                                                 "vision_config.spatial_merge_size": 2,
+                                                                 "vision_config.hidden_act": "gelu"})
+    ours = load_model(folder, dtype="float32")
+    assert ImageProcessorConfig.from_pretrained(folder).factor == 14 and ours.config.vision.hidden_act == "gelu"
+    oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+    assert oracle.config.vision_config.hidden_act == "gelu"
+    assert_matches_oracle(folder, ours, oracle, num_images=3)
+
+
 @pytest.mark.slow
 def test_2b_shaped_checkpoint_matches_transformers(tmp_path):
     """The real Qwen2-VL-2B widths (hidden 1536, 12 heads / 2 kv heads, vision 1280, tied, real vocab)."""

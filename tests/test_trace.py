@@ -137,7 +137,7 @@ def test_no_trace_path_writes_nothing(ckpt, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_chat_writes_a_trace(tmp_path):
     trace_file = tmp_path / "chat.json"
-    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--demo", "--max-tokens", "3", "--trace",
+    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--demo", "random", "--max-tokens", "3", "--trace",
                           str(trace_file)], input="hello\n/quit\n", capture_output=True, text=True, timeout=240,
                          env={**os.environ, "NANOMM_CACHE": str(tmp_path / "cache")})
     assert run.returncode == 0, run.stderr[-2000:]

@@ -45,7 +45,7 @@ IGNORE = -100  # the label of a token the loss skips
 
 @dataclass
 class TrainConfig:
-    steps: int = 4500  # stage 1 (vision_steps) and stage 2 together
+    steps: int = 4000  # stage 1 (vision_steps) and stage 2 together
     batch_size: int = 16
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
@@ -302,10 +302,11 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
     image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))
     attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
-    middle = {}  # the output of the language model's POSITION_LAYER, for the position loss
-    hook = model.language_model.layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out))
+    middle, layers = {}, model.language_model.layers  # the output of layer POSITION_LAYER, for the position loss
+    hook = layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out)) if heads else None
     hidden = model(ids, positions, attention, image_embeds, ids == cfg.image_token_id)  # (total tokens, hidden)
-    hook.remove()
+    if hook is not None:
+        hook.remove()
     rows = (targets != IGNORE).nonzero().squeeze(1)
     logits = model.compute_logits(hidden[rows]).float()
     loss = F.cross_entropy(logits, targets[rows])

@@ -1,6 +1,6 @@
 """`nanomm-serve`: an OpenAI-compatible HTTP server over one engine (Starlette routes, run by uvicorn).
 
-    nanomm-serve --demo                                   # the offline demo model on 127.0.0.1:8000
+    nanomm-serve --demo                                   # the trained offline demo model on 127.0.0.1:8000
     nanomm-serve Qwen/Qwen2-VL-2B-Instruct --port 8000    # a real model (cuda + bfloat16 when available)
 
 Lesson: lessons/10-serving-under-load.md (this server under load from scripts/load.py, read through /metrics).
@@ -242,7 +242,8 @@ class BackgroundServer:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="nanomm-serve", description="An OpenAI-compatible server for Qwen2-VL.")
     p.add_argument("model", nargs="?", help="a checkpoint folder or hub id (default: --demo)")
-    p.add_argument("--demo", action="store_true", help="the offline demo model (made locally on first use)")
+    p.add_argument("--demo", nargs="?", const="trained", choices=["trained", "random"],
+                   help="the offline demo model: the trained one shipped with nanomm, or 'random' (made on first use)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model argument)")
@@ -264,12 +265,12 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     from nanomm import LLM
-    from nanomm.chat import demo_checkpoint
+    from nanomm.chat import demo_folder
 
     args = parse_args(argv)
     console = Console(stderr=True)
-    demo = args.demo or args.model is None
-    model = str(demo_checkpoint(console)) if demo else args.model
+    demo = args.demo or ("trained" if args.model is None else None)
+    model = str(demo_folder(demo, console)) if demo else args.model
     llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config)
     name = args.served_model_name or ("nanomm-demo" if demo else args.model)
