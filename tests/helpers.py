@@ -114,6 +114,18 @@ def force_first_token(monkeypatch, token_id: int) -> None:
     monkeypatch.setattr(engine_module, "sample_and_verify", first_token_forced)
 
 
+def hf_inputs(ids, processed, image_token_id) -> dict:
+    """transformers' generate/forward inputs for an expanded prompt and its ProcessedImages (the oracle's side).
+    mm_token_type_ids always: without it transformers silently falls back to 1-D positions."""
+    input_ids = torch.tensor([ids])
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                  mm_token_type_ids=(input_ids == image_token_id).int())
+    if processed:
+        inputs["pixel_values"] = torch.cat([p.pixel_values for p in processed])
+        inputs["image_grid_thw"] = torch.tensor([list(p.grid_thw) for p in processed])
+    return inputs
+
+
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 

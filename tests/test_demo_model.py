@@ -26,6 +26,8 @@ from nanomm.demo.tasks import QA
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 
+from helpers import hf_inputs
+
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 
 MODEL, DRAFT = nanomm.demo_checkpoint(), nanomm.demo_checkpoint("draft")
@@ -76,11 +78,7 @@ def oracle_inputs(item: EvalItem, tokenizer: Tokenizer, image_config: ImageProce
     text, images = tokenizer.apply_chat_template(conversation(item, []))
     processed = [preprocess_image(im, image_config) for im in images]
     ids = tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed])
-    input_ids = torch.tensor([ids])
-    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                mm_token_type_ids=(input_ids == image_token_id).int(),
-                pixel_values=torch.cat([p.pixel_values for p in processed]),
-                image_grid_thw=torch.tensor([list(p.grid_thw) for p in processed]))
+    return hf_inputs(ids, processed, image_token_id)
 
 
 def test_greedy_answers_equal_transformers(llm):

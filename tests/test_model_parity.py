@@ -18,6 +18,7 @@ from nanomm.model.loader import load_model
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER, Tokenizer
+from helpers import hf_inputs
 
 import transformers  # the oracle (dev extra); a missing oracle must fail, not skip
 
@@ -57,16 +58,6 @@ def build_prompt(tokenizer: Tokenizer, num_images: int, proc_cfg):
     processed = [preprocess_image(im, proc_cfg, max_pixels=MAX_PIXELS) for im in images]
     ids = tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed])
     return ids, processed
-
-
-def hf_inputs(ids, processed, image_token_id):
-    input_ids = torch.tensor([ids])
-    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                  mm_token_type_ids=(input_ids == image_token_id).int())
-    if processed:
-        inputs["pixel_values"] = torch.cat([p.pixel_values for p in processed])
-        inputs["image_grid_thw"] = torch.tensor([list(p.grid_thw) for p in processed])
-    return inputs
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -50,7 +50,7 @@ DEMO_SPEC = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 
 # 7-pixel patches: with Qwen2-VL's 14-pixel patches a vision transformer trained from scratch on a CPU's worth of
 # pictures did not learn what a shape is; with 7-pixel patches it does. A visual token is then a 14x14-pixel block
 # (2x2 patches). "gelu" (one kernel) instead of "quick_gelu" (three) trains about 1.3x faster; both are Qwen2-VL.
-TOKEN_PIXELS = 7 * 2
+TOKEN_PIXELS = DEMO_SPEC["vision_config"]["patch_size"] * DEMO_SPEC["vision_config"]["spatial_merge_size"]  # 14
 # A tiny variant with the same tokenizer and pictures, for tests: a few training steps take seconds.
 TINY_SPEC = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "mrope_section": [4, 2, 2],
              "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
@@ -146,7 +146,8 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     model = load_model(folder).float().train()
     heads = None if cfg.freeze_vision or not cfg.hint_weight else new_heads(model, cfg.seed)
     trainable = _trainable_parameters(model, cfg) + (list(heads.parameters()) if heads else [])
-    vision = {id(p) for p in model.visual.parameters()} | {id(p) for p in (heads["hints"].parameters() if heads else [])}
+    vision = {id(p) for p in model.visual.parameters()}  # the tower and its hint head: their own learning rate
+    vision |= {id(p) for p in heads["hints"].parameters()} if heads else set()
     optimizer = torch.optim.AdamW(_param_groups(trainable, cfg.weight_decay, vision), lr=cfg.lr, betas=(0.9, 0.98))
     start = _resume(folder, model, optimizer, heads)
     history, window, began = [], {}, time.perf_counter()
@@ -191,7 +192,7 @@ def _make_batch_in_worker(folder: str, step: int, cfg: TrainConfig):
 def new_heads(model: Qwen2VL, seed: int) -> torch.nn.ModuleDict:
     """The training-only heads, dropped at export: "hints" reads what lies under each visual token off the
     tower's output (training.py, `token_hints`); "position" reads each image token's place in its picture off
-    the language model's middle layer (`position_loss`)."""
+    the language model's middle layer (training.py, `image_token_places`)."""
     torch.manual_seed(seed)
     hidden = model.config.text.hidden_size
     return torch.nn.ModuleDict({"hints": torch.nn.Linear(hidden, HINT_OUTPUTS), "position": torch.nn.Linear(hidden, 2)})

@@ -64,7 +64,7 @@ class TrainConfig:
     vision_steps: int = 2000  # the first steps train the vision tower alone, on the hints (stage 1)
     vision_lr: float = 1e-3  # stage 1's peak learning rate
     vision_lr_scale: float = 0.3  # in stage 2 the tower learns at this fraction of the language model's rate
-    position_weight: float = 1.0  # weight of the image tokens' position loss in stage 2 (`position_loss`)
+    position_weight: float = 1.0  # weight of the image tokens' position loss in stage 2 (`image_token_places`)
     bf16: bool = False  # matmuls and attention under bfloat16 autocast (fast on CPUs with AMX or AVX512-BF16)
 
     def to_dict(self) -> dict:
@@ -74,10 +74,10 @@ class TrainConfig:
 def learning_rate(step: int, cfg: TrainConfig) -> float:
     """Each stage (the tower alone, then the whole model) has its own linear warm-up, then cosine decay to
     min_lr_ratio of its peak."""
-    if step < cfg.vision_steps:
-        peak, step, length = cfg.vision_lr, step, cfg.vision_steps
-    else:
-        peak, step, length = cfg.lr, step - cfg.vision_steps, cfg.steps - cfg.vision_steps
+    stage_one = step < cfg.vision_steps
+    peak = cfg.vision_lr if stage_one else cfg.lr
+    start, end = (0, cfg.vision_steps) if stage_one else (cfg.vision_steps, cfg.steps)
+    step, length = step - start, end - start  # within the stage
     warmup = min(cfg.warmup_steps, max(1, length // 4))
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -289,18 +289,18 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
 
     vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model)."""
     cfg = model.config
+    grids = [[tuple(im.grid_thw) for im in ex.images] for ex in batch]
+    pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
+    image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))  # (vis. tokens, hidden)
+    with_hints = heads is not None and (vision_only or hint_weight)
+    hints = torch.cat([h for ex in batch for h in ex.hints]) if with_hints else None  # (visual tokens, 3 + 8)
     if vision_only:
-        pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
-        image_embeds = torch.cat(model.encode_images(pixels, [tuple(im.grid_thw) for ex in batch for im in ex.images]))
-        return hint_loss(heads["hints"](image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
+        return hint_loss(heads["hints"](image_embeds).float(), hints)
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
     targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]])
-    grids = [[tuple(im.grid_thw) for im in ex.images] for ex in batch]
     positions = torch.cat([mrope_positions(ex.token_ids, g, cfg.image_token_id, cfg.vision.spatial_merge_size)[0]
                            for ex, g in zip(batch, grids)], dim=1)  # (3, total tokens)
-    pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
-    image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))
     attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
     middle, layers = {}, model.language_model.layers  # the output of layer POSITION_LAYER, for the position loss
     hook = layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out)) if heads else None
@@ -315,8 +315,8 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
         position = heads["position"](middle["x"][ids == cfg.image_token_id]).float()  # (visual tokens, 2)
         loss = loss + position_weight * F.mse_loss(position, image_token_places([g for chat in grids for g in chat],
                                                                                 cfg.vision.spatial_merge_size))
-    if heads is not None and hint_weight:
-        hints_loss, hint_accuracy = hint_loss(heads["hints"](image_embeds).float(), torch.cat([h for ex in batch for h in ex.hints]))
+    if with_hints:
+        hints_loss, hint_accuracy = hint_loss(heads["hints"](image_embeds).float(), hints)
         loss = loss + hint_weight * hints_loss
         accuracy |= hint_accuracy
     return loss, accuracy
