@@ -2,13 +2,16 @@
 
     python scripts/train_demo.py --out runs/demo --threads 2     # a new run (its folder is created)
     python scripts/train_demo.py --out runs/demo --threads 2     # run again: resumes from runs/demo/train_state.pt
-    python scripts/train_demo.py --out runs/draft --draft-of runs/demo   # a draft for speculative decoding
+    python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour --focus 600:all
+                                                                 # the shipped model's recipe (stage 3 below)
+    python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
 The recipe is in nanomm/demo/training.py (data, loss, the vision hints) and nanomm/demo/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
-answers, with the hints and the position loss beside them. Reproducible from --seed: each step's batch depends
-only on (seed, step). The result is runs/demo/model.safetensors (float16) beside its config and tokenizer,
+answers, with the hints and the position loss beside them; stage 3 (--focus phases, from --focus-start) trains
+it on pictures with several shapes, a few tasks at a time, each asked about several shapes in a chat.
+Reproducible from --seed: each step's batch depends only on (seed, step). The result is runs/demo/model.safetensors (float16) beside its config and tokenizer,
 loadable by nanomm and transformers; nanomm/demo/checkpoints/ holds the shipped one.
 
 Keep it alone on the machine: a second busy process on a 2-core VM slows every step. On the 2-core Intel Xeon
@@ -30,8 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 
 from bench import cpu_name  # noqa: E402
 from nanomm.demo.trainer import TINY_SPEC, export, new_run, train  # noqa: E402
+from nanomm.demo.tasks import TASKS  # noqa: E402
 from nanomm.demo.training import TrainConfig  # noqa: E402
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
+
+
+def focus_phase(text: str) -> tuple[int, tuple[str, ...]]:
+    """"500:colour" -> (500, ("colour",)); "300:count,colour" -> (300, ("count", "colour")); "600:all": every task."""
+    steps, names = text.split(":")
+    tasks = TASKS if names == "all" else tuple(names.split(","))
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise SystemExit(f"--focus {text}: unknown tasks {sorted(unknown)}; the tasks are {', '.join(TASKS)} or all")
+    return int(steps), tasks
 
 
 def main(argv=None) -> None:
@@ -45,6 +59,10 @@ def main(argv=None) -> None:
     parser.add_argument("--vision-steps", type=int, default=TrainConfig.vision_steps,
                         help="stage 1: the first steps train the vision tower alone, on the hints")
     parser.add_argument("--vision-lr", type=float, default=TrainConfig.vision_lr)
+    parser.add_argument("--focus", action="append", default=[], metavar="STEPS:TASK[,TASK...]",
+                        help="a phase of stage 3: STEPS steps asking only these tasks (repeat for more phases)")
+    parser.add_argument("--focus-start", type=int, help="the step stage 3 begins at (default: --steps)")
+    parser.add_argument("--focus-lr", type=float, default=TrainConfig.focus_lr)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -64,7 +82,8 @@ def main(argv=None) -> None:
                       vision_steps=0 if args.draft_of else args.vision_steps, vision_lr=args.vision_lr,
                       bf16=torch.cpu._is_amx_tile_supported() if args.bf16 is None else args.bf16,
                       threads=args.threads, freeze_vision=args.draft_of is not None,
-                      flush_denormal=not args.no_flush_denormal)
+                      flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
+                      focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr)
     if not (args.out / "config.json").is_file():
         if args.draft_of:
             make_draft_checkpoint(args.draft_of, args.out, args.draft_layers)  # the target's first layers
@@ -72,10 +91,10 @@ def main(argv=None) -> None:
             new_run(args.out, TINY_SPEC if args.tiny else None, seed=args.seed)
     began = time.perf_counter()
     result = train(args.out, cfg, show_progress=not args.no_progress, stop_before=args.stop_at)
-    if args.stop_at is not None and args.stop_at < cfg.steps:
+    if args.stop_at is not None and args.stop_at < cfg.total_steps:
         return  # the last saved state (every --save-every steps) is where the next run resumes
     export(result["model"], args.out)
-    summary = {"steps": cfg.steps, "resumed_at": result["first_step"], "seconds": round(time.perf_counter() - began, 1),
+    summary = {"steps": cfg.total_steps, "resumed_at": result["first_step"], "seconds": round(time.perf_counter() - began, 1),
                "final_loss": sum(result["losses"][-50:]) / max(1, len(result["losses"][-50:])),
                "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                           f"{torch.get_num_threads()} threads", "config": cfg.to_dict()}

@@ -6,6 +6,7 @@ tests/test_demo_model.py tests the trained model itself.
 
 import random
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_sc
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
 from nanomm.demo.training import (IGNORE, TrainConfig, encode_chat, image_token_places, learning_rate, make_batch,
-                                  token_hints)
+                                  pick_contrasting, stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import load_model
@@ -192,6 +193,42 @@ def test_each_stage_warms_up_then_decays_on_its_own_schedule():
     assert rates[29] == pytest.approx(1e-3, rel=0.1)
 
 
+def test_stage_three_cuts_stage_two_short_and_holds_its_own_rate():
+    cfg = TrainConfig(steps=30, vision_steps=10, warmup_steps=2, lr=1e-2, focus_start=25,
+                      focus_phases=((5, ("colour",)), (3, ("count", "colour"))), focus_lr=4e-3, focus_warmup=4)
+    assert [stage(step, cfg) for step in (0, 9, 10, 24, 25, 32)] == [1, 1, 2, 2, 3, 3]
+    assert cfg.total_steps == 33
+    assert [cfg.focus_tasks(step) for step in (25, 29, 30, 32)] == [("colour",)] * 2 + [("count", "colour")] * 2
+    plain = TrainConfig(steps=30, vision_steps=10, warmup_steps=2, lr=1e-2)
+    # Stage 2 follows the schedule of a 30-step run up to the cut, then stage 3 warms up to focus_lr and stays.
+    assert [learning_rate(s, cfg) for s in range(25)] == [learning_rate(s, plain) for s in range(25)]
+    assert [learning_rate(s, cfg) for s in range(25, 33)] == pytest.approx([1e-3, 2e-3, 3e-3] + [4e-3] * 5)
+    # By default stage 3 follows stage 2; without phases there is none.
+    assert TrainConfig(steps=30, focus_phases=((5, ("colour",)),)).total_steps == 35
+    plain_run = TrainConfig(steps=30, vision_steps=10)
+    assert plain_run.total_steps == 30 and stage(29, plain_run) == 2
+
+
+def test_stage_three_asks_only_its_phase_s_tasks_several_at_a_time(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+    cfg = TrainConfig(steps=10, vision_steps=0, focus_start=5, focus_phases=((5, ("colour",)),), batch_size=12)
+    chats = make_batch(5, cfg, tokenizer, config)
+    assert {task for ex in chats for task in ex.tasks} == {"colour"}
+    assert all(len(ex.images) == 1 for ex in chats)  # no two-picture chats unless "compare" is a phase's task
+    assert sum(len(ex.tasks) for ex in chats) / len(chats) >= 2  # several shapes, each asked about
+
+
+def test_stage_three_asks_several_questions_of_a_task_in_one_chat():
+    qas = {task: [QA(task, f"{task} {i}", "x") for i in range(6)] for task in ("colour", "shape", "count")}
+    for seed in range(20):
+        chosen = pick_contrasting(qas, random.Random(seed), 8, ("colour", "shape"))
+        assert len(chosen) == len(set(chosen)) == 8  # no repeats
+        assert sorted(Counter(qa.task for qa in chosen).values()) == [4, 4]  # two tasks, four questions each
+        assert all(qa.task != "count" for qa in chosen)  # a task not listed is never asked
+    # When the listed tasks' pools run dry, fewer questions come back.
+    assert len(pick_contrasting(qas, random.Random(0), 8, ("shape",))) == 4
+
+
 def test_image_token_places_go_row_by_row_from_the_top_left():
     # A (1, 4, 6) patch grid with a 2x2 merge is 2 rows of 3 tokens; then a 1-token picture.
     places = image_token_places([(1, 4, 6), (1, 2, 2)], merge_size=2)
@@ -219,6 +256,15 @@ def test_a_few_training_steps_make_the_loss_fall(tiny_run, tmp_path):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert first > 4.0  # about ln(vocab): the untrained model knows nothing
     assert last < 0.6 * first, losses
+
+
+def test_a_run_with_stage_three_ends_at_its_total_steps(tiny_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run, folder)
+    cfg = tiny_config(10, focus_start=2, focus_phases=((2, ("colour", "count")),), save_every=1)
+    result = train(folder, cfg, show_progress=False, log=lambda _: None)
+    assert len(result["losses"]) == 4 and result["steps"] == 4
+    assert torch.load(folder / "train_state.pt", weights_only=False)["step"] == 4
 
 
 def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tmp_path):

@@ -134,6 +134,15 @@ def test_train_then_evaluate_a_tiny_demo_model_and_its_draft(tmp_path):
     assert summary["steps"] == 3 and summary["config"]["batch_size"] == 4 and "cores" in summary["machine"]
     config = json.loads((tmp_path / "tiny" / "config.json").read_text())
     assert config["torch_dtype"] == "float16" and config["num_hidden_layers"] == 2
+    # Stage 3 resumes the finished run: two phases, three more steps.
+    script("train_demo.py", "--out", "tiny", "--tiny", "--steps", "3", "--batch-size", "4", "--no-progress",
+           "--focus-start", "3", "--focus", "2:all", "--focus", "1:colour,count")
+    summary = json.loads((tmp_path / "tiny" / "train_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_at"] == 3
+    assert summary["config"]["focus_phases"] == [[2, list(TASKS)], [1, ["colour", "count"]]]
+    wrong = subprocess.run([sys.executable, str(root / "scripts" / "train_demo.py"), "--out", "tiny", "--focus",
+                            "5:colours"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert wrong.returncode != 0 and "unknown tasks ['colours']" in wrong.stderr
     script("train_demo.py", "--out", "draft", "--draft-of", "tiny", "--steps", "2", "--batch-size", "2",
            "--no-progress")
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 1

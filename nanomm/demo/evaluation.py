@@ -1,7 +1,6 @@
 """Measuring the demo model: accuracy per task on a fixed held-out set, at several pixel caps, with TTFT.
 
-Lesson: none yet (the demo model's "what pixels buy" lesson comes with the trained model). scripts/eval_demo.py
-prints the tables.
+Lesson: lessons/11-what-pixels-buy.md. scripts/eval_demo.py prints the tables.
 
 The held-out set is drawn by the same scene generator as training but from its own seeds (strings, which
 `random.Random` hashes into a stream the integer training seeds never produce), and at 224-400 px, large enough

@@ -1,7 +1,7 @@
 """The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
 
-Lesson: none yet. scripts/train_demo.py is the command line; nanomm/demo/training.py makes
-the batches and the loss.
+Lesson: lessons/12-how-the-demo-model-was-made.md. scripts/train_demo.py is the command line; nanomm/demo/training.py
+makes the batches and the loss.
 
 A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at
 the start, `train_state.pt` (weights, optimizer, step) saved every `save_every` steps so that a killed run
@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nanomm.demo.scenes import random_scene
 from nanomm.demo.tasks import compare_questions, scene_questions, vary
-from nanomm.demo.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch
+from nanomm.demo.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch, stage
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.config import VisionConfig
@@ -136,7 +136,7 @@ def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> 
 
 def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=functools.partial(print, flush=True),
           stop_before: int | None = None) -> dict:
-    """Train the model in folder for cfg.steps steps (resuming from train_state.pt if present). Returns a summary.
+    """Train the model in folder to step cfg.total_steps (resuming from train_state.pt if present). Returns a summary.
 
     stop_before: end the run before that step without saving, as if it were killed (tests of resuming)."""
     if cfg.threads:
@@ -155,22 +155,23 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     # A spawned worker, not a forked one: a fork after torch has started its OpenMP threads can hang the child.
     worker = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_init_batch_worker)
     with _progress(show_progress) as progress, worker as pool:
-        bar = progress.add_task("training", total=cfg.steps, completed=start, loss=float("nan"))
+        end = cfg.total_steps if stop_before is None else min(stop_before, cfg.total_steps)
+        bar = progress.add_task("training", total=cfg.total_steps, completed=start, loss=float("nan"))
         next_batch = pool.submit(_make_batch_in_worker, str(folder), start, cfg)
-        for step in range(start, cfg.steps if stop_before is None else min(stop_before, cfg.steps)):
+        for step in range(start, end):
             batch = next_batch.result()
-            if step + 1 < cfg.steps:
+            if step + 1 < end:
                 next_batch = pool.submit(_make_batch_in_worker, str(folder), step + 1, cfg)
             loss, accuracy = _train_step(model, heads, optimizer, trainable, step, cfg, batch)
             history.append(loss)
             _accumulate(window, accuracy)
             progress.update(bar, advance=1, loss=sum(history[-50:]) / len(history[-50:]))
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps:
                 _save_state(folder, model, optimizer, heads, step + 1, cfg)
                 log(f"step {step + 1}: loss {sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
-                    + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items()))
+                    + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items() if n))
                 window = {}
-    return {"steps": cfg.steps, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
+    return {"steps": cfg.total_steps, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
             "model": model}
 
 
@@ -200,10 +201,10 @@ def new_heads(model: Qwen2VL, seed: int) -> torch.nn.ModuleDict:
 
 def _train_step(model, heads, optimizer, trainable, step, cfg, batch):
     for group in optimizer.param_groups:
-        scale = cfg.vision_lr_scale if group["vision"] and step >= cfg.vision_steps else 1.0
+        scale = cfg.vision_lr_scale if group["vision"] and stage(step, cfg) == 2 else 1.0
         group["lr"] = scale * learning_rate(step, cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-        loss, accuracy = batch_loss(model, batch, heads, cfg.hint_weight, vision_only=step < cfg.vision_steps,
+        loss, accuracy = batch_loss(model, batch, heads, cfg.hint_weight, vision_only=stage(step, cfg) == 1,
                                     position_weight=cfg.position_weight)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -1,10 +1,11 @@
 """Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
 
-Lesson: none yet (it comes with the trained model). The script is scripts/train_demo.py; this module is its
-parts.
+Lesson: lessons/12-how-the-demo-model-was-made.md. The script is scripts/train_demo.py; this module is its parts.
 
-The model is nanomm's own `Qwen2VL`, trained in float32 with plain PyTorch. The recipe's parts (which do not
-yet make it learn fast enough to ship: see the issue tracker):
+The model is nanomm's own `Qwen2VL`, trained in float32 (matmuls under bfloat16 autocast where the CPU has
+AMX) with plain PyTorch, in up to three stages: 1, the vision tower alone on the hints below; 2, the whole model
+on every task; 3 (optional, `focus_phases`), the whole model on pictures with several shapes, a few tasks at a
+time, several questions of one task per chat (`pick_contrasting`). The recipe's parts:
 
 - one picture, many questions: a training sequence is a whole chat, one or two pictures then up to eight
   question/answer turns, so one vision encode feeds many supervised answers (and follow-ups are trained);
@@ -66,14 +67,50 @@ class TrainConfig:
     vision_lr_scale: float = 0.3  # in stage 2 the tower learns at this fraction of the language model's rate
     position_weight: float = 1.0  # weight of the image tokens' position loss in stage 2 (`image_token_places`)
     bf16: bool = False  # matmuls and attention under bfloat16 autocast (fast on CPUs with AMX or AVX512-BF16)
+    # Stage 3: phases of (steps, tasks), each asking only its tasks, on pictures with several shapes.
+    focus_phases: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    focus_start: int | None = None  # the step stage 3 begins at (default: `steps`, where stage 2 ends)
+    focus_lr: float = 3e-4  # stage 3's learning rate (after a short warm-up), the same for the whole model
+    focus_warmup: int = 50
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def focus_begins(self) -> int:
+        return self.steps if self.focus_start is None else self.focus_start
+
+    @property
+    def focus_steps(self) -> int:
+        return sum(steps for steps, _ in self.focus_phases)
+
+    @property
+    def total_steps(self) -> int:
+        """The step the run ends at: stage 2's schedule ends at `steps`, stage 3 may cut it short and follows."""
+        return self.focus_begins + self.focus_steps if self.focus_steps else self.steps
+
+    def focus_tasks(self, step: int) -> tuple[str, ...]:
+        """The tasks stage 3 asks at this step (its phase's)."""
+        end = self.focus_begins
+        for steps, tasks in self.focus_phases:
+            end += steps
+            if step < end:
+                return tuple(tasks)
+        return tuple(self.focus_phases[-1][1])
+
+
+def stage(step: int, cfg: TrainConfig) -> int:
+    """1: the vision tower alone; 2: the whole model on every task; 3: the whole model on the hard tasks."""
+    if cfg.focus_phases and step >= cfg.focus_begins:
+        return 3
+    return 1 if step < cfg.vision_steps else 2
+
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Each stage (the tower alone, then the whole model) has its own linear warm-up, then cosine decay to
-    min_lr_ratio of its peak."""
+    """Stages 1 and 2 (the tower alone, then the whole model) each have their own linear warm-up, then cosine
+    decay to min_lr_ratio of their peak; stage 3 warms up to focus_lr and stays there."""
+    if stage(step, cfg) == 3:
+        return cfg.focus_lr * min(1.0, (step - cfg.focus_begins + 1) / cfg.focus_warmup)
     stage_one = step < cfg.vision_steps
     peak = cfg.vision_lr if stage_one else cfg.lr
     start, end = (0, cfg.vision_steps) if stage_one else (cfg.vision_steps, cfg.steps)
@@ -163,17 +200,49 @@ def counting_scene(rng: random.Random, kind: str | None = None, count: int | Non
     return random_scene(rng, kinds=rng.sample(kinds, len(kinds)), **kwargs)
 
 
+SAME_TASK_TURNS = 4  # stage 3 asks up to this many questions of one task in a chat, each about another shape
+
+
+def focus_scene(rng: random.Random):
+    """Stage 3's pictures: several shapes, where a shape word must find its shape. Often 2-4 different kinds
+    (each kind's colour and every pair's places can be asked), else many of one kind, or any 2-5 shapes."""
+    draw = rng.random()
+    if draw < 0.45:
+        return random_scene(rng, kinds=rng.sample(SHAPES, rng.randint(2, len(SHAPES))))
+    return counting_scene(rng) if draw < 0.8 else random_scene(rng, num_shapes=rng.randint(2, 5))
+
+
+def pick_contrasting(by_task: dict[str, list[QA]], rng: random.Random, max_turns: int,
+                     tasks: tuple[str, ...]) -> list[QA]:
+    """Up to max_turns questions of the given tasks, no repeats: a task, then up to SAME_TASK_TURNS of its
+    questions, then another task. "What colour is the circle?" next to "What colour is the star?" in one chat
+    has two different answers, which only the shape word can tell apart (in stage 2's mix a chat asked about one
+    colour or two, and the most striking colour in the picture was often right)."""
+    pools = {task: rng.sample(qas, len(qas)) for task, qas in by_task.items() if task in tasks}
+    chosen: list[QA] = []
+    while len(chosen) < max_turns and pools:
+        task = rng.choice(sorted(pools))
+        take = min(SAME_TASK_TURNS, max_turns - len(chosen))
+        chosen += pools[task][:take]
+        del pools[task]
+    return rng.sample(chosen, len(chosen))
+
+
 def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
                  image_config: ImageProcessorConfig) -> Example:
-    if not in_curriculum(step, cfg) and rng.random() < cfg.compare_fraction:
+    focus = cfg.focus_tasks(step) if stage(step, cfg) == 3 else None
+    compare = "compare" in focus if focus else not in_curriculum(step, cfg)
+    if compare and rng.random() < cfg.compare_fraction:
         scenes = [counting_scene(rng), counting_scene(rng)]
         qas = compare_questions(*scenes)
         if not qas:
             return make_example(rng, step, cfg, tokenizer, image_config)
         qas = rng.sample(qas, min(len(qas), 3))
     else:
-        scenes = [training_scene(rng, step, cfg)]
-        qas = pick_questions(scene_questions(scenes[0]), rng, cfg.max_turns)
+        scenes = [focus_scene(rng) if focus else training_scene(rng, step, cfg)]
+        by_task = scene_questions(scenes[0])
+        qas = (pick_contrasting(by_task, rng, cfg.max_turns, focus) if focus
+               else pick_questions(by_task, rng, cfg.max_turns))
         if not qas:
             return make_example(rng, step, cfg, tokenizer, image_config)
     images = [preprocess_image(render(scene, rng), image_config, max_pixels=training_cap(rng, image_config))
