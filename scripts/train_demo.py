@@ -2,8 +2,8 @@
 
     python scripts/train_demo.py --out runs/demo --threads 2     # a new run (its folder is created)
     python scripts/train_demo.py --out runs/demo --threads 2     # run again: resumes from runs/demo/train_state.pt
-    python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour --focus 600:all
-                                                                 # the shipped model's recipe (stage 3 below)
+    python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour \
+        --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the shipped model's recipe
     python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 

@@ -5,9 +5,9 @@ Accuracy is checked on a small fixed held-out set (`held_out_items` with seed 1:
 integer seeds never produce) and on pictures drawn by independent code (`other_renderer`). The floors are what
 the shipped model demonstrably does, well above guessing, so that a serving bug that blinds it (visual tokens
 dropped, misplaced or mis-positioned) fails here. They are not the issue's thresholds: the shipped model meets
-them for shape questions only (BENCHMARKS.md, "The trained demo model", has the 200-per-task tables). Tasks it
-answers at or near the level of guessing (left/right, above/below, the printed number, the two-picture
-comparison) have no floor: one could not fail.
+those for colour, shape, left/right and above/below only (BENCHMARKS.md, "The trained demo model", has the 200-per-task tables).
+Tasks it answers at or near the level of guessing (the printed number, the two-picture comparison) have no
+floor: one could not fail.
 Exactness: greedy answers token for token against transformers' Qwen2-VL in float32.
 """
 
@@ -32,9 +32,11 @@ import transformers  # the oracle (dev extra); a missing oracle must fail, not s
 
 MODEL, DRAFT = nanomm.demo_checkpoint(), nanomm.demo_checkpoint("draft")
 PER_TASK = 40
-# Guessing scores about 1/11 on colour, 1/4 on shape, 1/7 on count (answers 0-6 equally often).
-FLOORS = {"colour": 0.35, "shape": 0.85, "count": 0.25}
-EXTERNAL_FLOORS = {"colour": 0.30, "shape": 0.70}
+# Guessing scores about 1/11 on colour, 1/4 on shape, 1/7 on count (answers 0-6 equally often), 1/2 on places.
+# The shipped model on these 40 (seed 1): colour 0.9, shape 0.925, count 0.5, left_right 1.0, above_below 0.975;
+# other renderer: colour 1.0, shape 1.0, left_right 1.0, above_below 0.925.
+FLOORS = {"colour": 0.75, "shape": 0.85, "count": 0.3, "left_right": 0.85, "above_below": 0.8}
+EXTERNAL_FLOORS = {"colour": 0.85, "shape": 0.85, "left_right": 0.85, "above_below": 0.8}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def test_the_trained_model_answers_held_out_questions(llm, task):
 
 def test_a_follow_up_question_is_answered_too(llm):
     right, total, _ = accuracy(llm, held_out_items("follow-up", PER_TASK, seed=1))
-    assert right / total >= 0.45
+    assert right / total >= 0.65  # the shipped model: 0.825
 
 
 @pytest.mark.parametrize("task", list(EXTERNAL_FLOORS))
