@@ -11,8 +11,9 @@ The recipe is in nanomm/demo/training.py (data, loss, the vision hints) and nano
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
 answers, with the hints and the position loss beside them; stage 3 (--focus phases, from --focus-start) trains
 it on pictures with several shapes, a few tasks at a time, each asked about several shapes in a chat.
-Reproducible from --seed: each step's batch depends only on (seed, step). The result is runs/demo/model.safetensors (float16) beside its config and tokenizer,
-loadable by nanomm and transformers; nanomm/demo/checkpoints/ holds the shipped one.
+Reproducible from --seed: each step's batch depends only on (seed, step). The result is
+runs/demo/model.safetensors (float16) beside its config and tokenizer, loadable by nanomm and transformers;
+nanomm/demo/checkpoints/ holds the shipped one.
 
 Keep it alone on the machine: a second busy process on a 2-core VM slows every step. On the 2-core Intel Xeon
 VM that trained the shipped model (AMX, so --bf16 is on by default there), stage 1 ran at about 0.75 s per step
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
     if args.stop_at is not None and args.stop_at < cfg.total_steps:
         return  # the last saved state (every --save-every steps) is where the next run resumes
     export(result["model"], args.out)
-    summary = {"steps": cfg.total_steps, "resumed_at": result["first_step"], "seconds": round(time.perf_counter() - began, 1),
+    summary = {"steps": cfg.total_steps, "resumed_at": result["first_step"],
+               "seconds": round(time.perf_counter() - began, 1),
                "final_loss": sum(result["losses"][-50:]) / max(1, len(result["losses"][-50:])),
                "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                           f"{torch.get_num_threads()} threads", "config": cfg.to_dict()}

@@ -5,9 +5,9 @@ Accuracy is checked on a small fixed held-out set (`held_out_items` with seed 1:
 integer seeds never produce) and on pictures drawn by independent code (`other_renderer`). The floors are what
 the shipped model demonstrably does, well above guessing, so that a serving bug that blinds it (visual tokens
 dropped, misplaced or mis-positioned) fails here. They are not the issue's thresholds: the shipped model meets
-those for colour, shape, left/right and above/below only (BENCHMARKS.md, "The trained demo model", has the 200-per-task tables).
-Tasks it answers at or near the level of guessing (the printed number, the two-picture comparison) have no
-floor: one could not fail.
+those for colour, shape, left/right and above/below only (BENCHMARKS.md, "The trained demo model", has the
+200-per-task tables). Tasks it answers at or near the level of guessing (the printed number, the two-picture
+comparison) have no floor: one could not fail.
 Exactness: greedy answers token for token against transformers' Qwen2-VL in float32.
 """
 

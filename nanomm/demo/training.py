@@ -87,7 +87,7 @@ class TrainConfig:
     @property
     def total_steps(self) -> int:
         """The step the run ends at: stage 2's schedule ends at `steps`, stage 3 may cut it short and follows."""
-        return self.focus_begins + self.focus_steps if self.focus_steps else self.steps
+        return self.focus_begins + self.focus_steps if self.focus_phases else self.steps
 
     def focus_tasks(self, step: int) -> tuple[str, ...]:
         """The tasks stage 3 asks at this step (its phase's)."""
@@ -100,7 +100,7 @@ class TrainConfig:
 
 
 def stage(step: int, cfg: TrainConfig) -> int:
-    """1: the vision tower alone; 2: the whole model on every task; 3: the whole model on the hard tasks."""
+    """1: the vision tower alone; 2: the whole model on every task; 3: the whole model on its phase's tasks."""
     if cfg.focus_phases and step >= cfg.focus_begins:
         return 3
     return 1 if step < cfg.vision_steps else 2
