@@ -26,6 +26,7 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.compile import compile_decoder_layers
 from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
+from nanomm.model.quant import quantize_language_model
 from nanomm.outputs import RequestOutput
 from nanomm.planner import Plan, Workload, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines, worst_case_image
 from nanomm.sampling import SamplingParams, generation_defaults
@@ -50,6 +51,10 @@ class LLM:
         if config.speculative is not None and config.speculative.method == "draft":
             draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)
             self.draft_model = load_model(draft_folder, device=device, dtype=dtype)
+        if config.quantization is not None:  # before packing: the packed layers are the ones left in float
+            for m in (self.model, self.draft_model):
+                if m is not None:
+                    quantize_language_model(m, config.quantization, config.quantization_group_size)
         if config.cpu_fast_linear and not config.compile:  # Inductor picks its own matmuls
             for m in (self.model, self.draft_model):
                 if m is not None and packed_linear_available(m.device, m.dtype):
@@ -82,6 +87,7 @@ class LLM:
         typical_image), each defaulting as there."""
         config = self.engine.config
         return make_plan(self.model.config, self.image_config, model=self.model_name, dtype=self._dtype_name,
+                         kv_dtype=config.kv_cache_dtype,
                          block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                          max_model_len=config.max_model_len, workload=Workload(**workload),
                          num_kv_blocks=config.num_kv_blocks)
@@ -103,7 +109,8 @@ class LLM:
         if num_kv_blocks is None:
             per_block = config.block_size * sum(  # a draft model's KV lives in the same budget
                 kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
-                                   m.config.text.head_dim, m.dtype) for m in (self.model, self.draft_model) if m)
+                                   m.config.text.head_dim, m.dtype, config.kv_cache_dtype)
+                for m in (self.model, self.draft_model) if m)
             num_kv_blocks = kv_pool_blocks(self._kv_budget(config, max_model_len, token_budget), per_block,
                                            config.max_num_seqs, max_model_len, config.block_size)
             if num_kv_blocks < 1:

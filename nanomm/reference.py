@@ -10,19 +10,24 @@ from dataclasses import dataclass, field
 import torch
 
 from nanomm.engine.attention import causal_attention
+from nanomm.engine.kv_fp8 import fp8_round_trip
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, adjust_logits, sample
 
 
 class ContiguousKVCache:
-    """Keys and values of one sequence, position 0..n-1 in order, per layer."""
+    """Keys and values of one sequence, position 0..n-1 in order, per layer. kv_cache_dtype="fp8" keeps them as
+    they come back from an fp8 cache (engine/kv_fp8.py): rounded to float8 with their scales."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, kv_cache_dtype: str = "auto"):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.kv_cache_dtype = kv_cache_dtype
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache_dtype == "fp8":
+            k, v = fp8_round_trip(k), fp8_round_trip(v)
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k])  # (past + new, kv_heads, head_dim)
             v = torch.cat([self.values[layer], v])
@@ -39,8 +44,10 @@ class ReferenceOutput:
 
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
-             eos_token_ids=(), keep_logits: bool = False) -> ReferenceOutput:
-    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`)."""
+             eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
+    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`).
+    A quantized model (model/quant.py) is its own reference: its layers are the quantized ones. kv_cache_dtype:
+    "fp8" keeps the keys and values as an fp8 cache would return them."""
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
     grids = [tuple(im.grid_thw) for im in images]
@@ -52,7 +59,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
         positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
-    kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers)
+    kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)
     generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
 

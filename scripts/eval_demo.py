@@ -4,6 +4,7 @@
     python scripts/eval_demo.py --model runs/demo --per-task 50 --caps 16 100
     python scripts/eval_demo.py --model runs/demo --draft runs/draft     # plus the draft's speed-up
     python scripts/eval_demo.py --model runs/demo --json results.json    # also write the numbers as JSON
+    python scripts/eval_demo.py --model runs/demo --quantization int4 --kv-cache-dtype fp8   # quantized serving
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
 default cap on pictures from nanomm/demo/other_renderer.py, and with --draft, speculative decoding at batch 1.
@@ -40,10 +41,15 @@ def main(argv=None) -> None:
     parser.add_argument("--draft", default=None, help="a draft folder: also measure speculative decoding with it")
     parser.add_argument("--spec-requests", type=int, default=24, help="requests in the speculative measurement")
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (model/quant.py)")
+    parser.add_argument("--group-size", type=int, default=128, help="int4: input columns per scale")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args(argv)
+    args.engine = dict(quantization=args.quantization, quantization_group_size=args.group_size,
+                       kv_cache_dtype=args.kv_cache_dtype)  # every LLM below gets these
     model = args.model
     print(f"model {model} | {cpu_name()} | torch {torch.__version__} | "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads | quantization {args.quantization} | KV {args.kv_cache_dtype}")
     results = {"held_out": held_out_table(model, args) if args.caps else None, "external": None, "speculative": None}
     if not args.no_external:
         results["external"] = external_table(model, args)
@@ -60,7 +66,8 @@ def held_out_table(model: str, args) -> dict:
     ttft_items = held_out_items("number", 13, seed=args.seed + 1000)  # pictures of their own: no cache hits
     table, token_pixels = {}, ImageProcessorConfig.from_pretrained(model).factor  # one visual token's side
     for cap in args.caps:
-        with LLM(model, max_pixels=cap * token_pixels ** 2, min_pixels=min(cap, 16) * token_pixels ** 2) as llm:
+        with LLM(model, max_pixels=cap * token_pixels ** 2, min_pixels=min(cap, 16) * token_pixels ** 2,
+                 **args.engine) as llm:
             row = {"ttft": median_ttft(llm, ttft_items)}  # first: on pictures no cache holds yet
             began = time.perf_counter()
             row |= {task: accuracy(llm, items[task])[:2] for task in tasks}
@@ -82,7 +89,7 @@ def external_table(model: str, args) -> dict:
     from nanomm.demo.other_renderer import external_items
 
     table = {}
-    with LLM(model) as llm:
+    with LLM(model, **args.engine) as llm:
         for task in EXTERNAL_TASKS:
             items = [EvalItem(e.task, e.images, (QA(e.task, e.question, e.answer),))
                      for e in external_items(task, args.per_task, args.seed)]
@@ -104,7 +111,7 @@ def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:
     runs = {}
     for name, extra in (("plain", {}), (f"draft k={k}", {"speculative": {"method": "draft", "model": draft,
                                                                           "num_speculative_tokens": k}})):
-        with LLM(model, **extra) as llm:
+        with LLM(model, **extra, **args.engine) as llm:
             llm.chat(conversation(items[0], []), params)  # warm-up
             outs = [llm.chat(conversation(item, []), params)[0] for item in items]
         decode_s = sum(o.metrics.e2e_s - o.metrics.ttft_s for o in outs)

@@ -44,8 +44,8 @@ def random_workload(seed: int, num_prompts: int, max_images: int = 3):
 def reference_tokens(llm, prompt, params) -> list[int]:
     """What the dense reference generates for this prompt: the engine's oracle."""
     prepared = llm.engine.prepare(prompt, params)
-    return reference_generate(llm.model, prepared.token_ids, prepared.images, params,
-                              llm.tokenizer.eos_token_ids).token_ids
+    return reference_generate(llm.model, prepared.token_ids, prepared.images, params, llm.tokenizer.eos_token_ids,
+                              kv_cache_dtype=llm.engine.config.kv_cache_dtype).token_ids
 
 
 def run_to_completion(engine, max_steps: int = 500) -> dict:
@@ -93,7 +93,8 @@ def assert_mixed_workload_matches(llm, reference_model) -> None:
     for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
         prepared = llm.engine.prepare(prompt, p)
         expected = reference_generate(reference_model, prepared.token_ids, prepared.images, p,
-                                      llm.tokenizer.eos_token_ids).token_ids
+                                      llm.tokenizer.eos_token_ids,
+                                      kv_cache_dtype=llm.engine.config.kv_cache_dtype).token_ids
         assert out.outputs[0].token_ids == expected, f"prompt {i} differs"
     assert_no_leaks(llm)
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanomm.engine.kv_cache import PlainKVCache
+from nanomm.engine.kv_fp8 import Fp8KVCache
+
 
 @dataclass
 class SequenceSlice:
@@ -138,16 +141,17 @@ def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.reshape(1, heads, head_dim)
 
 
-def batched_attention(q: torch.Tensor, cache: torch.Tensor, short: ShortQueries, layout: BatchLayout) -> torch.Tensor:
-    """Attention for every short query run of the step at once, with one gather of keys and values.
+def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, short: ShortQueries,
+                      layout: BatchLayout) -> torch.Tensor:
+    """Attention for every short query run of the step at once, over keys and values gathered once.
 
-    q (tokens, heads, head_dim) packed; cache (2, slots, kv_heads, head_dim): this layer's keys and values,
-    the new tokens written. Returns (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
+    q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): this layer's cache rows
+    `layout.kv_rows`, the new tokens written. Returns (B * Q, heads, head_dim), one row per (run, query) slot,
+    padding included."""
     heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = cache.shape[2]
-    group = heads // kv_heads
     batch, width = short.query_rows.shape
-    keys_values = cache.view(-1, head_dim).index_select(0, layout.kv_rows)  # (2 * B * kv * L, d)
+    kv_heads = layout.mask.shape[0] // batch
+    group = heads // kv_heads
     keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
     if short.in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
         queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
@@ -167,9 +171,11 @@ def batched_attention(q: torch.Tensor, cache: torch.Tensor, short: ShortQueries,
 class PagedAttention:
     """The attention backend of one engine step (see `qwen2.AttentionBackend`)."""
 
-    def __init__(self, kv_cache: torch.Tensor, metadata: StepMetadata, num_heads: int | None = None):
-        """num_heads: the model's query heads, needed when the step has short queries (metadata.short)."""
-        self.kv_cache = kv_cache  # (layers, 2, slots, kv_heads, head_dim)
+    def __init__(self, kv_cache: "torch.Tensor | Fp8KVCache", metadata: StepMetadata, num_heads: int | None = None):
+        """kv_cache: the pool, a (layers, 2, slots, kv_heads, head_dim) tensor of the model's dtype or an
+        `Fp8KVCache` (kv_fp8.py). num_heads: the model's query heads, needed when the step has short queries."""
+        self.kv_cache = kv_cache
+        self.store = PlainKVCache(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache  # write, read_*
         self.meta = metadata
         self.layout = None  # what every layer's batched call reads, derived once for the step
         if metadata.short is not None:
@@ -178,24 +184,21 @@ class PagedAttention:
 
     @torch.compiler.disable  # LLM(compile=True) compiles the layers around this call, not the call itself
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = self.kv_cache[layer]  # (2, slots, kv_heads, head_dim): keys, values
-        keys, values = cache
-        keys.index_copy_(0, self.meta.slot_mapping, k)
-        values.index_copy_(0, self.meta.slot_mapping, v)
+        self.store.write(layer, self.meta.slot_mapping, k, v)
         short = self.meta.short
-        if short is not None and short.in_order and not self.meta.sequences:
-            return batched_attention(q, cache, short, self.layout)  # a pure decode step: no scatter either
+        if short is not None:
+            batch_out = batched_attention(q, self.store.read_rows(layer, self.layout.kv_rows), short, self.layout)
+            if short.in_order and not self.meta.sequences:
+                return batch_out  # a pure decode step: no scatter either
         out = torch.empty_like(q)
         if short is not None:
-            batch_out = batched_attention(q, cache, short, self.layout)  # (B * Q, heads, head_dim)
             if short.valid_index is not None:
-                batch_out = batch_out.index_select(0, short.valid_index)
+                batch_out = batch_out.index_select(0, short.valid_index)  # (B * Q, heads, head_dim) -> real rows
             out.index_copy_(0, short.dest_rows, batch_out)
         if not self.meta.sequences:
             return out
         # One gather for the other sequences; each then reads a contiguous slice of it.
-        context_keys = keys.index_select(0, self.meta.context_slots)  # (sum of contexts, kv_heads, head_dim)
-        context_values = values.index_select(0, self.meta.context_slots)
+        context_keys, context_values = self.store.read_slots(layer, self.meta.context_slots)  # (contexts, kv, d)
         for seq in self.meta.sequences:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             context = slice(seq.context_start, seq.context_start + seq.context_len)

@@ -13,7 +13,9 @@ pool that fits the memory.
 
 from dataclasses import dataclass, fields
 
+from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.engine.speculative import SpeculativeConfig
+from nanomm.model.quant import QUANTIZATION_METHODS
 from nanomm.errors import check_int, is_finite_number
 
 
@@ -51,8 +53,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA only)
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
-    kv_cache_dtype: str = "auto"  # the model's dtype; quantized KV caches are not built yet
-    quantization: str | None = None  # quantized weights are not built yet
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (engine/kv_fp8.py)
+    quantization: str | None = None  # None, "int8" or "int4": weight-only, the language model (model/quant.py)
+    quantization_group_size: int = 128  # int4: input columns per scale and zero
     trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
@@ -108,12 +111,15 @@ class EngineConfig:
                 if getattr(self, name) is not None and getattr(self, name) != value:
                     raise ValueError(f"{name} is given twice, as {getattr(self, name)} and in mm_processor_kwargs")
                 setattr(self, name, value)
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanomm keeps the KV cache "
-                             "in the model's dtype ('auto')")
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanomm serves the checkpoint's "
-                             "own weights (quantization=None)")
+        self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS} (weight-only, quantized "
+                             f"at load), got {self.quantization!r}")
+        if check_int(self.quantization_group_size, "quantization_group_size") % 2:
+            raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
 
     def _check_single_device(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

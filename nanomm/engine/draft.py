@@ -38,7 +38,8 @@ class DraftProposer:
     """
 
     def __init__(self, model: Qwen2VL, num_kv_blocks: int, block_size: int, target_vocab_size: int,
-                 encoder_cache_size: int, shared_encoder_cache: tuple[EncoderCache, str] | None = None):
+                 encoder_cache_size: int, shared_encoder_cache: tuple[EncoderCache, str] | None = None,
+                 kv_cache_dtype: str = "auto"):
         """shared_encoder_cache: (the target's cache, the target's model identity), for a draft whose vision tower
         is the target's (`same_vision_tower`)."""
         self.model, self.target_vocab_size = model, target_vocab_size
@@ -46,7 +47,7 @@ class DraftProposer:
         self.vocab_size = text.vocab_size
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=False)
         kv_cache = allocate_kv_cache(text.num_hidden_layers, num_kv_blocks, block_size, text.num_key_value_heads,
-                                     text.head_dim, model.dtype, model.device)
+                                     text.head_dim, model.dtype, model.device, kv_cache_dtype)
         if shared_encoder_cache is None:
             shared_encoder_cache = EncoderCache(encoder_cache_size), f"draft:{model.name_or_path}:{model.dtype}"
         encoder_cache, self.model_identity = shared_encoder_cache

@@ -52,7 +52,8 @@ class LLMEngine:
         use_graphs = model.device.type == "cuda" and not config.enforce_eager
         # With CUDA graphs, one block past the pool, never handed out: where padding rows write (cuda_graphs.py).
         kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks + use_graphs, config.block_size,
-                                     text.num_key_value_heads, text.head_dim, model.dtype, model.device)
+                                     text.num_key_value_heads, text.head_dim, model.dtype, model.device,
+                                     config.kv_cache_dtype)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
         graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
                               config.max_num_seqs, config.max_model_len) if use_graphs else None
@@ -306,8 +307,11 @@ class LLMEngine:
         generated = self.output_processor.counters["generated_tokens"]
         return {
             **self.block_manager.stats(),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             "kv_bytes_per_token": kv_bytes_per_token(t.num_hidden_layers, t.num_key_value_heads, t.head_dim,
-                                                     self.model.dtype),
+                                                     self.model.dtype, self.config.kv_cache_dtype),
+            "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
+            "quantization": self.config.quantization,
             **self.scheduler.stats(),
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,
@@ -334,7 +338,7 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
         return NgramProposer(spec)
     shared = target_encoder_cache if same_vision_tower(target, draft_model) else None
     return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target.config.text.vocab_size,
-                         config.encoder_cache_size, shared)
+                         config.encoder_cache_size, shared, config.kv_cache_dtype)
 
 
 def _check_params(params, name: str) -> SamplingParams:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanomm.engine.kv_fp8 import FP8, SCALE_DTYPE, Fp8KVCache
+
 
 @dataclass
 class Block:
@@ -38,20 +40,50 @@ def hash_block(parent: bytes | None, token_ids, block_start: int, image_spans) -
     return h.digest()  # full 32 bytes: a cache key is never truncated
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (kv_fp8.py)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device) -> torch.Tensor:
-    """(layers, 2, num_blocks * block_size, kv_heads, head_dim): k and v of every slot, in one tensor.
+                      dtype: torch.dtype, device, kv_cache_dtype: str = "auto") -> "torch.Tensor | Fp8KVCache":
+    """(layers, 2, num_blocks * block_size, kv_heads, head_dim): k and v of every slot, in one tensor of the
+    model's dtype; or, for kv_cache_dtype="fp8", the same slots in an `Fp8KVCache`.
 
     Slots are only ever read after they are written, so the values do not matter; torch.zeros rather than
     torch.empty commits the memory now. On a CPU the pages of an empty tensor are taken only when first
     written, so a server's memory would creep up for minutes as the free list rotates through the pool (the
     soak in BENCHMARKS.md saw it), and a pool too large for the machine would fail mid-serve, not at start.
     """
+    if kv_cache_dtype == "fp8":
+        return Fp8KVCache(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype, device)
     return torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's keys and values take in the pool: head_dim values per KV head per layer, twice; in fp8,
+    one byte per value plus a bfloat16 scale per head."""
+    if kv_cache_dtype == "fp8":
+        return 2 * num_layers * num_kv_heads * (head_dim * FP8.itemsize + SCALE_DTYPE.itemsize)
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+class PlainKVCache:
+    """Reads and writes of a model-dtype pool tensor (layers, 2, slots, kv_heads, head_dim), the same three calls
+    `Fp8KVCache` answers, so attention (attention.py) does not care which it has."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.tensor[layer, 0].index_copy_(0, slots, k)
+        self.tensor[layer, 1].index_copy_(0, slots, v)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensor[layer, 0].index_select(0, slots), self.tensor[layer, 1].index_select(0, slots)
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of this layer's pool viewed as (2 * slots * kv_heads, head_dim)."""
+        return self.tensor[layer].view(-1, self.tensor.shape[-1]).index_select(0, rows)
 
 
 class BlockManager:

@@ -1,0 +1,247 @@
+"""Quantization: int8/int4 weight-only layers (model/quant.py) and the fp8 KV cache (engine/kv_fp8.py).
+
+Each format is checked by hand on values whose codes can be worked out on paper, each kernel against the
+readable dequantize-then-multiply definition, and the engine against the dense reference that runs the same
+quantized layers (and keeps its keys and values as an fp8 cache returns them), under the engine's stress
+settings: chunked prefill that cuts images, preemption, prefix-cache hits, speculative decoding.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_engine_matches_reference, random_workload
+from nanomm import LLM, SamplingParams, demo_checkpoint
+from nanomm.reference import generate as reference_generate
+from nanomm.engine.kv_fp8 import Fp8KVCache, dequantize_fp8, fp8_round_trip, quantize_fp8
+from nanomm.model.quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
+                                linear_definition, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles,
+                                weight_bytes)
+
+MAX_PIXELS = 28 * 28 * 16
+
+
+def make_llm(ckpt, **kwargs):
+    kwargs.setdefault("max_pixels", MAX_PIXELS)
+    kwargs.setdefault("quantization_group_size", 32)  # the tiny preset's layers are 64 and 128 wide
+    return LLM(str(ckpt), device="cpu", dtype="float32", **kwargs)
+
+
+def linear_with(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight.data = weight.clone()
+    if bias is not None:
+        layer.bias.data = bias.clone()
+    return layer
+
+
+# -- the formats, by hand ------------------------------------------------------------------------------------
+
+
+def test_int8_codes_and_scale_by_hand():
+    # max |w| = 127 / 128, so the scale is 1/128 exactly (a bfloat16 value) and each weight is a whole code
+    weight = torch.tensor([[127 / 128, -0.5, 0.25, 2 / 128], [0.0, 0.0, 0.0, -1.0]])
+    codes, scales = quantize_int8(weight)
+    assert codes.tolist() == [[127, -64, 32, 2], [0, 0, 0, -127]]
+    assert scales.float().tolist() == [1 / 128, pytest.approx(1 / 127, rel=2**-8)]
+    assert torch.equal(dequantize_int8(codes, scales)[0], weight[0])
+
+
+def test_int4_codes_scale_and_zero_by_hand():
+    # one group of 4: min 0, max 3.75 -> scale 3.75 / 15 = 0.25; code 8 stands for 0 + 8 x 0.25 = 2.0
+    weight = torch.tensor([[0.0, 0.5, 3.75, 1.0]])
+    codes, scales, zeros = quantize_int4(weight, group_size=4)
+    assert codes.tolist() == [[0, 2, 15, 4]]
+    assert scales.float().tolist() == [[0.25]] and zeros.float().tolist() == [[2.0]]
+    assert torch.equal(dequantize_int4(codes, scales, zeros), weight)
+
+
+def test_nibbles_pack_two_codes_per_byte():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.tolist() == [[1 + 2 * 16, 15]]
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+def test_fp8_codes_and_scale_by_hand():
+    # max |x| = 1.75 = 448 / 256, so the scale is 1/256; 0.1 x 256 = 25.6 lies between e4m3's 24 and 26 -> 26
+    x = torch.tensor([[1.75, -0.5, 0.1, 0.0]])
+    codes, scales = quantize_fp8(x)
+    assert scales.float().tolist() == [1 / 256]
+    assert codes.float().tolist() == [[448.0, -128.0, 26.0, 0.0]]
+    assert dequantize_fp8(codes, scales, torch.float32).tolist() == [[1.75, -0.5, 26 / 256, 0.0]]
+    assert torch.equal(fp8_round_trip(torch.zeros(2, 3)), torch.zeros(2, 3))  # no division by a zero scale
+
+
+def test_fp8_keeps_about_two_significant_digits_at_any_magnitude():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 64, generator=g) * torch.logspace(-3, 3, 64)[:, None, None]  # (tokens, heads, dim)
+    err = (fp8_round_trip(x) - x).abs()
+    step = x.abs().amax(dim=-1, keepdim=True) / 448 * 1.01  # one unit of the scaled values (scale rounding apart)
+    # e4m3 keeps 3 mantissa bits: a value is off by at most 1/16 of itself, or by 2^-10 units below 2^-6 units
+    assert bool((err <= torch.maximum(x.abs() / 16, step * 2**-10)).all())
+    assert float((err / x.abs()).median()) < 0.03
+
+
+# -- the layers: kernels against the definition -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(48, 64), (128, 256), (96, 512)])
+def test_a_quantized_layer_is_its_definition(method, shape):
+    """Kernel or not, a layer computes linear_definition(x, dequantized weight) (+ bias): bfloat16 activations,
+    float32 sums. The kernels sum in their own order and round the result to bfloat16: a bfloat16 step apart."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(out_features)
+    layer = linear_with(torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g))
+    quantized = Int8Linear(layer) if method == "int8" else Int4Linear(layer, group_size=32)
+    x = torch.randn(5, in_features, generator=g)
+    weight = layer.weight.detach()  # the definition, from the formats (checked by hand above)
+    dequantized = dequantize_int8(*quantize_int8(weight)) if method == "int8" else \
+        dequantize_int4(*quantize_int4(weight, 32))
+    expected = linear_definition(x, dequantized) + layer.bias
+    torch.testing.assert_close(quantized(x), expected, rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+    assert quantized(x).dtype == torch.float32  # hands back the caller's dtype
+
+
+def test_this_cpu_build_runs_torch_s_kernels():
+    """The fast path is in use here (torch 2.13 CPU ships both kernels): otherwise the speed-ups recorded in
+    BENCHMARKS.md would not be what a user gets."""
+    g = torch.Generator().manual_seed(0)
+    layer = linear_with(torch.randn(64, 128, generator=g))
+    assert Int8Linear(layer).uses_kernel
+    assert Int4Linear(layer, group_size=32).uses_kernel
+    assert not Int4Linear(linear_with(torch.randn(40, 128, generator=g)), group_size=32).uses_kernel  # 40 % 16
+
+
+def test_quantized_layers_are_close_to_the_float_ones():
+    g = torch.Generator().manual_seed(1)
+    layer = linear_with(torch.randn(256, 512, generator=g))
+    x = torch.randn(8, 512, generator=g)
+    exact = layer(x)
+    for quantized, tolerance in ((Int8Linear(layer), 0.01), (Int4Linear(layer, 64), 0.1)):
+        error = (quantized(x) - exact).norm() / exact.norm()
+        assert float(error) < tolerance, type(quantized).__name__
+
+
+def test_a_group_size_that_does_not_divide_the_layer_is_an_error(ckpt):
+    with pytest.raises(ValueError, match="must be even and divide"):
+        make_llm(ckpt, quantization="int4", quantization_group_size=128)  # the tiny preset's hidden size is 64
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_language_model_and_head_are_quantized_and_the_tower_is_not(ckpt, method):
+    quantized = make_llm(ckpt, quantization=method)
+    layers = [m for m in quantized.model.language_model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * quantized.model.config.text.num_hidden_layers  # qkv, o, gate/up, down
+    assert isinstance(quantized.model.lm_head, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in quantized.model.visual.modules())
+    for layer in layers + [quantized.model.lm_head]:
+        out_features, in_features = layer.out_features, layer.in_features
+        bias = 0 if layer.bias is None else 4 * out_features
+        if method == "int8":  # a byte per weight, a bfloat16 scale per row
+            expected = out_features * in_features + 2 * out_features + bias
+        else:  # half a byte per weight, a bfloat16 scale and zero per group of 32
+            expected = out_features * in_features // 2 + 2 * 2 * out_features * in_features // 32 + bias
+        assert weight_bytes(layer) == expected
+
+
+# -- the engine against the dense reference -----------------------------------------------------------------
+
+STRESS = {
+    "block-16-tiny-budget": dict(block_size=16, max_num_batched_tokens=7),
+    "tiny-pool-preemption": dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=24),
+    "block-1": dict(block_size=1),
+    "few-seqs": dict(max_num_seqs=2, block_size=8),
+}
+FORMATS = {
+    "int8": dict(quantization="int8"),
+    "int4": dict(quantization="int4"),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "int4+fp8-kv": dict(quantization="int4", kv_cache_dtype="fp8"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("setting", list(STRESS))
+def test_the_engine_matches_its_quantized_reference(ckpt, fmt, setting):
+    llm = make_llm(ckpt, **FORMATS[fmt], **STRESS[setting])
+    prompts = random_workload(seed=1, num_prompts=8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
+                             ignore_eos=True) for i in range(len(prompts))]
+    assert_engine_matches_reference(llm, prompts, params)
+    if setting == "tiny-pool-preemption":
+        assert llm.stats()["preemptions"] > 0
+    assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: their prefixes come from the cache
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4+fp8-kv"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_on_a_quantized_engine_changes_no_greedy_token(ckpt, fmt, method):
+    """Greedy tokens are the reference's (sampled ones keep the distribution, not the draws: test_speculative)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram" else \
+        {"method": "draft", "model": str(ckpt), "num_speculative_tokens": 3}
+    llm = make_llm(ckpt, **FORMATS[fmt], speculative_config=spec, block_size=4, max_num_batched_tokens=24)
+    prompts = random_workload(seed=1, num_prompts=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * (i % 4), ignore_eos=True) for i in range(8)]
+    assert_engine_matches_reference(llm, prompts, params)
+    assert llm.stats()["spec_accepted_tokens"] > 0  # the verification path ran and kept proposals
+
+
+def test_the_reference_is_really_quantized(ckpt):
+    """The parity above would hold trivially if nothing were quantized: every format must move the logits."""
+    prompt, params = random_workload(seed=5, num_prompts=1)[0], SamplingParams(temperature=0.0, max_tokens=3)
+    logits = {}
+    for fmt, extra in {"float32": {}, **FORMATS}.items():
+        with make_llm(ckpt, **extra) as llm:
+            prepared = llm.engine.prepare(prompt, params)
+            logits[fmt] = reference_generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True,
+                                             kv_cache_dtype=llm.engine.config.kv_cache_dtype).logits[0]
+    for fmt in FORMATS:
+        difference = float((logits[fmt] - logits["float32"]).abs().max())
+        assert 1e-4 < difference < 0.5 * float(logits["float32"].abs().max()), (fmt, difference)
+
+
+# -- the fp8 pool -------------------------------------------------------------------------------------------
+
+
+def test_fp8_holds_at_least_1_9x_the_tokens_of_bfloat16_in_the_same_memory():
+    """The demo model's heads are 64 wide: 64 one-byte codes and a 2-byte scale against 128 bytes of bfloat16."""
+    capacity, pool_bytes = {}, {}
+    for kv in ("auto", "fp8"):
+        with LLM(demo_checkpoint(), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_gib=0.01) as llm:
+            stats = llm.stats()
+            capacity[kv] = stats["kv_capacity_tokens"]
+            cache = llm.engine.runner.kv_cache
+            pool_bytes[kv] = cache.nbytes if isinstance(cache, Fp8KVCache) else cache.numel() * cache.element_size()
+            assert pool_bytes[kv] == capacity[kv] * stats["kv_bytes_per_token"] <= 0.01 * 2**30
+    assert capacity["fp8"] / capacity["auto"] >= 1.9
+    assert pool_bytes["fp8"] / capacity["fp8"] == 4 * 2 * 2 * (64 + 2)  # 4 layers x (K, V) x 2 KV heads
+    assert pool_bytes["auto"] / capacity["auto"] == 4 * 2 * 2 * 64 * 2
+
+
+def test_an_fp8_engine_reports_its_cache(ckpt):
+    with make_llm(ckpt, kv_cache_dtype="fp8") as llm:
+        stats = llm.stats()
+        assert stats["kv_cache_dtype"] == "fp8"
+        assert stats["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 2)  # tiny: 2 layers, 2 KV heads of 16
+        assert llm.plan().kv_bytes_per_token == stats["kv_bytes_per_token"]
+
+
+# -- the trained model --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, floor", [("int8", 0.95), ("int4", 0.85), ("fp8-kv", 0.95)])
+def test_the_trained_model_answers_the_same_when_quantized(fmt, floor):
+    """Answers of the demo model on 60 held-out questions (colour, shape, places), quantized against not.
+    BENCHMARKS.md has the accuracy per task on 200 questions each."""
+    from nanomm.demo.evaluation import answer_items, held_out_items
+    items = [item for task in ("colour", "shape", "left_right", "above_below")
+             for item in held_out_items(task, 15, seed=1)]
+    answers = {}
+    for name, extra in (("float32", {}), (fmt, FORMATS[fmt])):
+        with LLM(demo_checkpoint(), **extra) as llm:
+            answers[name] = answer_items(llm, items)
+    same = sum(a == b for a, b in zip(answers["float32"], answers[fmt])) / len(items)
+    assert same >= floor, same
