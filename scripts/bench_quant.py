@@ -4,6 +4,7 @@ throughput of an fp8 cache, and how far quantized outputs drift from unquantized
     python scripts/bench_quant.py speed                  # preset "small": float32, bfloat16, int8, int4
     python scripts/bench_quant.py capacity               # preset "small": fp8 KV against auto, fixed KV memory
     python scripts/bench_quant.py agreement              # preset "2b-shaped": top-1 agreement and KL
+    python scripts/bench_quant.py kernels                # one LM-head-sized matmul, each kernel and dtype
     python scripts/bench_quant.py speed --quick          # a smoke run (tiny preset, few tokens)
 
 speed      One request at a time (a short text prompt, greedy, ignore_eos), the formats interleaved, --repeats
@@ -18,6 +19,9 @@ capacity   The same KV memory (--kv-memory-mib) for every configuration; --reque
 agreement  Teacher-forced: --positions positions of random token ids through the unquantized model and through
            each quantized configuration (the dense reference's contiguous cache); top-1 agreement of the next-token
            logits and mean KL(unquantized || quantized).
+kernels    One batch-1 product with a 151,936 x 512 weight (the `small` preset's LM head), best of --repeats x 4:
+           float32 (torch.mm and the oneDNN-packed layer nanomm uses), bfloat16, and the int8 and int4 kernels
+           fed float32 and bfloat16 activations: why quantized layers compute in bfloat16.
 
 Benchmarks are not tests: nothing asserts a timing. Record the CPU with every figure (printed first).
 """
@@ -62,7 +66,7 @@ def decode_weight_bytes(llm: LLM) -> int:
 def speed(args) -> dict:
     folder = make_checkpoint(args.cache_dir, preset=args.preset)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {name: LLM(str(folder), quantization_group_size=args.group_size, **extra)
+    engines = {name: LLM(str(folder), device=args.device, quantization_group_size=args.group_size, **extra)
                for name, extra in FORMATS.items()}
     for llm in engines.values():
         llm.generate(PROMPT, params, use_tqdm=False)  # warm-up
@@ -73,7 +77,7 @@ def speed(args) -> dict:
             out = llm.generate(PROMPT, params, use_tqdm=False)[0]
             rates[name].append(1 / out.metrics.tpot_s)
             tokens[name] = list(out.outputs[0].token_ids)
-    roof = measure_roofline(args.bw_mib, 1024, 5)
+    roof = measure_roofline(args.bw_mib, 1024, 5, torch.device(engines["float32"].model.device))
     rows = {}
     for name, llm in engines.items():
         context = len(llm.get_tokenizer().encode(PROMPT)) + args.max_tokens // 2
@@ -182,11 +186,50 @@ def _logits(model, ids: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     return model.compute_logits(hidden)  # (positions, vocab) float32
 
 
+def kernels(args) -> dict:
+    from bench import best_time
+    from torch import nn
+
+    from nanomm.model.fast_linear import PackedLinear
+    from nanomm.model.quant import Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    dense = nn.Linear(512, 151_936 if not args.quick else 1024, bias=False)
+    dense.weight.data = torch.randn(dense.out_features, 512, generator=g) * 0.02
+    x = torch.randn(1, 512, generator=g)
+    int8, int4 = Int8Linear(dense), Int4Linear(dense, args.group_size)
+    calls = {
+        "float32 torch.mm": lambda: x @ dense.weight.t(),
+        "float32 oneDNN-packed (LLM's CPU default)": lambda: packed(x),
+        "bfloat16 torch.mm": lambda: x16 @ weight16.t(),
+        "int8 kernel, float32 activations": lambda: torch.ops.aten._weight_int8pack_mm(x, int8.codes,
+                                                                                        int8.scales.float()),
+        "int8 kernel, bfloat16 activations": lambda: int8.kernel_matmul(x16),
+        "int4 kernel, float32 activations": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, int4.kernel_weight, int4.group_size, int4.scales_and_zeros.float()),
+        "int4 kernel, bfloat16 activations": lambda: int4.kernel_matmul(x16),
+    }  # the CPU's kernels (the layers' own calls, and the same ops fed float32)
+    packed, x16, weight16 = PackedLinear(dense), x.bfloat16(), dense.weight.detach().bfloat16()
+    rows = {}
+    for name, call in calls.items():
+        try:
+            rows[name] = best_time(call, 4 * args.repeats) * 1e3
+        except (RuntimeError, TypeError) as exc:  # a kernel missing or refusing a dtype on this build
+            rows[name] = None
+            print(f"{name}: {exc}")
+    print(f"\none batch-1 product with a {dense.out_features:,} x 512 weight, best of {4 * args.repeats}\n")
+    print("| call | ms |\n|---|---|")
+    for name, ms in rows.items():
+        print(f"| {name} | {'-' if ms is None else f'{ms:.2f}'} |")
+    return rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["speed", "capacity", "agreement"])
+    p.add_argument("what", choices=["speed", "capacity", "agreement", "kernels"])
     p.add_argument("--preset", help="random checkpoint (default: small; 2b-shaped for agreement)")
     p.add_argument("--cache-dir", help="where the preset is generated once (default: checkpoints/bench-PRESET)")
+    p.add_argument("--device", help="speed: cpu or cuda (default: cuda when available)")
     p.add_argument("--group-size", type=int, default=128, help="int4: input columns per scale")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -213,7 +256,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     print(f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
           f"command: python scripts/bench_quant.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    results = {"speed": speed, "capacity": capacity, "agreement": agreement}[args.what](args)
+    results = {"speed": speed, "capacity": capacity, "agreement": agreement, "kernels": kernels}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return results

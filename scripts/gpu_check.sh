@@ -8,11 +8,11 @@
 # that fails or times out is reported and the next one still runs. It writes:
 #   gpu_check.json       everything: the machine, each stage's exit status and time, both bench results
 #   summary.txt          the numbers issue 12 asks for, in words
-#   env.txt, tests.txt, bench-small.txt, bench-2b.txt: each stage's own output
+#   env.txt, tests.txt, bench-small.txt, bench-2b.txt, bench-quant.txt: each stage's own output
 # The tests: engine against the dense reference on CUDA (float32, with and without CUDA graphs), bf16 logits,
 # transformers parity, a graph replay against eager (float32 and bf16), the profiled KV pool. The benches:
 # bench.py in bf16 against transformers at batch 32, on `small` and on the 2b-shaped preset (the real
-# Qwen2-VL-2B widths, 1 text layer).
+# Qwen2-VL-2B widths, 1 text layer); bench_quant.py's batch-1 decode of float32, bfloat16, int8 and int4 weights.
 #
 # GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
 # suite checks this script (tests/test_scripts.py) without a GPU.
@@ -62,8 +62,12 @@ stage tests 180 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests
 stage bench-small 120 python scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
     --json "$OUT/bench-small.json"
 
-stage bench-2b 150 python scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
+stage bench-2b 120 python scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
     --json "$OUT/bench-2b.json"
+
+QUANT=(--device cuda --repeats 3 --max-tokens 32)
+[ "${GPU_CHECK_DRY_RUN:-0}" = 1 ] && QUANT=(--device cpu --quick --cache-dir "$OUT/ckpt-tiny")
+stage bench-quant 60 python scripts/bench_quant.py speed "${QUANT[@]}" --json "$OUT/bench-quant.json"
 
 python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
@@ -73,7 +77,7 @@ stages = {name: {"exit": int(rc), "seconds": int(s)} for name, rc, s in
           (line.split() for line in (out / "stages.tsv").read_text().splitlines())}
 combined = {"env": (out / "env.txt").read_text(), "stages": stages,
             "tests_tail": (out / "tests.txt").read_text()[-4000:] if (out / "tests.txt").exists() else None}
-for name in ("bench-small", "bench-2b"):
+for name in ("bench-small", "bench-2b", "bench-quant"):
     path = out / f"{name}.json"
     combined[name] = json.loads(path.read_text()) if path.exists() else None
 (out / "gpu_check.json").write_text(json.dumps(combined, indent=1, default=str))
@@ -94,5 +98,9 @@ for name in ("bench-small", "bench-2b"):
     print(f"  batch 1: decode step {b1['measured_step_s_median'] * 1e3:.2f} ms against a roofline of "
           f"{b1['roofline_step_s_mean'] * 1e3:.2f} ms: {b1['fraction_of_roofline']:.0%} (target >= 50% on 2b)")
     print(f"  batch 32 decode step: {w['decode_roofline']['fraction_of_roofline']:.0%} of the roofline")
+if combined["bench-quant"]:
+    rows = combined["bench-quant"]["rows"]
+    print("bench-quant, batch-1 decode tok/s: " + ", ".join(f"{k} {v['tok_s']:.0f} ({v['tok_s'] / rows['float32']['tok_s']:.2f}x, "
+          f"{v['tok_s'] / v['roofline_tok_s']:.0%} of roofline)" for k, v in rows.items()))
 EOF
 exit $status

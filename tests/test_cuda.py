@@ -68,3 +68,30 @@ def test_the_kv_pool_is_sized_after_a_profiling_pass(ckpt):
                        - stats["memory_activation_peak_bytes"])
         assert stats["kv_budget_bytes"] == expected
         assert stats["kv_blocks_total"] * llm.engine.config.block_size * stats["kv_bytes_per_token"] <= expected
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_layers_on_cuda_run_a_kernel_that_is_their_definition(method):
+    """On a GPU the weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm`) should be found and agree
+    with dequantize-then-multiply; a layer that falls back says so here rather than running slowly unseen."""
+    from nanomm.model.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, linear_definition,
+                                    quantize_int4, quantize_int8)
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(512, 256, bias=False)
+    layer.weight.data = torch.randn(256, 512, generator=g)
+    layer = layer.cuda()
+    quantized = Int8Linear(layer) if method == "int8" else Int4Linear(layer, group_size=128)
+    assert quantized.uses_kernel, f"no {method} kernel on this GPU: the definition runs instead"
+    weight = layer.weight.detach()
+    dequantized = dequantize_int8(*quantize_int8(weight)) if method == "int8" else \
+        dequantize_int4(*quantize_int4(weight, 128))
+    x = torch.randn(5, 512, generator=g).cuda()
+    expected = linear_definition(x, dequantized)
+    torch.testing.assert_close(quantized(x), expected, rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("extra", [dict(quantization="int8"), dict(quantization="int4", kv_cache_dtype="fp8")])
+def test_quantized_engine_on_cuda_matches_its_dense_reference(ckpt, extra):
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS, quantization_group_size=32,
+              **STRESS["tiny-pool-preemption"], **extra)
+    assert_mixed_workload_matches(llm, llm.model)

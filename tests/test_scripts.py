@@ -147,10 +147,26 @@ def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
                           timeout=2 * TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b"}
+    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b", "bench-quant"}
     assert all(stage["exit"] == 0 for stage in combined["stages"].values())
     for name in ("bench-small", "bench-2b"):
         decode = combined[name]["workloads"]["decode"]
         assert decode["agreement"]["identical"] == decode["num_requests"]  # against transformers, token for token
         assert decode["batch1_roofline"]["steps"] > 0 and decode["decode_probe"]["ops"]["kernels_per_layer"] <= 25
-    assert "batch 32:" in (tmp_path / "out" / "summary.txt").read_text()
+    assert set(combined["bench-quant"]["rows"]) == {"float32", "bfloat16", "int8", "int4"}
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "batch 32:" in summary and "bench-quant, batch-1 decode tok/s: float32" in summary
+
+
+@pytest.mark.parametrize("what", ["capacity", "agreement"])
+def test_bench_quant_quick(tmp_path, what):
+    """The speed table runs in gpu_check's dry run above; these are the other two."""
+    results = run_script("bench_quant", [what, "--quick", "--cache-dir", "ck"], tmp_path)
+    if what == "capacity":
+        tokens = {name: row["kv_capacity_tokens"] for name, row in results.items()}
+        assert tokens["bfloat16 weights, fp8 KV"] > tokens["bfloat16 weights, auto KV"] > 0
+        assert all(row["tok_s"] > 0 and row["max_running"] >= 1 for row in results.values())
+    else:
+        assert set(results["rows"]) == {"int8", "int4", "fp8 KV", "int4 + fp8 KV"}
+        assert all(0 <= row["top1_agreement"] <= 1 and row["mean_kl"] >= 0 and row["positions"] == 64
+                   for row in results["rows"].values())
