@@ -51,7 +51,7 @@ class LLM:
         if config.speculative is not None and config.speculative.method == "draft":
             draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)
             self.draft_model = load_model(draft_folder, device=device, dtype=dtype)
-        if config.quantization is not None:  # before packing: the packed layers are the ones left in float
+        if config.quantization is not None:  # the draft's too; before packing, which takes what is left in float
             for m in (self.model, self.draft_model):
                 if m is not None:
                     quantize_language_model(m, config.quantization, config.quantization_group_size)
@@ -87,7 +87,7 @@ class LLM:
         typical_image), each defaulting as there."""
         config = self.engine.config
         return make_plan(self.model.config, self.image_config, model=self.model_name, dtype=self._dtype_name,
-                         kv_dtype=config.kv_cache_dtype,
+                         kv_dtype=config.kv_cache_dtype, quantization=config.quantization,
                          block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                          max_model_len=config.max_model_len, workload=Workload(**workload),
                          num_kv_blocks=config.num_kv_blocks)

@@ -43,7 +43,7 @@ from nanomm.model.loader import DTYPES
 GiB = 2**30
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
 MIN_ACTIVATION_RESERVE = GiB  # GPU memory kept back from the KV pool for activations, at the least
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}  # of weights
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of weights (quantized ones: model_weight_bytes)
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
 
@@ -61,6 +61,7 @@ class Workload:
 class Plan:
     model: str
     dtype: str
+    quantization: str | None  # of the language model's weights: None, "int8" or "int4"
     kv_dtype: str
     min_pixels: int
     max_pixels: int
@@ -144,6 +145,30 @@ def parameter_count(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied head is one tensor, counted once
 
 
+def model_weight_bytes(config: ModelConfig, dtype: str, quantization: str | None = None,
+                       num_parameters: int | None = None, group_size: int = 128) -> int:
+    """Bytes of the weights as nanomm holds them: every parameter in dtype, except that quantization
+    (model/quant.py) stores the language model's linear layers and the LM head as int8 codes with a bfloat16
+    scale per row, or int4 codes with a bfloat16 scale and zero per group, and keeps a tied embedding as it is."""
+    total = (num_parameters or parameter_count(config)) * ELEMENT_BYTES[dtype]
+    if quantization is None:
+        return int(total)
+    t = config.text
+    attention = t.num_attention_heads * t.head_dim
+    matrices = [((t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim, t.hidden_size),  # qkv
+                (t.hidden_size, attention), (2 * t.intermediate_size, t.hidden_size),  # o, gate/up
+                (t.hidden_size, t.intermediate_size)] * t.num_hidden_layers  # down
+    head = (t.vocab_size, t.hidden_size)
+    for out_features, in_features in matrices + [head]:
+        if quantization == "int8":
+            total += out_features * in_features + 2 * out_features
+        else:
+            total += out_features * in_features / 2 + 2 * 2 * out_features * in_features / group_size
+        if (out_features, in_features) != head or not config.tie_word_embeddings:
+            total -= out_features * in_features * ELEMENT_BYTES[dtype]  # the float matrix it replaces
+    return int(total)
+
+
 def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> int:
     """An estimate of the vision tower's largest working set while it encodes one image of visual_tokens.
 
@@ -190,10 +215,11 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               max_model_len: int | None = None, workload: Workload | None = None,
               device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
-              weights_dtype: str | None = None, num_parameters: int | None = None,
+              quantization: str | None = None, num_parameters: int | None = None,
               alternatives: bool = True) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
     pool already decided (num_kv_blocks: a running engine's); else the CPU default.
+    quantization: None, "int8" or "int4" (the weights, model_weight_bytes).
     num_parameters: the model's, if already counted (parameter_count)."""
     workload = workload or Workload()
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
@@ -205,7 +231,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
     kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
     num_parameters = num_parameters or parameter_count(config)
-    weights = int(num_parameters * ELEMENT_BYTES[weights_dtype or dtype])
+    weights = model_weight_bytes(config, dtype, quantization, num_parameters)
     peak = vision_peak_bytes(config, worst, dtype)
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
@@ -218,7 +244,8 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
             rule += "; capped at max_num_seqs x max_model_len"
     else:
         budget, rule = num_kv_blocks * block_size * per_token, f"num_kv_blocks={num_kv_blocks}, given"
-    plan = Plan(model=model, dtype=dtype, kv_dtype=kv_dtype, min_pixels=image_config.min_pixels,
+    plan = Plan(model=model, dtype=dtype, quantization=quantization, kv_dtype=kv_dtype,
+                min_pixels=image_config.min_pixels,
                 max_pixels=image_config.max_pixels, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
@@ -249,9 +276,9 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
     """What each lever would buy, one change at a time. Compression is not built in nanomm yet (its issue is
     open): those rows (*) are arithmetic about tokens, not what an engine would do. The fp8 KV cache and the
     int8/int4 weights are built (engine/kv_fp8.py, model/quant.py); their rows are the same arithmetic."""
-    same = dict(model=plan.model, dtype=plan.dtype, kv_dtype=plan.kv_dtype, block_size=plan.block_size,
-                max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len, workload=plan.workload,
-                num_parameters=num_parameters, alternatives=False, **pool)
+    same = dict(model=plan.model, dtype=plan.dtype, quantization=plan.quantization, kv_dtype=plan.kv_dtype,
+                block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
+                workload=plan.workload, num_parameters=num_parameters, alternatives=False, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2
@@ -263,9 +290,10 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
     if plan.kv_dtype != "fp8":
         rows.append(_row("fp8 KV cache", make_plan(config, image_config, **(same | {"kv_dtype": "fp8"}))))
     if pool["device_memory_gib"] is not None:  # smaller weights leave more of the GPU to the KV pool
-        for weights in ("int8", "int4"):
-            rows.append(_row(f"{weights} weights",
-                             make_plan(config, image_config, weights_dtype=weights, **same)))
+        for method in ("int8", "int4"):
+            if method != plan.quantization:
+                quantized = make_plan(config, image_config, **(same | {"quantization": method}))
+                rows.append(_row(f"{method} weights", quantized))
     return rows
 
 
@@ -299,7 +327,8 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
     width, height = plan.worst_image
     tw, th = w.typical_image
     return [
-        ("model", f"{plan.model} ({plan.dtype} weights, {plan.kv_dtype} KV)"),
+        ("model", f"{plan.model} ({plan.dtype} weights" + (f", {plan.quantization} language model"
+                                                            if plan.quantization else "") + f", {plan.kv_dtype} KV)"),
         ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"),
         ("request", f"{w.images_per_request} image(s), {w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
         ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "
@@ -392,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 with "
                    "--device-memory, else float32 (nanomm's CPU default)")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="auto: the weights' dtype")
+    p.add_argument("--quantization", choices=["int8", "int4"], help="the language model's weights (default: none)")
     p.add_argument("--max-pixels", type=_positive_int, help="default: the checkpoint's preprocessor config")
     p.add_argument("--min-pixels", type=_positive_int)
     p.add_argument("--images", type=int, default=1, help="images per request")
@@ -419,6 +449,7 @@ def main(argv=None) -> int:
         image_config = replace(image_config, **cap)
         dtype = args.dtype or ("bfloat16" if args.device_memory is not None else "float32")
         plan = make_plan(config, image_config, model=args.model, dtype=dtype, kv_dtype=args.kv_dtype,
+                         quantization=args.quantization,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image),
                          device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,

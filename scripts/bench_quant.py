@@ -66,7 +66,8 @@ def decode_weight_bytes(llm: LLM) -> int:
 def speed(args) -> dict:
     folder = make_checkpoint(args.cache_dir, preset=args.preset)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {name: LLM(str(folder), device=args.device, quantization_group_size=args.group_size, **extra)
+    engines = {name: LLM(str(folder), device=args.device, quantization_group_size=args.group_size,
+                         kv_cache_memory_gib=1.0, **extra)  # a fixed pool: four engines share one GPU
                for name, extra in FORMATS.items()}
     for llm in engines.values():
         llm.generate(PROMPT, params, use_tqdm=False)  # warm-up

@@ -167,6 +167,8 @@ def test_bench_quant_quick(tmp_path, what):
         assert tokens["bfloat16 weights, fp8 KV"] > tokens["bfloat16 weights, auto KV"] > 0
         assert all(row["tok_s"] > 0 and row["max_running"] >= 1 for row in results.values())
     else:
-        assert set(results["rows"]) == {"int8", "int4", "fp8 KV", "int4 + fp8 KV"}
-        assert all(0 <= row["top1_agreement"] <= 1 and row["mean_kl"] >= 0 and row["positions"] == 64
-                   for row in results["rows"].values())
+        rows = results["rows"]
+        assert set(rows) == {"int8", "int4", "fp8 KV", "int4 + fp8 KV"}
+        assert all(row["positions"] == 64 for row in rows.values())
+        # int8's error is ~1/16 of int4's on the tiny model (95% against 56% top-1 when this was written)
+        assert rows["int8"]["top1_agreement"] >= 0.8 and rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"] / 4

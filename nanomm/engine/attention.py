@@ -19,6 +19,10 @@ Two ways to run it, with the same result:
   the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads
   (the rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value
   back to the host, so a CUDA graph can record it (cuda_graphs.py).
+
+Writes and gathers go through the pool's storage: `PlainKVCache` (kv_cache.py) for a pool in the model's dtype,
+`Fp8KVCache` (kv_fp8.py) for `kv_cache_dtype="fp8"`, which quantizes on write and dequantizes what it gathers.
+Attention itself only ever sees keys and values in the model's dtype.
 """
 
 from dataclasses import dataclass
@@ -62,6 +66,7 @@ class BatchLayout:
     every layer: only the cache and q change)."""
     kv_rows: torch.Tensor  # (2 * B * kv_heads * L,) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
     mask: torch.Tensor  # (B * kv_heads, Q * group or 1, L) float32: 0 where a key is visible, -inf where not
+    kv_heads: int
 
     @classmethod
     def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int) -> "BatchLayout":
@@ -77,7 +82,7 @@ class BatchLayout:
         rows = 1 if width == 1 else group
         mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, rows, -1).reshape(
             batch * kv_heads, width * rows, -1)
-        return cls(kv_rows, mask)
+        return cls(kv_rows, mask, kv_heads)
 
 
 @dataclass
@@ -150,7 +155,7 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, short: ShortQu
     padding included."""
     heads, head_dim = q.shape[1], q.shape[2]
     batch, width = short.query_rows.shape
-    kv_heads = layout.mask.shape[0] // batch
+    kv_heads = layout.kv_heads
     group = heads // kv_heads
     keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
     if short.in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
@@ -174,7 +179,6 @@ class PagedAttention:
     def __init__(self, kv_cache: "torch.Tensor | Fp8KVCache", metadata: StepMetadata, num_heads: int | None = None):
         """kv_cache: the pool, a (layers, 2, slots, kv_heads, head_dim) tensor of the model's dtype or an
         `Fp8KVCache` (kv_fp8.py). num_heads: the model's query heads, needed when the step has short queries."""
-        self.kv_cache = kv_cache
         self.store = PlainKVCache(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache  # write, read_*
         self.meta = metadata
         self.layout = None  # what every layer's batched call reads, derived once for the step

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nanomm.engine.attention import PagedAttention, ShortQueries, StepMetadata
+from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.model_runner import packed_positions, padded_context_slots
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -86,7 +87,7 @@ class StaticDecodeInputs:
         return torch.cat([ids, positions.flatten(), slots, context.flatten(), last, torch.arange(batch)])
 
 
-def decode_forward(model: Qwen2VL, kv_cache: torch.Tensor, inputs: StaticDecodeInputs) -> torch.Tensor:
+def decode_forward(model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", inputs: StaticDecodeInputs) -> torch.Tensor:
     """One decode step from the static inputs -> logits (B, vocab). This is what a graph records: it reads
     only `inputs` and the cache, and reads nothing back to the host."""
     short = ShortQueries(inputs.query_rows, inputs.context_slots, inputs.last_visible, valid_index=None,
@@ -108,7 +109,7 @@ class _Recorded:
 class DecodeGraphs:
     """Runs pure decode steps through one recorded graph per (batch, context) bucket."""
 
-    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, scratch_slot: int,
+    def __init__(self, model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", block_size: int, scratch_slot: int,
                  max_batch: int, max_context: int, capture: bool = True):
         """capture=False runs the same static, padded path without recording (on a CPU, for tests)."""
         self.model, self.kv_cache, self.block_size, self.scratch_slot = model, kv_cache, block_size, scratch_slot

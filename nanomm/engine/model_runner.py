@@ -23,6 +23,7 @@ import torch
 from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, SequenceSlice, ShortQueries,
                                      StepMetadata, batch_short_queries)
 from nanomm.engine.encoder_cache import EncoderCache
+from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
@@ -88,7 +89,8 @@ def packed_copy(tensors: list, device: torch.device) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2VL, kv_cache: torch.Tensor, block_size: int, encoder_cache: EncoderCache,
+    def __init__(self, model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", block_size: int,
+                 encoder_cache: EncoderCache,
                  trace=None, batched_attention: bool = True, decode_graphs=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.decode_graphs = decode_graphs  # cuda_graphs.DecodeGraphs: pure decode steps replayed, or None
@@ -160,9 +162,13 @@ class ModelRunner:
             image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _split_runs(self, chunks: list[ScheduledChunk], query_starts: list[int], slots: torch.Tensor):
-        """Short query runs (decodes, verifications) in one batch; longer chunks attended one by one, their
-        context slots packed sequence after sequence. Returns (ShortQueries or None, (slices, packed slots))."""
-        batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES for c in chunks]
+        """Short query runs past the prompt (decodes, verifications) in one batch; prompt chunks, however short,
+        attended one by one, their context slots packed sequence after sequence. A prompt's tokens then always
+        go through the same attention kernel as in the dense reference, whatever the chunking, so that they get
+        the same bits: bfloat16 rounding in quantized layers (model/quant.py) would magnify any difference.
+        Returns (ShortQueries or None, (slices, packed slots))."""
+        batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
+                   and c.start >= c.request.num_prompt_tokens for c in chunks]
         short = None
         if any(batched):
             picked = [i for i, b in enumerate(batched) if b]

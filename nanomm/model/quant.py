@@ -30,9 +30,12 @@ own quantized copy), the norms, and the vision tower (it runs once per image, no
 Idea and kernels: gpt-fast's int8/int4 weight-only quantization (pytorch-labs/gpt-fast, quantize.py).
 """
 
+import logging
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("nanomm")
 
 QUANTIZATION_METHODS = ("int8", "int4")
 COMPUTE_DTYPE = torch.bfloat16  # the activations' dtype inside a quantized layer: the kernels'
@@ -58,10 +61,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     out_features, in_features = weight.shape
     groups = weight.float().view(out_features, in_features // group_size, group_size)  # (out, groups, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, groups)
-    scales = ((high - low) / 15).clamp(min=1e-12).to(COMPUTE_DTYPE)
-    zeros = (low + 8 * scales.float()).to(COMPUTE_DTYPE)  # the value of code 8
-    codes = ((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).round().clamp(0, 15)
-    return codes.to(torch.uint8).view(out_features, in_features), scales, zeros
+    zeros = (low + 8 * (high - low) / 15).to(COMPUTE_DTYPE).float()  # the value of code 8, as stored
+    # Codes 0..15 stand for zero - 8 scale .. zero + 7 scale: wide enough for the group around the stored zero
+    # (bfloat16 moves a zero far from 0 by more than a step of a narrow group).
+    scales = torch.maximum((zeros - low) / 8, (high - zeros) / 7).clamp(min=1e-12).to(COMPUTE_DTYPE)
+    codes = ((groups - zeros[..., None]) / scales.float()[..., None] + 8).round().clamp(0, 15)
+    return codes.to(torch.uint8).view(out_features, in_features), scales, zeros.to(COMPUTE_DTYPE)
 
 
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -113,7 +118,7 @@ class QuantizedLinear(nn.Module):
         return linear_definition(x, self.dequantized_weight())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (rows, in): the kernels take 2-D input
+        flat = x.reshape(-1, self.in_features).contiguous()  # (rows, in): the kernels take contiguous 2-D input
         out = self.matmul(flat).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -122,6 +127,12 @@ class QuantizedLinear(nn.Module):
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x), the call `qwen2.residual_linear` makes."""
         return residual + self(x)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.float()`, `.cuda()`: refused. The codes are laid out for one device's kernel and the scales
+        must stay bfloat16, so quantize where the model will run (LLM does: after loading, on its device)."""
+        raise RuntimeError(f"{type(self).__name__} cannot be moved or cast after quantization: load the model on "
+                           "its device and in its dtype first, then quantize")
 
     def _try_kernel(self, probe_rows: int = 3) -> None:
         """Use the kernel if it runs here and agrees with the definition on a probe (bfloat16 rounding apart)."""
@@ -221,14 +232,19 @@ def quantize_language_model(model: nn.Module, method: str, group_size: int = DEF
                             try_kernel: bool = True) -> int:
     """Replace the language model's linear layers and the LM head of a `Qwen2VL` by quantized ones, in place;
     returns how many were replaced. try_kernel=False keeps every layer on the definition."""
-    replaced = 0
+    layers = []
     for parent in list(model.language_model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, quantized_linear(child, method, group_size, try_kernel))
-                replaced += 1
+                layers.append(quantized_linear(child, method, group_size, try_kernel))
+                setattr(parent, name, layers[-1])
     model.lm_head = quantized_linear(model.lm_head, method, group_size, try_kernel)  # a tied head: its own copy
-    return replaced + 1
+    layers.append(model.lm_head)
+    slow = [f"{layer.out_features}x{layer.in_features}" for layer in layers if not layer.uses_kernel]
+    if slow and try_kernel:
+        logger.warning("%s: %d of %d layers have no kernel on %s and run dequantize-then-multiply (slower): %s",
+                       method, len(slow), len(layers), model.device, ", ".join(sorted(set(slow))))
+    return len(layers)
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
 
 def residual_linear(residual: torch.Tensor, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """residual + layer(x) for a bias-free linear layer, the add done by the matmul itself."""
-    if hasattr(layer, "forward_add"):  # fast_linear.PackedLinear: oneDNN's add post-op
+    if hasattr(layer, "forward_add"):  # fast_linear.PackedLinear (oneDNN add post-op), quant.QuantizedLinear
         return layer.forward_add(x, residual)
     return torch.addmm(residual, x, layer.weight.t())  # residual + x @ W^T (beta = 1)
 
