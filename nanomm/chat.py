@@ -61,7 +61,8 @@ def load_llm(args, console: Console):
     from nanomm.errors import CheckpointError
 
     kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels, trace_path=args.trace,
-                  speculative=speculative_config(args.speculative, args.num_speculative_tokens))
+                  speculative=speculative_config(args.speculative, args.num_speculative_tokens),
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     model = args.model
     if args.demo:
         model = str(demo_folder(args.demo, console))
@@ -211,6 +212,9 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="proposals per step (default 4)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on cuda, f32 on cpu")
+    p.add_argument("--quantization", choices=["int8", "int4"], help="weight-only, at load (lesson 13)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: a KV cache of 1 byte "
+                   "per value (lesson 13)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto timeline of every engine step to FILE "
                    "on exit (open it in ui.perfetto.dev)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -234,6 +238,10 @@ def main(argv=None) -> int:
                 console.print("[yellow]demo model: a 5M-parameter Qwen2-VL trained on pictures of shapes. Ask what "
                               "shape the red object is, what colour the circle is, how many stars there are "
                               "(lesson 11 measures how often it is right).[/yellow]")
+            if args.quantization or args.kv_cache_dtype != "auto":
+                stats = llm.stats()
+                console.print(f"[dim]weights: {args.quantization or 'as stored'}; KV cache: {stats['kv_cache_dtype']}, "
+                              f"{stats['kv_bytes_per_token']:,} bytes per token (lesson 13)[/dim]")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             chat = Chat(llm, params, console, interactive)
             for path in args.image:

@@ -116,6 +116,20 @@ def test_the_readme_s_first_run_answers_about_a_red_circle(env, tmp_path):
     assert "trained on pictures of shapes" in err and "random weights" not in err
 
 
+def test_the_chat_serves_a_quantized_demo_model(env, tmp_path):
+    """--quantization and --kv-cache-dtype reach the engine: the same first-run answer with int4 weights and an
+    fp8 KV cache (the summary line on stderr names them)."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (224, 224), "white")
+    ImageDraw.Draw(image).ellipse((62, 62, 162, 162), fill="red")
+    image.save(tmp_path / "red_circle.png")
+    rc, replies, err = chat(["--demo", "--image", "red_circle.png", "--quantization", "int4", "--kv-cache-dtype",
+                             "fp8"], "What colour is the circle?\n", env, tmp_path)
+    assert rc == 0, err
+    assert [r.strip().lower() for r in replies] == ["red"], (replies, err)
+    assert "int4" in err and "fp8" in err, err
+
+
 def test_console_script_is_installed_and_runs(env, tmp_path):
     # CI installs with `pip install -e .[dev]`, which puts the console script on PATH.
     assert any(ep.name == "nanomm-chat" and ep.value == "nanomm.chat:main"
