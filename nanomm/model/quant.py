@@ -15,7 +15,7 @@ The readable definition of a quantized layer is *dequantize, then multiply* (`li
 times their scales give a float32 weight, and the product is computed with the activations rounded to
 bfloat16 and summed in float32. The bfloat16 activations are the kernels' own: torch's weight-only kernels
 (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, `_weight_int4pack_mm` on CUDA) take bfloat16
-activations (on the CPU they also take float32, but measured 8x and 29x slower: BENCHMARKS.md), so a quantized
+activations (on the CPU they also take float32, but ran 8.5x and 33x slower with it: BENCHMARKS.md), so a quantized
 layer computes in bfloat16 whatever the model's dtype and hands back the model's dtype. The kernels also round
 their result to bfloat16; the definition keeps it in float32, so that where it runs, rows computed in
 different batches differ by float32 rounding only, as in the unquantized model. Each layer checks its kernel
