@@ -4,8 +4,8 @@ slot and KV head, dequantized as attention reads them.
 Lesson: lessons/13-bytes-per-step.md, section 3.
 
 Every cached token costs 2 x layers x kv_heads x head_dim values. float8 e4m3 keeps each in one byte: a sign,
-4 exponent bits and 3 mantissa bits, so about two significant decimal digits from 2^-6 to 448 (fewer below
-2^-6, down to the smallest subnormal, 2^-9).
+4 exponent bits and 3 mantissa bits, so a relative step of 1/16 to 1/8 from 2^-6 to 448 (coarser below 2^-6,
+down to the smallest subnormal, 2^-9).
 To use that range, each (token, KV head) vector of head_dim values is divided by its own scale,
 max |x| / 448, before the cast; the scale is kept beside it in bfloat16 (2 bytes per head_dim values). A slot
 of a 64-wide head then takes 66 bytes against 128 in bfloat16 and 256 in float32: 1.94x and 3.9x the tokens
