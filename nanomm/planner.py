@@ -39,6 +39,7 @@ from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
+from nanomm.model.quant import quantized_layers, quantized_weight_bytes
 
 GiB = 2**30
 CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
@@ -136,13 +137,17 @@ def request_kv_tokens(visual_tokens_per_image: int, workload: Workload) -> int:
 # 2. Memory
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """Parameters of the model nanomm builds from this config, counted on the meta device (no memory used)."""
-    from nanomm.model.qwen2_vl import Qwen2VL  # the model code, only to count its tensors
+def meta_model(config: ModelConfig):
+    """The model nanomm builds from this config, on the meta device (shapes only, no memory used)."""
+    from nanomm.model.qwen2_vl import Qwen2VL  # the model code, only to read its shapes
 
     with torch.device("meta"):
-        model = Qwen2VL(config)
-    return sum(p.numel() for p in model.parameters())  # a tied head is one tensor, counted once
+        return Qwen2VL(config)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the model nanomm builds from this config."""
+    return sum(p.numel() for p in meta_model(config).parameters())  # a tied head is one tensor, counted once
 
 
 def model_weight_bytes(config: ModelConfig, dtype: str, quantization: str | None = None,
@@ -153,19 +158,11 @@ def model_weight_bytes(config: ModelConfig, dtype: str, quantization: str | None
     total = (num_parameters or parameter_count(config)) * ELEMENT_BYTES[dtype]
     if quantization is None:
         return int(total)
-    t = config.text
-    attention = t.num_attention_heads * t.head_dim
-    matrices = [((t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim, t.hidden_size),  # qkv
-                (t.hidden_size, attention), (2 * t.intermediate_size, t.hidden_size),  # o, gate/up
-                (t.hidden_size, t.intermediate_size)] * t.num_hidden_layers  # down
-    head = (t.vocab_size, t.hidden_size)
-    for out_features, in_features in matrices + [head]:
-        if quantization == "int8":
-            total += out_features * in_features + 2 * out_features
-        else:
-            total += out_features * in_features / 2 + 2 * 2 * out_features * in_features / group_size
-        if (out_features, in_features) != head or not config.tie_word_embeddings:
-            total -= out_features * in_features * ELEMENT_BYTES[dtype]  # the float matrix it replaces
+    model = meta_model(config)
+    for layer in quantized_layers(model):  # the layers quantize_language_model replaces
+        total += quantized_weight_bytes(layer.out_features, layer.in_features, quantization, group_size)
+        if layer is not model.lm_head or not config.tie_word_embeddings:  # a tied head's matrix stays, embedding
+            total -= layer.weight.numel() * ELEMENT_BYTES[dtype]  # the float matrix it replaces
     return int(total)
 
 

@@ -31,8 +31,9 @@ TINY_SCALE = 1e-30  # an all-zero vector still gets a nonzero scale
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., head_dim) -> codes float8 (..., head_dim), scales bfloat16 (...): x ~= codes * scale."""
-    scales = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=TINY_SCALE).to(SCALE_DTYPE)
-    codes = (x.float() / scales.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # rounds to nearest
+    x = x.float()
+    scales = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=TINY_SCALE).to(SCALE_DTYPE)
+    codes = (x / scales.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # rounds to nearest
     return codes, scales
 
 

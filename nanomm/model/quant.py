@@ -228,18 +228,32 @@ def quantized_linear(linear: nn.Linear, method: str, group_size: int = DEFAULT_G
     raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {method!r}")
 
 
+def quantized_layers(model: nn.Module) -> list[nn.Linear]:
+    """The layers of a `Qwen2VL` that quantization replaces: every linear layer of the language model, then the
+    LM head (the vision tower and the embedding stay)."""
+    return [m for m in model.language_model.modules() if isinstance(m, nn.Linear)] + [model.lm_head]
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, method: str,
+                           group_size: int = DEFAULT_GROUP_SIZE) -> float:
+    """Bytes a quantized layer keeps for its weight (not its bias): int8, a byte per weight and a bfloat16 scale
+    per row; int4, half a byte per weight and a bfloat16 scale and zero per group."""
+    if method == "int8":
+        return out_features * in_features + 2 * out_features
+    return out_features * in_features / 2 + 2 * 2 * out_features * in_features / group_size
+
+
 def quantize_language_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
                             try_kernel: bool = True) -> int:
-    """Replace the language model's linear layers and the LM head of a `Qwen2VL` by quantized ones, in place;
-    returns how many were replaced. try_kernel=False keeps every layer on the definition."""
+    """Replace `quantized_layers(model)` by quantized ones, in place; returns how many were replaced.
+    try_kernel=False keeps every layer on the definition."""
+    replacing = {id(layer) for layer in quantized_layers(model)}
     layers = []
-    for parent in list(model.language_model.modules()):
+    for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if id(child) in replacing:  # a tied head: its own quantized copy, the embedding stays
                 layers.append(quantized_linear(child, method, group_size, try_kernel))
                 setattr(parent, name, layers[-1])
-    model.lm_head = quantized_linear(model.lm_head, method, group_size, try_kernel)  # a tied head: its own copy
-    layers.append(model.lm_head)
     slow = [f"{layer.out_features}x{layer.in_features}" for layer in layers if not layer.uses_kernel]
     if slow and try_kernel:
         logger.warning("%s: %d of %d layers have no kernel on %s and run dequantize-then-multiply (slower): %s",
