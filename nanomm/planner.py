@@ -212,11 +212,11 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               max_model_len: int | None = None, workload: Workload | None = None,
               device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
-              quantization: str | None = None, num_parameters: int | None = None,
+              quantization: str | None = None, quantization_group_size: int = 128, num_parameters: int | None = None,
               alternatives: bool = True) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
     pool already decided (num_kv_blocks: a running engine's); else the CPU default.
-    quantization: None, "int8" or "int4" (the weights, model_weight_bytes).
+    quantization: None, "int8" or "int4" (the weights, model_weight_bytes), int4 in groups of quantization_group_size.
     num_parameters: the model's, if already counted (parameter_count)."""
     workload = workload or Workload()
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
@@ -228,7 +228,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
     kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
     num_parameters = num_parameters or parameter_count(config)
-    weights = model_weight_bytes(config, dtype, quantization, num_parameters)
+    weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
     peak = vision_peak_bytes(config, worst, dtype)
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
@@ -255,7 +255,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                     kv_cache_memory_gib=kv_cache_memory_gib)
         if num_kv_blocks is not None and device_memory_gib is None and kv_cache_memory_gib is None:
             pool["kv_cache_memory_gib"] = plan.kv_memory_bytes / GiB  # a given pool keeps its bytes
-        plan.alternatives = _alternatives(config, image_config, plan, pool, num_parameters)
+        plan.alternatives = _alternatives(config, image_config, plan, pool, num_parameters, quantization_group_size)
     return plan
 
 
@@ -269,13 +269,15 @@ def _count_requests(plan: Plan) -> None:
     plan.concurrency_typical = min(plan.max_num_seqs, plan.fit_typical)
 
 
-def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: int) -> list[dict]:
+def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: int,
+                  quantization_group_size: int) -> list[dict]:
     """What each lever would buy, one change at a time. Compression is not built in nanomm yet (its issue is
     open): those rows (*) are arithmetic about tokens, not what an engine would do. The fp8 KV cache and the
     int8/int4 weights are built (engine/kv_fp8.py, model/quant.py); their rows are the same arithmetic."""
     same = dict(model=plan.model, dtype=plan.dtype, quantization=plan.quantization, kv_dtype=plan.kv_dtype,
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
-                workload=plan.workload, num_parameters=num_parameters, alternatives=False, **pool)
+                workload=plan.workload, quantization_group_size=quantization_group_size, num_parameters=num_parameters,
+                alternatives=False, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2

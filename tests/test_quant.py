@@ -282,6 +282,7 @@ def test_the_planner_counts_the_weights_the_engine_holds(ckpt, method):
         norms = sum(isinstance(m, RMSNorm) for m in llm.model.modules())
         assert planned + 4 * norms == held, (planned, held)  # + each RMSNorm's eps buffer, not a parameter
         assert llm.plan().quantization == method
+        assert llm.plan().weights_bytes == planned  # the engine's group size (32) reaches the plan
 
 
 def test_an_fp8_engine_reports_its_cache(ckpt):
