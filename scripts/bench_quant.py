@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -126,7 +127,6 @@ def capacity(args) -> dict:
 
 
 def _run_capacity(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
-    import time
     engine = llm.engine
     for prompt in prompts:
         engine.add_request(prompt, params)
@@ -199,6 +199,7 @@ def kernels(args) -> dict:
     dense.weight.data = torch.randn(dense.out_features, 512, generator=g) * 0.02
     x = torch.randn(1, 512, generator=g)
     int8, int4 = Int8Linear(dense), Int4Linear(dense, args.group_size)
+    packed, x16, weight16 = PackedLinear(dense), x.bfloat16(), dense.weight.detach().bfloat16()
     calls = {
         "float32 torch.mm": lambda: x @ dense.weight.t(),
         "float32 oneDNN-packed (LLM's CPU default)": lambda: packed(x),
@@ -210,7 +211,6 @@ def kernels(args) -> dict:
             x, int4.kernel_weight, int4.group_size, int4.scales_and_zeros.float()),
         "int4 kernel, bfloat16 activations": lambda: int4.kernel_matmul(x16),
     }  # the CPU's kernels (the layers' own calls, and the same ops fed float32)
-    packed, x16, weight16 = PackedLinear(dense), x.bfloat16(), dense.weight.detach().bfloat16()
     rows = {}
     for name, call in calls.items():
         try:
