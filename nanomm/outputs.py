@@ -20,7 +20,8 @@ class RequestMetrics:
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # arrival -> finished
     num_prompt_tokens: int = 0
-    num_visual_tokens: int = 0
+    num_visual_tokens: int = 0  # the prompt's visual tokens, after compression (inputs/compression.py)
+    num_encoded_visual_tokens: int = 0  # the vision tower's tokens for its images: before compression
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     encoder_cache_hits: int = 0
     first_scheduled_time: float | None = None

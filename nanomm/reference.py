@@ -11,6 +11,7 @@ import torch
 
 from nanomm.engine.attention import causal_attention
 from nanomm.engine.kv_fp8 import fp8_round_trip
+from nanomm.inputs.compression import encode_images, kept_layout
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, adjust_logits, sample
@@ -45,18 +46,22 @@ class ReferenceOutput:
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
-    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`).
+    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`), each
+    image's visual tokens compressed by its policy (inputs/compression.py), if it has one.
     A quantized model (model/quant.py) is its own reference: its layers are the quantized ones. kv_cache_dtype:
     "fp8" keeps the keys and values as an fp8 cache would return them."""
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
     grids = [tuple(im.grid_thw) for im in images]
-    image_embeds = None
+    image_embeds, compressed = None, None
     if images:
-        pixels = torch.cat([im.pixel_values for im in images]).to(device)
-        image_embeds = torch.cat(model.encode_images(pixels, grids))
+        visual = encode_images(model, images)  # each image compressed by its own policy, if it has one
+        image_embeds = torch.cat([v.embeds for v in visual])
+        compressed = [None if v.coords is None else (kept_layout(im.token_grid, im.compression)[1], v.coords)
+                      for v, im in zip(visual, images)]
     if cfg.has_vision:
-        positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size)
+        positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size,
+                                           compressed)
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)

@@ -103,10 +103,10 @@ def test_an_entry_in_use_is_never_evicted(ckpt):
     runner, seen = llm.engine.runner, []
     visual_slices = runner._visual_slices
 
-    def checking(chunk):
+    def checking(chunk, *args):
         for i in chunk.request.held_images:  # everything a running prefill holds is still cached
             seen.append(chunk.request.held_images[i] in llm.engine.encoder_cache)
-        return visual_slices(chunk)
+        return visual_slices(chunk, *args)
 
     runner._visual_slices = checking
     prompts = [chat_prompt(f"look {i}", [random_image(112, 112, 20 + i)]) for i in range(3)]

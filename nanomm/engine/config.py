@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.engine.speculative import SpeculativeConfig
+from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.model.quant import QUANTIZATION_METHODS
 from nanomm.errors import check_int, is_finite_number
 
@@ -56,6 +57,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (engine/kv_fp8.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only, the language model (model/quant.py)
     quantization_group_size: int = 128  # int4: input columns per scale and zero
+    # {"method": "pool" | "random" | "prune" | "attention", "keep_ratio": r}: every image's default (a request's
+    # mm_processor_kwargs may override it); None: keep every visual token (inputs/compression.py)
+    visual_token_compression: CompressionPolicy | dict | None = None
     trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
@@ -107,7 +111,15 @@ class EngineConfig:
         if self.limit_mm_per_prompt is not None:
             self.limit_images_per_prompt = _image_limit(self.limit_mm_per_prompt)
         if self.mm_processor_kwargs is not None:
-            for name, value in _pixel_kwargs(self.mm_processor_kwargs, "mm_processor_kwargs").items():
+            kwargs = self.mm_processor_kwargs
+            if isinstance(kwargs, dict) and "visual_token_compression" in kwargs:
+                if self.visual_token_compression is not None:
+                    raise ValueError("visual_token_compression is given twice, as an argument and in "
+                                     "mm_processor_kwargs")
+                self.visual_token_compression = kwargs["visual_token_compression"]
+                kwargs = {k: v for k, v in kwargs.items() if k != "visual_token_compression"}
+                self.mm_processor_kwargs = kwargs  # translated: a second __post_init__ (replace) sees it once
+            for name, value in _pixel_kwargs(kwargs, "mm_processor_kwargs").items():
                 if getattr(self, name) is not None and getattr(self, name) != value:
                     raise ValueError(f"{name} is given twice, as {getattr(self, name)} and in mm_processor_kwargs")
                 setattr(self, name, value)
@@ -120,6 +132,7 @@ class EngineConfig:
                              f"at load), got {self.quantization!r}")
         if check_int(self.quantization_group_size, "quantization_group_size") % 2:
             raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
+        self.visual_token_compression = parse_policy(self.visual_token_compression)  # InvalidInputError if bad
 
     def _check_single_device(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -149,5 +162,5 @@ def _pixel_kwargs(kwargs, name: str) -> dict:
     unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
     if unknown:
         raise ValueError(f"{name}: unknown keys {unknown}; the Qwen2-VL image processor takes min_pixels and "
-                         "max_pixels")
+                         "max_pixels (and nanomm visual_token_compression)")
     return {k: check_int(v, f"{name}['{k}']") for k, v in kwargs.items()}

@@ -8,9 +8,10 @@ the preprocessing and the model. So the cache maps
 
     key = sha256(image content hash, model identity)
 
-to the projected visual tokens (tokens, hidden). The image content hash (`nanomm.inputs.image.ProcessedImage`)
+to the projected visual tokens (tokens, hidden), after visual-token compression if the image has a policy
+(inputs/compression.py; then the entry also holds each kept token's grid coordinates). The image content hash (`nanomm.inputs.image.ProcessedImage`)
 already covers the decoded pixels and every preprocessing parameter that changes them (resized size,
-min/max pixel cap, mean/std, patch and merge sizes), so the same picture given as a path, as bytes or as a
+min/max pixel cap, mean/std, patch and merge sizes, compression method and ratio), so the same picture given as a path, as bytes or as a
 PIL image hits, and the same picture under another `max_pixels` misses.
 
 The budget is counted in visual tokens (`capacity_tokens`). Least recently used entries are evicted when a
@@ -33,6 +34,7 @@ def encoder_cache_key(image_content_hash: str, model_identity: str) -> str:
 @dataclass
 class CacheEntry:
     embeds: torch.Tensor  # (tokens, hidden)
+    coords: torch.Tensor | None = None  # (3, tokens) grid (t, h, w) of a compressed image's tokens (compression.py)
     holders: int = 0  # running requests whose prefill still needs these tokens
 
     @property
@@ -68,10 +70,11 @@ class EncoderCache:
         """A request served by an encode another request of the same step triggered: a hit for this one."""
         self.hits += 1
 
-    def add(self, key: str, embeds: torch.Tensor) -> None:
-        """Insert freshly encoded tokens. No eviction here: the engine trims at the end of the step."""
+    def add(self, key: str, embeds: torch.Tensor, coords: torch.Tensor | None = None) -> None:
+        """Insert freshly encoded tokens (and, for a compressed image, their grid coordinates). No eviction here:
+        the engine trims at the end of the step."""
         if key not in self.entries:
-            self.entries[key] = CacheEntry(embeds)
+            self.entries[key] = CacheEntry(embeds, coords)
             self.num_tokens += embeds.shape[0]
 
     def hold(self, key: str) -> None:
@@ -81,6 +84,10 @@ class EncoderCache:
     def embeds(self, key: str) -> torch.Tensor:
         """The tokens of an entry the caller holds (no hit counted: the lookup that found it counted one)."""
         return self.entries[key].embeds
+
+    def coords(self, key: str) -> torch.Tensor | None:
+        """The grid coordinates (3, tokens) of a compressed image the caller holds; None if uncompressed."""
+        return self.entries[key].coords
 
     def release(self, key: str) -> None:
         """No eviction here: the scheduler may have counted on this entry for this step. The engine trims once

@@ -44,7 +44,7 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
-                                        config.limit_images_per_prompt)
+                                        config.limit_images_per_prompt, config.visual_token_compression)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
@@ -158,7 +158,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=prepared.arrival_time,
                                  preprocess_s=prepared.ready_time - prepared.arrival_time,
                                  num_prompt_tokens=len(prepared.token_ids),
-                                 num_visual_tokens=prepared.num_visual_tokens)
+                                 num_visual_tokens=prepared.num_visual_tokens,
+                                 num_encoded_visual_tokens=sum(im.num_encoded_tokens for im in prepared.images))
         return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                        params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
                        completion_index=completion_index)

@@ -24,6 +24,7 @@ from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, Sequen
                                      StepMetadata, batch_short_queries)
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
+from nanomm.inputs.compression import encode_images
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
@@ -128,12 +129,13 @@ class ModelRunner:
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
         ids, visual, visual_rows, sample_rows, prompt_rows, query_starts = [], [], [], [], [], []
+        grid_offsets = []  # (packed rows, (3, rows) grid coordinates) of compressed images' tokens
         offset = 0  # where this chunk starts in the packed tokens
         for chunk in chunks:
             request = chunk.request
             ids += chunk.token_ids
             query_starts.append(offset)
-            visual += self._visual_slices(chunk)
+            visual += self._visual_slices(chunk, offset, grid_offsets)
             visual_rows += [offset + i - chunk.start for span in request.prompt.image_spans  # image tokens here
                             for i in span.clip(chunk.start, chunk.end)]
             if _wants_prompt_logprobs(chunk):  # position i predicts prompt token i + 1
@@ -149,7 +151,10 @@ class ModelRunner:
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
         short, alone = self._split_runs(chunks, query_starts, slots)
-        host = [torch.tensor(ids), packed_positions(chunks), new_slots, image_mask, alone[1],
+        positions = packed_positions(chunks)  # (3, tokens)
+        for rows, coords in grid_offsets:  # a compressed image's kept tokens at their own place in its grid
+            positions[:, rows.start:rows.stop] += coords
+        host = [torch.tensor(ids), positions, new_slots, image_mask, alone[1],
                 torch.tensor(sample_rows, dtype=torch.long)] + _short_tensors(short)
         input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
             host, self.device)
@@ -204,16 +209,16 @@ class ModelRunner:
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
-            pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
-            embeds = self.model.encode_images(pixels, [im.grid_thw for im in images])
-            if pixels.device.type == "cuda":  # time the encode, not only its launch
-                torch.cuda.synchronize(pixels.device)
+            encoded = encode_images(self.model, images)  # compressed by each image's policy
+            if self.device.type == "cuda":  # time the encode, not only its launch
+                torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
-            for key, embed in zip(to_encode, embeds):
-                self.encoder_cache.add(key, embed)
-            self.visual_tokens_encoded += sum(e.shape[0] for e in embeds)
+            for key, tokens in zip(to_encode, encoded):
+                self.encoder_cache.add(key, tokens.embeds, tokens.coords)
+            num_patches = sum(im.pixel_values.shape[0] for im in images)
+            self.visual_tokens_encoded += sum(im.num_encoded_tokens for im in images)
             self.encode_s += elapsed
-            share = {key: elapsed * im.pixel_values.shape[0] / pixels.shape[0] for key, im in to_encode.items()}
+            share = {key: elapsed * im.pixel_values.shape[0] / num_patches for key, im in to_encode.items()}
             for key in to_encode:  # shares laid end to end, in batch order, for the timeline
                 began[key] = start
                 start += share[key]
@@ -226,14 +231,20 @@ class ModelRunner:
             self.encoder_cache.hold(key)
             request.held_images[i] = key
 
-    def _visual_slices(self, chunk: ScheduledChunk) -> list[torch.Tensor]:
-        """The rows of each overlapping image's visual tokens that fall inside this chunk, in order."""
+    def _visual_slices(self, chunk: ScheduledChunk, offset: int, grid_offsets: list) -> list[torch.Tensor]:
+        """The rows of each overlapping image's visual tokens that fall inside this chunk, in order. A compressed
+        image's rows also add (packed row, its (t, h, w)) to grid_offsets: their positions hold the image's origin
+        until then (inputs/prompt.py, `_origins`). offset: where the chunk starts in the packed tokens."""
         request, out = chunk.request, []
         for i, span in enumerate(request.prompt.image_spans):
             rows = span.clip(chunk.start, chunk.end)
             if rows:
                 key = request.held_images[i]
                 out.append(self.encoder_cache.embeds(key)[rows.start - span.start:rows.stop - span.start])
+                coords = self.encoder_cache.coords(key)
+                if coords is not None:
+                    grid_offsets.append((range(offset + rows.start - chunk.start, offset + rows.stop - chunk.start),
+                                         coords[:, rows.start - span.start:rows.stop - span.start]))
                 if rows.stop == span.end:  # the prefill has passed this image: the request no longer needs it
                     del request.held_images[i]
                     self.encoder_cache.release(key)

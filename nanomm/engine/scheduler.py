@@ -156,11 +156,12 @@ class Scheduler:
             key = request.image_keys[i]
             if i in request.held_images or key in self.encoder_cache or key in self._images_this_step:
                 continue
-            fits = span.length <= self._encoder_budget
+            cost = request.prompt.images[i].num_encoded_tokens  # the tower's tokens, before any compression
+            fits = cost <= self._encoder_budget
             alone = self._encoder_budget == self.max_num_encoder_tokens  # nothing else encodes this step
             if not (fits or alone):
                 return max(0, span.start - start)
-            self._encoder_budget -= span.length
+            self._encoder_budget -= cost
             self._images_this_step.add(key)
         return n
 

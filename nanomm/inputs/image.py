@@ -33,6 +33,7 @@ from PIL import Image
 
 from nanomm.errors import CheckpointError, InvalidInputError, check_int
 from nanomm.inputs import image_io
+from nanomm.inputs.compression import CompressionPolicy, kept_layout
 from nanomm.inputs.image_io import MAX_ASPECT_RATIO, PILLOW_MAX_IMAGE_PIXELS
 from nanomm.model.config import read_checkpoint_json
 
@@ -169,8 +170,17 @@ class ProcessedImage:
     """
     resized_rgb: bytes = field(repr=False)  # (H, W, 3) uint8 at the resized size
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patch units (not merged units)
-    content_hash: str  # sha256 hex of the decoded pixels and every parameter that changes pixel_values
+    content_hash: str  # sha256 hex of the decoded pixels and every parameter that changes its visual tokens
     config: ImageProcessorConfig = field(repr=False)
+    compression: CompressionPolicy | None = None  # visual-token compression after the projector (compression.py)
+
+    def with_compression(self, policy: CompressionPolicy | None) -> "ProcessedImage":
+        """This image with its visual tokens compressed by `policy`. The policy joins the content hash, so the
+        encoder cache and the prefix cache never give one policy's tokens to another."""
+        if policy is None:
+            return self
+        content_hash = hashlib.sha256(f"{self.content_hash}\0{policy.key}".encode()).hexdigest()
+        return ProcessedImage(self.resized_rgb, self.grid_thw, content_hash, self.config, policy)
 
     @cached_property
     def pixel_values(self) -> torch.Tensor:
@@ -186,10 +196,20 @@ class ProcessedImage:
         return self.config.merge_size
 
     @property
-    def num_tokens(self) -> int:
-        """The number of <|image_pad|> tokens: each merge_size x merge_size block of patches is one token."""
+    def token_grid(self) -> tuple[int, int, int]:
+        """(T, H, W) of the vision tower's output tokens: each merge_size x merge_size block of patches is one."""
         t, gh, gw = self.grid_thw
-        return t * gh * gw // self.merge_size**2
+        return t, gh // self.merge_size, gw // self.merge_size
+
+    @property
+    def num_encoded_tokens(self) -> int:
+        """The tokens the vision tower puts out: what encoding this image costs."""
+        return math.prod(self.token_grid)
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of <|image_pad|> tokens: the encoded tokens that compression keeps (all without it)."""
+        return kept_layout(self.token_grid, self.compression)[0]
 
 
 def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,

@@ -15,12 +15,14 @@ import torch
 
 from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
+from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
 from nanomm.model.rope import mrope_positions
 from nanomm.inputs.tokenizer import Tokenizer
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
+PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class ValidatedPrompt:
     token_ids: list[int]  # one <|image_pad|> per image, not expanded yet
     raw_images: list
     pixel_kwargs: dict
+    compression: CompressionPolicy | None = None  # the request's, else the engine's default
 
 
 class InputProcessor:
@@ -75,9 +78,11 @@ class InputProcessor:
     prompt."""
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
-                 max_model_len: int, limit_images_per_prompt: int = 16):
+                 max_model_len: int, limit_images_per_prompt: int = 16,
+                 compression: CompressionPolicy | None = None):
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
+        self.compression = compression  # the engine's default visual-token compression (compression.py)
 
     def validate(self, prompt, name: str = "prompt") -> ValidatedPrompt:
         if isinstance(prompt, str):
@@ -89,6 +94,10 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: unknown keys {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
         text, ids = self._token_ids(prompt, name)
         pixel_kwargs = self._pixel_kwargs(prompt.get("mm_processor_kwargs"), name)
+        compression = self.compression
+        if "visual_token_compression" in (prompt.get("mm_processor_kwargs") or {}):  # None: none for this one
+            compression = parse_policy(prompt["mm_processor_kwargs"]["visual_token_compression"],
+                                       f"{name}: mm_processor_kwargs visual_token_compression")
         images = self._images(prompt.get("multi_modal_data"), name)
         if len(images) > self.limit_images_per_prompt:
             raise InvalidInputError(f"{name}: {len(images)} images, over the limit of {self.limit_images_per_prompt} "
@@ -97,13 +106,13 @@ class InputProcessor:
         if placeholders != len(images):
             raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
                                     f"{len(images)} image(s) were given")
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs)
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression)
 
     def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
         name = validated.name
         images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **validated.pixel_kwargs)
-                  for i, image in enumerate(validated.raw_images)]
+                  .with_compression(validated.compression) for i, image in enumerate(validated.raw_images)]
         try:
             ids = self.tokenizer.expand_image_placeholders(validated.token_ids, [im.num_tokens for im in images])
         except InvalidInputError as exc:
@@ -113,7 +122,7 @@ class InputProcessor:
                                     f"room to generate within max_model_len={self.max_model_len}")
         spans = _image_spans(ids, images, self.model_config.image_token_id)
         positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
-                                           self.model_config.vision.spatial_merge_size)
+                                           self.model_config.vision.spatial_merge_size, _origins(images))
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
 
     def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
@@ -147,9 +156,10 @@ class InputProcessor:
     def _pixel_kwargs(self, kwargs, name: str) -> dict:
         if kwargs is None:
             return {}
-        if not isinstance(kwargs, dict) or set(kwargs) - PIXEL_KEYS:
-            raise InvalidInputError(f"{name}: 'mm_processor_kwargs' may hold only {sorted(PIXEL_KEYS)}, "
+        if not isinstance(kwargs, dict) or set(kwargs) - PROCESSOR_KEYS:
+            raise InvalidInputError(f"{name}: 'mm_processor_kwargs' may hold only {sorted(PROCESSOR_KEYS)}, "
                                     f"got {kwargs!r:.80}")
+        kwargs = {key: value for key, value in kwargs.items() if key in PIXEL_KEYS}
         for key, value in kwargs.items():
             check_int(value, f"{name}: mm_processor_kwargs {key}", error=InvalidInputError)
         # The engine's max_pixels bounds every image's visual tokens (KV memory, encoder budget): a request may
@@ -158,6 +168,15 @@ class InputProcessor:
         if kwargs.get("max_pixels", cap) > cap or kwargs.get("min_pixels", 1) > cap:
             raise InvalidInputError(f"{name}: mm_processor_kwargs {kwargs} exceed the engine's max_pixels={cap}")
         return dict(kwargs)
+
+
+def _origins(images: list[ProcessedImage]) -> list:
+    """`mrope_positions`' `compressed` for the engine. Which tokens a compressed image keeps is known only once
+    it is encoded, so each of its rows holds the image's first position on all three axes (coordinates 0), and
+    the model runner adds each kept token's own (t, h, w) when a chunk takes the tokens (model_runner.py)."""
+    return [None if im.compression is None else
+            (kept_layout(im.token_grid, im.compression)[1], torch.zeros(3, im.num_tokens, dtype=torch.long))
+            for im in images]
 
 
 def _image_spans(ids: list[int], images: list[ProcessedImage], image_token_id: int) -> list[ImageSpan]:

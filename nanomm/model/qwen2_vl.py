@@ -40,12 +40,13 @@ class Qwen2VL(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
-    def encode_images(self, pixel_values: torch.Tensor, image_grids) -> list[torch.Tensor]:
-        """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image."""
+    def encode_images(self, pixel_values: torch.Tensor, image_grids, received_attention: bool = False):
+        """Patches of several images (num_patches, 1176) -> one (tokens_i, hidden) tensor per image (and, with
+        received_attention, the attention each token receives in the tower's last layer: `VisionTransformer`)."""
         if self.visual is None:
             raise ValueError(f"{self.name_or_path} is a text-only Qwen2 model (no vision tower): "
                              "it cannot encode images")
-        return self.visual(pixel_values, [tuple(g) for g in image_grids])
+        return self.visual(pixel_values, [tuple(g) for g in image_grids], received_attention)
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
               image_mask: torch.Tensor | None = None) -> torch.Tensor:

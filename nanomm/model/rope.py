@@ -48,13 +48,18 @@ def inverse_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
 
 
 def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int,
-                    spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+                    spatial_merge_size: int, compressed=None) -> tuple[torch.Tensor, int]:
     """Position ids (3, L) for an expanded prompt, and the rope delta that decode positions continue from.
 
     Text runs count up on all three axes. The k-th run of image tokens is image k: with a merged grid
     (T, H, W) its tokens get (start + t, start + h, start + w), and the text after it resumes at
     start + max(T, H, W). Generated token i (0-based over the whole sequence, i >= L) gets i + delta.
+
+    compressed: per image, None, or (extent, coords) for an image whose visual tokens were compressed
+    (inputs/compression.py): its tokens get start + coords (3, tokens), and the text after it resumes at
+    start + extent.
     """
+    compressed = compressed or [None] * len(image_grids)
     blocks, start, i, k = [], 0, 0, 0
     while i < len(input_ids):
         if input_ids[i] == image_token_id:
@@ -62,9 +67,10 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
                 raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
             grid = (t, h // spatial_merge_size, w // spatial_merge_size)
-            blocks.append(_grid_positions(*grid) + start)  # (3, T*H*W)
-            start += max(grid)
-            i += grid[0] * grid[1] * grid[2]
+            extent, coords = compressed[k] or (max(grid), _grid_positions(*grid))
+            blocks.append(coords + start)  # (3, tokens)
+            start += extent
+            i += coords.shape[1]
             k += 1
         else:
             run_end = _next_index(input_ids, image_token_id, i)
@@ -74,7 +80,7 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
     if k != len(image_grids):
         raise ValueError(f"prompt has {k} image spans but {len(image_grids)} images were given")
     positions = torch.cat(blocks, dim=1) if blocks else torch.zeros(3, 0, dtype=torch.long)
-    delta = (int(positions.max()) + 1 - len(input_ids)) if len(input_ids) else 0
+    delta = (start - len(input_ids)) if len(input_ids) else 0
     return positions, delta
 
 

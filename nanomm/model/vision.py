@@ -42,6 +42,20 @@ class VisionAttention(nn.Module):
                          zip(q.split(segment_lengths), k.split(segment_lengths), v.split(segment_lengths))])
         return self.proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, embed_dim)
 
+    def received_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           segment_lengths: list[int]) -> torch.Tensor:
+        """(n,) how much attention each patch receives, averaged over heads and over the queries of its image:
+        the softmax weights written out, which the fused kernel never shows (visual-token compression,
+        nanomm/inputs/compression.py, "attention")."""
+        n = x.shape[0]
+        q, k, _ = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x (n, heads, head_dim)
+        q, k = apply_rotary(q.float(), cos, sin), apply_rotary(k.float(), cos, sin)
+        out = []
+        for q_seg, k_seg in zip(q.split(segment_lengths), k.split(segment_lengths)):
+            scores = torch.einsum("qhd,khd->hqk", q_seg, k_seg) / self.head_dim ** 0.5  # (heads, queries, keys)
+            out.append(scores.softmax(dim=-1).mean(dim=(0, 1)))  # (keys,)
+        return torch.cat(out)
+
 
 def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Bidirectional attention inside one image: (n, heads, head_dim) in and out.
@@ -118,16 +132,24 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
-    def forward(self, pixel_values: torch.Tensor, image_grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """pixel_values (num_patches, 1176) of all images; returns one (tokens_i, hidden_size) tensor per image."""
+    def forward(self, pixel_values: torch.Tensor, image_grids: list[tuple[int, int, int]],
+                received_attention: bool = False):
+        """pixel_values (num_patches, 1176) of all images; returns one (tokens_i, hidden_size) tensor per image.
+        received_attention: also return, per image, the attention each token receives in the last layer (tokens_i,):
+        the mean over its merged patches of `VisionAttention.received_attention`."""
         cfg = self.cfg
         cos, sin = vision_cos_sin(image_grids, cfg.head_dim, cfg.rope_theta, cfg.spatial_merge_size,
                                   pixel_values.device)
         # Attention segments are frames: a t-frame grid is t segments of h*w patches (t = 1 for images).
         segment_lengths = [h * w for t, h, w in image_grids for _ in range(t)]
         x = self.patch_embed(pixel_values)  # (num_patches, embed_dim)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if received_attention and i == len(self.blocks) - 1:
+                last = block.attn.received_attention(block.norm1(x), cos, sin, segment_lengths)  # (num_patches,)
             x = block(x, cos, sin, segment_lengths)
         tokens = self.merger(x)  # (num_patches/4, hidden_size)
         per_image = [t * h * w // cfg.spatial_merge_size ** 2 for t, h, w in image_grids]
-        return list(tokens.split(per_image))
+        if not received_attention:
+            return list(tokens.split(per_image))
+        last = last.view(-1, cfg.spatial_merge_size ** 2).mean(dim=1)  # (patches,) -> (tokens,): a merge block
+        return list(tokens.split(per_image)), list(last.split(per_image))

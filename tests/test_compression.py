@@ -1,0 +1,275 @@
+"""Visual-token compression (nanomm/inputs/compression.py): each method worked out by hand, the policy in the
+cache keys, and the engine against the dense reference that applies the same compression."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, random_workload,
+                     reference_tokens)
+from nanomm import LLM, InvalidInputError, SamplingParams
+from nanomm.inputs.compression import (CompressionPolicy, compress, kept_layout, max_min_diverse, parse_policy,
+                                       pool_window)
+from nanomm.model.rope import mrope_positions
+from nanomm.model.vision import _full_attention
+from nanomm.tools.random_checkpoint import make_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+METHODS = ("pool", "random", "prune", "attention")
+
+
+def make_llm(ckpt, **kwargs):
+    kwargs.setdefault("num_preprocess_workers", 0)  # which images share a vision forward: the same every run
+    return LLM(str(ckpt), device="cpu", dtype="float32", **kwargs)
+
+
+def policy(method: str, keep_ratio: float) -> dict:
+    return {"method": method, "keep_ratio": keep_ratio}
+
+
+# -- the policy -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [policy("crop", 0.5), policy("pool", 0), policy("pool", 1.5), policy("pool", -0.1),
+                                 policy("pool", True), policy("pool", "0.5"), {"method": "pool"},
+                                 {"method": "pool", "keep_ratio": 0.5, "seed": 1}, "pool", 0.5])
+def test_a_bad_policy_is_an_invalid_input_error_naming_what_is_wrong(bad):
+    with pytest.raises(InvalidInputError, match="visual_token_compression"):
+        parse_policy(bad)
+
+
+def test_keep_ratio_one_is_no_compression():
+    assert parse_policy(policy("prune", 1)) is None and parse_policy(None) is None
+    assert parse_policy(policy("prune", 0.25)) == CompressionPolicy("prune", 0.25)
+
+
+@pytest.mark.parametrize("ratio, window", [(0.5, (1, 2)), (0.25, (2, 2)), (0.2, (2, 3)), (0.1, (3, 4)),
+                                           (0.9, (1, 2))])
+def test_the_pool_window_is_the_smallest_that_keeps_at_most_the_ratio(ratio, window):
+    assert pool_window(ratio) == window
+
+
+def test_kept_layout_counts_by_hand():
+    grid = (1, 12, 12)  # the demo model's 144 tokens
+    assert kept_layout(grid, None) == (144, 12)
+    assert kept_layout(grid, CompressionPolicy("prune", 0.5)) == (72, 12)  # selection: the text resumes as before
+    assert kept_layout(grid, CompressionPolicy("random", 0.1)) == (15, 12)  # ceil(14.4)
+    assert kept_layout(grid, CompressionPolicy("pool", 0.25)) == (36, 6)  # a 6x6 grid
+    assert kept_layout((1, 5, 7), CompressionPolicy("pool", 0.1)) == (4, 2)  # 3x4 windows: ceil(5/3) x ceil(7/4)
+    assert kept_layout((1, 1, 1), CompressionPolicy("attention", 0.1)) == (1, 1)  # never fewer than one
+
+
+# -- the methods, by hand ---------------------------------------------------------------------------------
+
+
+def test_pool_averages_windows_and_the_edges_average_what_they_cover():
+    embeds = torch.arange(9.0).view(9, 1)  # a 3x3 grid whose token (h, w) holds 3h + w
+    out = compress(embeds, (1, 3, 3), CompressionPolicy("pool", 0.25))
+    # windows: {0,1,3,4} {2,5} {6,7} {8}
+    assert out.embeds.flatten().tolist() == [2.0, 3.5, 6.5, 8.0]
+    assert out.coords.tolist() == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1]]  # the pooled 2x2 grid's cells
+
+
+def test_random_keeps_the_same_tokens_for_the_same_seed_in_raster_order():
+    embeds = torch.randn(20, 4)
+    first = compress(embeds, (1, 4, 5), CompressionPolicy("random", 0.25), seed=7)
+    again = compress(embeds, (1, 4, 5), CompressionPolicy("random", 0.25), seed=7)
+    other = compress(embeds, (1, 4, 5), CompressionPolicy("random", 0.25), seed=8)
+    assert torch.equal(first.coords, again.coords) and not torch.equal(first.coords, other.coords)
+    index = (first.coords[1] * 5 + first.coords[2]).tolist()  # flat index of each kept token
+    assert len(index) == 5 and index == sorted(index) and torch.equal(first.embeds, embeds[index])
+
+
+def test_max_min_diversity_keeps_one_of_each_cluster():
+    # Tokens 0, 1, 2 point almost the same way; 3 and 4 are orthogonal to them and to each other.
+    embeds = torch.tensor([[1.0, 0, 0], [1.0, 0.01, 0], [1.0, 0, 0.01], [0, 1.0, 0], [0, 0, 1.0]])
+    kept = max_min_diverse(embeds, 3).tolist()
+    assert sorted(kept)[1:] == [3, 4] and sorted(kept)[0] in (0, 1, 2)
+    assert kept[0] in (3, 4)  # the most isolated token comes first (its nearest neighbour is farthest)
+    out = compress(embeds, (1, 1, 5), CompressionPolicy("prune", 0.6))
+    assert out.coords[2].tolist() == sorted(kept)  # in raster order, each at its own column
+
+
+def test_attention_keeps_the_most_attended_tokens_and_merges_the_rest_into_contextual_ones():
+    embeds = torch.tensor([[1.0, 0], [0, 1.0], [1.0, 0.1], [0.1, 1.0], [0.9, 0], [5.0, 5.0], [0, 2.0]])
+    attention = torch.tensor([0.1, 0.2, 0.1, 0.1, 0.1, 0.3, 0.1])
+    # 7 tokens x 6/7 -> 6 kept: int(6 / 6) = 1 contextual, 5 dominant = the 5 most attended (5, 1, then 0, 2, 3
+    # by topk's order among ties). The rest, 4 and 6, merge into one contextual token: the first of the rest, 4,
+    # averaged with every rest token closer to it than to any other target (6 too: 4 is the only target).
+    out = compress(embeds, (1, 1, 7), CompressionPolicy("attention", 6 / 7), attention=attention)
+    dominant = set(attention.topk(5).indices.tolist())
+    assert dominant >= {5, 1} and len(dominant) == 5
+    rest = sorted(set(range(7)) - dominant)
+    assert out.coords[2].tolist() == sorted(dominant | {rest[0]})
+    row = out.coords[2].tolist().index(rest[0])
+    assert torch.allclose(out.embeds[row], embeds[rest].mean(dim=0))
+    for r, column in enumerate(out.coords[2].tolist()):
+        if column in dominant:
+            assert torch.equal(out.embeds[r], embeds[column])
+
+
+def test_received_attention_is_the_softmax_that_the_fused_kernel_applies(ckpt):
+    """The explicit last-layer weights, multiplied by V, give what scaled_dot_product_attention gives."""
+    llm = make_llm(ckpt)
+    attn = llm.model.visual.blocks[-1].attn
+    n, heads, dim = 12, attn.num_heads, attn.head_dim
+    q, k, v = (torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    weights = (torch.einsum("qhd,khd->hqk", q, k) / dim ** 0.5).softmax(-1)  # what received_attention averages
+    assert torch.allclose(torch.einsum("hqk,khd->qhd", weights, v), _full_attention(q, k, v), atol=1e-5)
+    image = llm.engine.prepare(chat_prompt("x", [random_image(84, 56, 1)]), GREEDY).images[0]
+    tokens, received = llm.model.encode_images(image.pixel_values, [image.grid_thw], received_attention=True)
+    assert received[0].shape == (image.num_tokens,)
+    assert torch.allclose(received[0].sum() * 4, torch.tensor(1.0), atol=1e-5)  # patches' shares sum to 1
+    assert torch.equal(tokens[0], llm.model.encode_images(image.pixel_values, [image.grid_thw])[0])
+
+
+# -- positions and prompts --------------------------------------------------------------------------------
+
+
+def test_kept_tokens_keep_their_grid_positions_and_the_text_resumes_after_the_grid():
+    ids = [1, 9, 9, 9, 2, 3]  # text, 3 kept tokens of a 1x4x4 token grid (patch grid 8x8, merge 2), text
+    coords = torch.tensor([[0, 0, 0], [0, 1, 3], [2, 0, 3]])  # (t, h, w) of the kept tokens
+    positions, delta = mrope_positions(ids, [(1, 8, 8)], 9, 2, compressed=[(4, coords)])
+    assert positions.tolist() == [[0, 1, 1, 1, 5, 6], [0, 1, 2, 4, 5, 6], [0, 3, 1, 4, 5, 6]]
+    assert delta == 7 - 6
+
+
+def test_a_request_overrides_the_engine_default_and_the_metrics_count_before_and_after(ckpt):
+    llm = make_llm(ckpt, visual_token_compression=policy("pool", 0.25))
+    image = random_image(112, 112, 3)  # a 4x4 token grid on the tiny preset
+    default = chat_prompt("look", [image])
+    override = dict(default, mm_processor_kwargs={"visual_token_compression": policy("prune", 0.5)})
+    none = dict(default, mm_processor_kwargs={"visual_token_compression": None})
+    outs = llm.generate([default, override, none], GREEDY)
+    assert [o.metrics.num_visual_tokens for o in outs] == [4, 8, 16]
+    assert [o.metrics.num_encoded_visual_tokens for o in outs] == [16, 16, 16]
+    assert [llm.engine.prepare(p, GREEDY).token_ids.count(llm.model.config.image_token_id)
+            for p in (default, override, none)] == [4, 8, 16]
+
+
+@pytest.mark.parametrize("bad", [policy("fastv", 0.5), policy("prune", 0.0), {"keep_ratio": 0.5}])
+def test_a_bad_request_policy_is_rejected_before_any_compute_and_leaks_nothing(ckpt, bad):
+    llm = make_llm(ckpt)
+    prompt = dict(chat_prompt("look", [random_image(56, 56, 1)]), mm_processor_kwargs={"visual_token_compression": bad})
+    with pytest.raises(InvalidInputError, match="prompt 1: mm_processor_kwargs visual_token_compression"):
+        llm.generate([chat_prompt("fine"), prompt], GREEDY)
+    assert llm.engine.runner.visual_tokens_encoded == 0 and llm.engine.num_steps == 0
+    with pytest.raises(InvalidInputError):
+        llm.engine.add_request(prompt, GREEDY)
+    assert_no_leaks(llm)
+
+
+def test_a_bad_engine_policy_fails_at_construction(ckpt):
+    with pytest.raises(InvalidInputError, match="unknown method 'fastv'"):
+        make_llm(ckpt, visual_token_compression=policy("fastv", 0.5))
+    with pytest.raises(ValueError, match="given twice"):
+        make_llm(ckpt, visual_token_compression=policy("pool", 0.5),
+                 mm_processor_kwargs={"visual_token_compression": policy("pool", 0.5)})
+    llm = make_llm(ckpt, mm_processor_kwargs={"visual_token_compression": policy("pool", 0.5), "max_pixels": 12544})
+    assert llm.engine.config.visual_token_compression == CompressionPolicy("pool", 0.5)
+
+
+# -- caches: two policies never share tokens -------------------------------------------------------------
+
+
+def test_two_policies_never_reuse_each_others_tokens(ckpt):
+    """The same picture and text under three policies: every policy encodes on its own (encoder-cache misses) and
+    finds no prefix-cache block past the text before the image; asked again, each hits its own entries."""
+    llm = make_llm(ckpt, block_size=4)
+    image = random_image(112, 112, 5)
+    prompts = [dict(chat_prompt("what is it", [image]), mm_processor_kwargs={"visual_token_compression": p})
+               for p in (policy("pool", 0.5), policy("prune", 0.5), policy("random", 0.5))]
+    keys, hashes = set(), []
+    for prompt in prompts:
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.metrics.encoder_cache_hits == 0
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, GREEDY)
+        prepared = llm.engine.prepare(prompt, GREEDY)
+        keys.add(llm.engine.encoder_cache_key_for(prepared.images[0]))
+        span = prepared.image_spans[0]
+        hashes.append(llm.engine.block_manager.block_hashes(prepared.token_ids, prepared.image_spans,
+                                                            span.end // 4, [])[span.start // 4:])
+        assert out.metrics.num_cached_tokens <= span.start  # nothing of another policy's image was reused
+    assert len(keys) == 3 and not set(hashes[0]) & set(hashes[1]) and not set(hashes[1]) & set(hashes[2])
+    for prompt in prompts:  # again: each policy finds its own tokens
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.metrics.num_cached_tokens > llm.engine.prepare(prompt, GREEDY).image_spans[0].end - 4
+
+
+def test_keep_ratio_one_equals_no_compression_token_for_token(ckpt):
+    llm = make_llm(ckpt)
+    prompts = random_workload(seed=4, num_prompts=4)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    again = make_llm(ckpt, visual_token_compression=policy("prune", 1.0))
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, GREEDY)] == plain
+    assert again.stats()["encoder_cache_misses"] == llm.stats()["encoder_cache_misses"]
+
+
+# -- the engine against the dense reference --------------------------------------------------------------
+
+STRESS = {
+    "chunked-tiny-budget": dict(block_size=16, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_kv_blocks=36, max_num_batched_tokens=24),
+    "prefix-cache-block-1": dict(block_size=1),
+    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("setting", list(STRESS))
+def test_the_engine_matches_the_reference_that_compresses_the_same_way(ckpt, method, setting):
+    llm = make_llm(ckpt, visual_token_compression=policy(method, 0.5), **STRESS[setting])
+    prompts = random_workload(seed=2, num_prompts=8)
+    params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in setting else 0.8, top_k=40, seed=i,
+                             max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
+    outputs = assert_engine_matches_reference(llm, prompts, params)
+    assert sum(o.metrics.num_visual_tokens for o in outputs) < sum(o.metrics.num_encoded_visual_tokens
+                                                                   for o in outputs)
+    if setting == "preemption":
+        assert llm.stats()["preemptions"] > 0
+    assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: prefixes or tokens from the caches
+    stats = llm.stats()
+    assert stats["encoder_cache_hits"] > 0 if setting == "encoder-cache-only" else stats["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compression_moves_the_answer_against_no_compression(ckpt, method):
+    """The reference check above would pass if neither side compressed: here the logits must differ."""
+    from nanomm.reference import generate
+    llm = make_llm(ckpt, visual_token_compression=policy(method, 0.25))
+    prompt = chat_prompt("describe", [random_image(112, 84, 9)])
+    prepared = llm.engine.prepare(prompt, GREEDY)
+    compressed = generate(llm.model, prepared.token_ids, prepared.images, GREEDY, keep_logits=True).logits[0]
+    plain = make_llm(ckpt).engine.prepare(prompt, GREEDY)
+    full = generate(llm.model, plain.token_ids, plain.images, GREEDY, keep_logits=True).logits[0]
+    assert len(prepared.token_ids) < len(plain.token_ids) and not torch.allclose(compressed, full, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    """Another random model with the same tokenizer and its own vision tower."""
+    return make_checkpoint(tmp_path_factory.mktemp("other"), preset="tiny", seed=7)
+
+
+@pytest.mark.parametrize("method", ["prune", "attention"])
+def test_a_draft_model_with_its_own_tower_selects_its_own_tokens(ckpt, other_ckpt, method):
+    """Draft speculation: the draft's tower picks by its own features, into its own encoder cache; the target
+    stays exact."""
+    llm = make_llm(ckpt, visual_token_compression=policy(method, 0.5),
+                   speculative={"method": "draft", "model": str(other_ckpt), "num_speculative_tokens": 3})
+    assert llm.engine.proposer.runner.encoder_cache is not llm.engine.encoder_cache
+    prompts = random_workload(seed=5, num_prompts=5)
+    outputs = assert_engine_matches_reference(llm, prompts, [GREEDY] * len(prompts))
+    assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+
+
+def test_the_pooled_features_are_what_the_reference_computes_from_the_tower(ckpt):
+    """Pool on a real tower output, against F.avg_pool2d (an independent implementation) on an even grid."""
+    llm = make_llm(ckpt)
+    image = llm.engine.prepare(chat_prompt("x", [random_image(112, 112, 2)]), GREEDY).images[0]
+    embeds = llm.model.encode_images(image.pixel_values, [image.grid_thw])[0]  # (16, hidden): a 4x4 grid
+    pooled = compress(embeds, (1, 4, 4), CompressionPolicy("pool", 0.25)).embeds
+    grid = embeds.view(4, 4, -1).permute(2, 0, 1)  # (hidden, 4, 4)
+    expected = F.avg_pool2d(grid, 2).flatten(1).T  # (4, hidden)
+    assert torch.allclose(pooled, expected, atol=1e-6)
