@@ -62,7 +62,8 @@ def load_llm(args, console: Console):
 
     kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels, trace_path=args.trace,
                   speculative=speculative_config(args.speculative, args.num_speculative_tokens),
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  visual_token_compression=args.compression)
     model = args.model
     if args.demo:
         model = str(demo_folder(args.demo, console))
@@ -152,9 +153,11 @@ def summary(out) -> str:
     ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
     encode = "cached" if m.num_visual_tokens and m.encode_s == 0 else ms(m.encode_s)
     decode_tps = 1 / m.tpot_s if m.tpot_s else 0.0
+    visual = f"{m.num_visual_tokens} visual tokens"
+    if m.num_encoded_visual_tokens > m.num_visual_tokens:  # compressed (lessons/14-visual-token-compression.md)
+        visual += f" (of {m.num_encoded_visual_tokens} encoded)"
     line = (f"TTFT {ms(m.ttft_s)} (preprocess {ms(m.preprocess_s)}, encode {encode}, prefill {ms(m.prefill_s)}) | "
-            f"{decode_tps:.1f} tok/s | {m.num_visual_tokens} visual tokens | "
-            f"{m.num_cached_tokens} prefix-cached tokens")
+            f"{decode_tps:.1f} tok/s | {visual} | {m.num_cached_tokens} prefix-cached tokens")
     if m.num_draft_tokens:  # speculative decoding (lessons/08-speculative-decoding.md)
         line += f" | {m.acceptance_rate:.0%} of proposals accepted, {m.mean_tokens_per_decode_step:.2f} tokens/step"
     return line
@@ -215,10 +218,20 @@ def parse_args(argv=None):
     p.add_argument("--quantization", choices=["int8", "int4"], help="weight-only, at load (lesson 13)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: a KV cache of 1 byte "
                    "per value (lesson 13)")
+    p.add_argument("--compression", type=_compression, metavar="METHOD:RATIO", help="keep fewer visual tokens: "
+                   "pool, random, prune or attention, e.g. prune:0.5 (lesson 14)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto timeline of every engine step to FILE "
                    "on exit (open it in ui.perfetto.dev)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
+
+
+def _compression(text: str) -> dict:
+    from nanomm.inputs.compression import policy_from_text
+    try:
+        return policy_from_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from nanomm.engine.kv_cache import kv_bytes_per_token
+from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_from_text
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
@@ -64,6 +65,7 @@ class Plan:
     dtype: str
     quantization: str | None  # of the language model's weights: None, "int8" or "int4"
     kv_dtype: str
+    compression: CompressionPolicy | None  # visual-token compression (inputs/compression.py)
     min_pixels: int
     max_pixels: int
     block_size: int
@@ -101,14 +103,18 @@ class Plan:
 # 1. Visual tokens
 
 
-def image_tokens(width: int, height: int, config: ImageProcessorConfig) -> int:
-    """The visual tokens of one width x height image under config's cap (what the engine expands it to)."""
+def image_tokens(width: int, height: int, config: ImageProcessorConfig,
+                 compression: CompressionPolicy | None = None) -> int:
+    """The visual tokens of one width x height image under config's cap (what the engine expands it to), after
+    visual-token compression if a policy is given (inputs/compression.py)."""
     h_bar, w_bar = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-    return (h_bar // config.factor) * (w_bar // config.factor)
+    return kept_layout((1, h_bar // config.factor, w_bar // config.factor), compression)[0]
 
 
-def worst_case_image(config: ImageProcessorConfig) -> tuple[tuple[int, int], int]:
-    """((width, height), tokens) of an image with the most visual tokens any image can have under the cap.
+def worst_case_image(config: ImageProcessorConfig,
+                     compression: CompressionPolicy | None = None) -> tuple[tuple[int, int], int]:
+    """((width, height), tokens) of an image with the most visual tokens any image can have under the cap (and the
+    compression policy, if any).
 
     Candidates: exact multiples of the token size with a x b <= max_pixels / factor^2 (no resize happens, so the
     area is used to the last token), and strips at the largest allowed aspect ratio, at which smart_resize's
@@ -122,7 +128,7 @@ def worst_case_image(config: ImageProcessorConfig) -> tuple[tuple[int, int], int
             candidates.append((b * f, a * f))
     for height in (1, 2, 4, 7, 14, 28, 56, 112):  # strips: the floor at one token can beat the area cap
         candidates.append((int(height * MAX_ASPECT_RATIO), height))
-    scored = [(image_tokens(w, h, config), (w, h)) for w, h in candidates]
+    scored = [(image_tokens(w, h, config, compression), (w, h)) for w, h in candidates]
     tokens, size = max(scored)
     return size, tokens
 
@@ -213,23 +219,25 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
               quantization: str | None = None, quantization_group_size: int = 128, num_parameters: int | None = None,
-              alternatives: bool = True) -> Plan:
+              visual_token_compression=None, alternatives: bool = True) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
     pool already decided (num_kv_blocks: a running engine's); else the CPU default.
     quantization: None, "int8" or "int4" (the weights, model_weight_bytes), int4 in groups of quantization_group_size.
-    num_parameters: the model's, if already counted (parameter_count)."""
+    num_parameters: the model's, if already counted (parameter_count). visual_token_compression: the engine's policy
+    ({"method": .., "keep_ratio": ..}, inputs/compression.py), which every image's tokens go through."""
     workload = workload or Workload()
+    compression = parse_policy(visual_token_compression)
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
     max_model_len = max_model_len or config.text.max_position_embeddings
-    worst_image, worst = worst_case_image(image_config)
-    typical = image_tokens(*workload.typical_image, image_config)
+    worst_image, worst = worst_case_image(image_config, compression)
+    typical = image_tokens(*workload.typical_image, image_config, compression)
     text = config.text
     per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
     kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
-    peak = vision_peak_bytes(config, worst, dtype)
+    peak = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
         budget, rule = kv_pool_budget(device, total_bytes=int((device_memory_gib or 0) * GiB), used_bytes=weights,
@@ -242,7 +250,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     else:
         budget, rule = num_kv_blocks * block_size * per_token, f"num_kv_blocks={num_kv_blocks}, given"
     plan = Plan(model=model, dtype=dtype, quantization=quantization, kv_dtype=kv_dtype,
-                min_pixels=image_config.min_pixels,
+                compression=compression, min_pixels=image_config.min_pixels,
                 max_pixels=image_config.max_pixels, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
@@ -271,10 +279,10 @@ def _count_requests(plan: Plan) -> None:
 
 def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: int,
                   quantization_group_size: int) -> list[dict]:
-    """What each lever would buy, one change at a time. Compression is not built in nanomm yet (its issue is
-    open): those rows (*) are arithmetic about tokens, not what an engine would do. The fp8 KV cache and the
-    int8/int4 weights are built (engine/kv_fp8.py, model/quant.py); their rows are the same arithmetic."""
+    """What each lever would buy, one change at a time: a smaller cap, visual-token compression
+    (inputs/compression.py), an fp8 KV cache (engine/kv_fp8.py), int8/int4 weights (model/quant.py)."""
     same = dict(model=plan.model, dtype=plan.dtype, quantization=plan.quantization, kv_dtype=plan.kv_dtype,
+                visual_token_compression=plan.compression,
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
                 workload=plan.workload, quantization_group_size=quantization_group_size, num_parameters=num_parameters,
                 alternatives=False, **pool)
@@ -284,8 +292,11 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
         if max_pixels < plan.max_pixels:
             cap = replace(image_config, max_pixels=max_pixels, min_pixels=min(image_config.min_pixels, max_pixels))
             rows.append(_row(f"max_pixels {max_pixels:,} ({tokens} tok)", make_plan(config, cap, **same)))
-    for ratio in (0.5, 0.25):
-        rows.append(_row(f"keep {ratio:.0%} of visual tokens*", _compressed(plan, ratio)))
+    if plan.compression is None:
+        for method, ratio in (("prune", 0.5), ("pool", 0.25)):
+            policy = {"visual_token_compression": {"method": method, "keep_ratio": ratio}}
+            rows.append(_row(f"{method}, keep {ratio:.0%} of visual tokens", make_plan(config, image_config,
+                                                                                     **(same | policy))))
     if plan.kv_dtype != "fp8":
         rows.append(_row("fp8 KV cache", make_plan(config, image_config, **(same | {"kv_dtype": "fp8"}))))
     if pool["device_memory_gib"] is not None:  # smaller weights leave more of the GPU to the KV pool
@@ -294,17 +305,6 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
                 quantized = make_plan(config, image_config, **(same | {"quantization": method}))
                 rows.append(_row(f"{method} weights", quantized))
     return rows
-
-
-def _compressed(plan: Plan, keep_ratio: float) -> Plan:
-    """The plan with each image's visual tokens cut to ceil(keep_ratio x tokens), in the same pool."""
-    worst = math.ceil(plan.visual_tokens_worst * keep_ratio)
-    typical = math.ceil(plan.visual_tokens_typical * keep_ratio)
-    cut = replace(plan, visual_tokens_worst=worst, visual_tokens_typical=typical, alternatives=[],
-                  kv_tokens_worst=request_kv_tokens(worst, plan.workload),
-                  kv_tokens_typical=request_kv_tokens(typical, plan.workload))
-    _count_requests(cut)
-    return cut
 
 
 def _row(change: str, p: Plan) -> dict:
@@ -328,7 +328,9 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
     return [
         ("model", f"{plan.model} ({plan.dtype} weights" + (f", {plan.quantization} language model"
                                                             if plan.quantization else "") + f", {plan.kv_dtype} KV)"),
-        ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"),
+        ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"
+                      + (f", then {plan.compression.method} keeping {plan.compression.keep_ratio:.0%} of the tokens"
+                         if plan.compression else "")),
         ("request", f"{w.images_per_request} image(s), {w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
         ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "
                                     f"typical {plan.visual_tokens_typical:,} (a {tw}x{th} photo)"),
@@ -360,8 +362,7 @@ def render(plan: Plan, width: int = 118) -> str:
         table.add_row(what, value)
     console.print(table)
     if plan.alternatives:
-        alt = Table(title="What each lever buys, one change at a time",
-                    caption="* not built in nanomm yet: arithmetic on tokens")
+        alt = Table(title="What each lever buys, one change at a time")
         for column in ("change", "tokens/image", "blocks/request", "KV blocks", "holds (worst)", "holds (typical)"):
             alt.add_column(column, justify="left" if column == "change" else "right")
         alt.add_row("(this plan)", f"{plan.visual_tokens_worst:,}", f"{plan.blocks_worst:,}",
@@ -421,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--device-memory, else float32 (nanomm's CPU default)")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="auto: the weights' dtype")
     p.add_argument("--quantization", choices=["int8", "int4"], help="the language model's weights (default: none)")
+    p.add_argument("--compression", type=parse_compression, metavar="METHOD:RATIO",
+                   help="visual-token compression, e.g. pool:0.25 or prune:0.5 (default: none)")
     p.add_argument("--max-pixels", type=_positive_int, help="default: the checkpoint's preprocessor config")
     p.add_argument("--min-pixels", type=_positive_int)
     p.add_argument("--images", type=int, default=1, help="images per request")
@@ -432,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def parse_compression(text: str) -> dict:
+    """--compression prune:0.5 -> the policy dict (compression.policy_from_text), or argparse's error."""
+    try:
+        return policy_from_text(text)
+    except ValueError as exc:  # InvalidInputError is one
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None) -> int:
@@ -448,7 +459,7 @@ def main(argv=None) -> int:
         image_config = replace(image_config, **cap)
         dtype = args.dtype or ("bfloat16" if args.device_memory is not None else "float32")
         plan = make_plan(config, image_config, model=args.model, dtype=dtype, kv_dtype=args.kv_dtype,
-                         quantization=args.quantization,
+                         quantization=args.quantization, visual_token_compression=args.compression,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image),
                          device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,

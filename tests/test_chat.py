@@ -130,6 +130,22 @@ def test_the_chat_serves_a_quantized_demo_model(env, tmp_path):
     assert "int4" in err and "fp8" in err, err
 
 
+def test_the_chat_compresses_visual_tokens(env, tmp_path):
+    """--compression reaches the engine: the red circle is still red with a quarter of its tokens (prune), and the
+    summary line says how many of the encoded tokens the model got; a bad policy is a usage error."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (224, 224), "white")
+    ImageDraw.Draw(image).ellipse((62, 62, 162, 162), fill="red")
+    image.save(tmp_path / "red_circle.png")
+    rc, replies, err = chat(["--demo", "--image", "red_circle.png", "--compression", "prune:0.25"],
+                            "What colour is the circle?\n", env, tmp_path)
+    assert rc == 0, err
+    assert [r.strip().lower() for r in replies] == ["red"], (replies, err)
+    assert "36 visual tokens (of 144 encoded)" in err, err
+    rc, _, err = chat(["--demo", "--compression", "crop:0.5"], "", env, tmp_path)
+    assert rc == 2 and "unknown method 'crop'" in err, err
+
+
 def test_console_script_is_installed_and_runs(env, tmp_path):
     # CI installs with `pip install -e .[dev]`, which puts the console script on PATH.
     assert any(ep.name == "nanomm-chat" and ep.value == "nanomm.chat:main"

@@ -11,7 +11,7 @@ from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.inputs.compression import (CompressionPolicy, compress, kept_layout, max_min_diverse, parse_policy,
                                        pool_window)
 from nanomm.model.rope import mrope_positions
-from nanomm.model.vision import _full_attention
+from nanomm.model.vision import _full_attention, attention_weights
 from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_received_attention_is_the_softmax_that_the_fused_kernel_applies(ckpt):
     attn = llm.model.visual.blocks[-1].attn
     n, heads, dim = 12, attn.num_heads, attn.head_dim
     q, k, v = (torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    weights = (torch.einsum("qhd,khd->hqk", q, k) / dim ** 0.5).softmax(-1)  # what received_attention averages
+    weights = attention_weights(q, k)  # what received_attention averages
     assert torch.allclose(torch.einsum("hqk,khd->qhd", weights, v), _full_attention(q, k, v), atol=1e-5)
     image = llm.engine.prepare(chat_prompt("x", [random_image(84, 56, 1)]), GREEDY).images[0]
     tokens, received = llm.model.encode_images(image.pixel_values, [image.grid_thw], received_attention=True)
@@ -273,3 +273,55 @@ def test_the_pooled_features_are_what_the_reference_computes_from_the_tower(ckpt
     grid = embeds.view(4, 4, -1).permute(2, 0, 1)  # (hidden, 4, 4)
     expected = F.avg_pool2d(grid, 2).flatten(1).T  # (4, hidden)
     assert torch.allclose(pooled, expected, atol=1e-6)
+
+
+# -- the planner -------------------------------------------------------------------------------------------
+
+
+def test_the_planner_counts_the_tokens_a_policy_keeps_as_the_engine_does(ckpt):
+    from nanomm.planner import load_configs, make_plan
+    config, image_config = load_configs(str(ckpt))
+    plain = make_plan(config, image_config)
+    pruned = make_plan(config, image_config, visual_token_compression=policy("prune", 0.5))
+    assert pruned.visual_tokens_worst == -(-plain.visual_tokens_worst // 2)  # ceil(tokens x 0.5)
+    assert pruned.vision_peak_bytes == plain.vision_peak_bytes  # the tower still sees every token
+    assert pruned.fit_worst > plain.fit_worst
+    llm = make_llm(ckpt, visual_token_compression=policy("pool", 0.25))
+    plan = llm.plan(typical_image=(300, 200))
+    assert plan.compression == CompressionPolicy("pool", 0.25)
+    prepared = llm.engine.prepare(chat_prompt("x", [random_image(300, 200, 1)]), GREEDY)
+    assert plan.visual_tokens_typical == prepared.num_visual_tokens < prepared.images[0].num_encoded_tokens
+
+
+def test_nanomm_plan_takes_a_compression_policy(ckpt, capsys):
+    import json
+    from nanomm.planner import main
+    assert main([str(ckpt), "--compression", "pool:0.25", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["compression"] == {"method": "pool", "keep_ratio": 0.25}
+    assert main([str(ckpt), "--json"]) == 0
+    assert plan["visual_tokens_worst"] < json.loads(capsys.readouterr().out)["visual_tokens_worst"]
+    with pytest.raises(SystemExit):
+        main([str(ckpt), "--compression", "pool"])
+    assert "write METHOD:KEEP_RATIO" in capsys.readouterr().err
+
+
+def test_the_chunked_computations_equal_the_whole_ones(ckpt):
+    """Large images go a chunk at a time (received attention by query rows, nearest neighbours by rows): the
+    chunks give what one whole matrix gives."""
+    from nanomm.inputs.compression import _nearest_neighbour_distances
+    from nanomm.model.rope import vision_cos_sin
+    unit = F.normalize(torch.randn(50, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
+    whole = 1 - unit @ unit.T + torch.eye(50) * 9
+    assert torch.allclose(_nearest_neighbour_distances(unit, rows_per_chunk=7), whole.min(dim=1).values, atol=1e-6)
+    llm = make_llm(ckpt)
+    attn, cfg = llm.model.visual.blocks[-1].attn, llm.model.config.vision
+    x = torch.randn(32, cfg.embed_dim, generator=torch.Generator().manual_seed(1))
+    cos, sin = vision_cos_sin([(1, 4, 4), (1, 4, 4)], cfg.head_dim, cfg.rope_theta, cfg.spatial_merge_size)
+    chunked = attn.received_attention(x, cos, sin, [16, 16], max_weights=attn.num_heads * 16 * 3)  # 3 rows a chunk
+    assert torch.allclose(chunked, attn.received_attention(x, cos, sin, [16, 16]), atol=1e-6)
+    q, k, _ = attn.qkv(x).view(32, 3, attn.num_heads, attn.head_dim).unbind(1)
+    from nanomm.model.rope import apply_rotary
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    by_hand = torch.cat([attention_weights(q[s:s + 16], k[s:s + 16]).mean(dim=(0, 1)) for s in (0, 16)])
+    assert torch.allclose(chunked, by_hand, atol=1e-6) and torch.allclose(chunked.sum(), torch.tensor(2.0))

@@ -78,6 +78,17 @@ def parse_policy(value, name: str = "visual_token_compression") -> CompressionPo
     return CompressionPolicy(method, float(ratio)) if ratio < 1 else None
 
 
+def policy_from_text(text: str) -> dict:
+    """A command line's "prune:0.5" -> {"method": "prune", "keep_ratio": 0.5}; InvalidInputError if not a policy."""
+    method, _, ratio = text.partition(":")
+    try:
+        policy = {"method": method, "keep_ratio": float(ratio)}
+    except ValueError:
+        raise InvalidInputError(f"{text!r}: write METHOD:KEEP_RATIO, e.g. prune:0.5 or pool:0.25") from None
+    parse_policy(policy, repr(text))
+    return policy
+
+
 def pool_window(keep_ratio: float) -> tuple[int, int]:
     """The smallest window of 1x2, 2x2, 2x3, 3x3, 3x4, ... whose area is at least 1 / keep_ratio."""
     kh, kw = 1, 1
@@ -138,24 +149,28 @@ def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, i
     return VisualTokens((sums / counts).reshape(t * ph * pw, -1), grid_coords(t, ph, pw))
 
 
-def cosine_distances(embeds: torch.Tensor) -> torch.Tensor:
-    """(n, n) 1 - cosine similarity of every pair of tokens, in float32."""
-    unit = F.normalize(embeds.float(), dim=-1)
-    return 1 - unit @ unit.T
-
-
 def max_min_diverse(embeds: torch.Tensor, num_kept: int) -> torch.Tensor:
-    """Greedy max-min diversity (DivPrune): indices of num_kept tokens, each one the farthest from those before."""
-    distance = cosine_distances(embeds)  # (n, n)
-    n = distance.shape[0]
-    nearest = (distance + torch.eye(n, device=distance.device) * 3).min(dim=1).values  # 3 > any distance
-    kept = [int(nearest.argmax())]  # the most isolated token
-    to_kept = distance[kept[0]].clone()  # each token's distance to its nearest kept token
+    """Greedy max-min diversity (DivPrune): indices of num_kept tokens, each one the farthest (in cosine distance)
+    from those kept before it. Memory stays O(tokens): the (tokens, tokens) distances are never held whole."""
+    unit = F.normalize(embeds.float(), dim=-1)  # (n, hidden)
+    kept = [int(_nearest_neighbour_distances(unit).argmax())]  # the most isolated token
+    to_kept = 1 - unit @ unit[kept[0]]  # (n,) each token's distance to its nearest kept token
     for _ in range(num_kept - 1):
         to_kept[kept] = -1  # never pick a kept token again
         kept.append(int(to_kept.argmax()))
-        to_kept = torch.minimum(to_kept, distance[kept[-1]])
+        to_kept = torch.minimum(to_kept, 1 - unit @ unit[kept[-1]])
     return torch.tensor(kept)
+
+
+def _nearest_neighbour_distances(unit: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """(n,) each unit vector's cosine distance to its nearest other one, a chunk of rows at a time."""
+    out = []
+    for start in range(0, unit.shape[0], rows_per_chunk):
+        distance = 1 - unit[start:start + rows_per_chunk] @ unit.T  # (rows, n)
+        rows = torch.arange(distance.shape[0], device=unit.device)
+        distance[rows, start + rows] = float("inf")  # not itself
+        out.append(distance.min(dim=1).values)
+    return torch.cat(out)
 
 
 def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], attention: torch.Tensor,

@@ -43,18 +43,29 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, embed_dim)
 
     def received_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           segment_lengths: list[int]) -> torch.Tensor:
+                           segment_lengths: list[int], max_weights: int = 2**24) -> torch.Tensor:
         """(n,) how much attention each patch receives, averaged over heads and over the queries of its image:
         the softmax weights written out, which the fused kernel never shows (visual-token compression,
-        nanomm/inputs/compression.py, "attention")."""
+        nanomm/inputs/compression.py, "attention"). Queries go a chunk at a time, so no more than max_weights
+        weights (64 MiB) exist at once, whatever the image's size."""
         n = x.shape[0]
         q, k, _ = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x (n, heads, head_dim)
         q, k = apply_rotary(q.float(), cos, sin), apply_rotary(k.float(), cos, sin)
         out = []
         for q_seg, k_seg in zip(q.split(segment_lengths), k.split(segment_lengths)):
-            scores = torch.einsum("qhd,khd->hqk", q_seg, k_seg) / self.head_dim ** 0.5  # (heads, queries, keys)
-            out.append(scores.softmax(dim=-1).mean(dim=(0, 1)))  # (keys,)
+            received = torch.zeros(k_seg.shape[0], device=x.device)
+            for q_chunk in q_seg.split(max(1, max_weights // (self.num_heads * k_seg.shape[0]))):
+                weights = attention_weights(q_chunk, k_seg)  # (heads, queries, keys)
+                received += weights.sum(dim=(0, 1))
+            out.append(received / (self.num_heads * q_seg.shape[0]))
         return torch.cat(out)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) per head: (queries, heads, head_dim), (keys, heads, head_dim) ->
+    (heads, queries, keys). What scaled_dot_product_attention multiplies V by, written out."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    return scores.softmax(dim=-1)
 
 
 def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,151 @@
+"""Visual-token compression on the trained demo model: accuracy per task, method and keep ratio, next to the random
+baseline and the resolution cap that gives as many tokens, with encode / prefill / TTFT and throughput.
+
+    python scripts/eval_compression.py --out runs/compression                     # every configuration (long)
+    python scripts/eval_compression.py --out runs/compression --methods prune pool --ratios 0.5
+    python scripts/eval_compression.py --out runs/compression --caps 72 36 15 --methods
+    python scripts/eval_compression.py --report runs/compression                  # the markdown tables
+    python scripts/eval_compression.py --report runs/compression --summary lessons/data/14-compression.json
+
+Each configuration is one JSON file in --out, so configurations can run in several processes (one per core) and
+be reported together. A configuration is "none" (every token, the default cap of 144), a method at a keep ratio
+(nanomm/inputs/compression.py) at the default cap, or a smaller cap with no compression (lesson 11's lever).
+Accuracy: greedy through nanomm.LLM on the held-out set (nanomm/demo/evaluation.py), the same items for every
+configuration. TTFT: the median of one-at-a-time requests on pictures no cache holds. Throughput: a fixed batch of
+48 single-picture questions submitted at once (distinct pictures, so no cache serves them), 8 tokens each.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
+
+from bench import cpu_name  # noqa: E402
+import nanomm  # noqa: E402
+from nanomm import LLM, SamplingParams  # noqa: E402
+from nanomm.demo.evaluation import accuracy, conversation, held_out_items, median_ttft  # noqa: E402
+from nanomm.demo.tasks import TASKS  # noqa: E402
+from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
+
+METHODS = ("pool", "random", "prune", "attention")
+RATIOS = (0.5, 0.25, 0.1)
+DEFAULT_CAP = 144  # the demo model's visual tokens per picture
+THROUGHPUT_REQUESTS, THROUGHPUT_TOKENS = 48, 8
+
+
+def configurations(args) -> list[dict]:
+    out = [{"name": "none", "cap": DEFAULT_CAP, "policy": None}] if args.baseline else []
+    out += [{"name": f"{m} {r}", "cap": DEFAULT_CAP, "policy": {"method": m, "keep_ratio": r}}
+            for m in args.methods for r in args.ratios]
+    out += [{"name": f"cap {c}", "cap": c, "policy": None} for c in args.caps]
+    return out
+
+
+def run(config: dict, args) -> dict:
+    model = args.model
+    token_side = ImageProcessorConfig.from_pretrained(model).factor  # one visual token's side in pixels
+    cap = config["cap"]
+    engine = dict(max_pixels=cap * token_side ** 2, min_pixels=min(cap, 16) * token_side ** 2,
+                  visual_token_compression=config["policy"])
+    items = {task: held_out_items(task, args.per_task, args.seed) for task in args.tasks}
+    with LLM(model, **engine) as llm:
+        row = dict(config, ttft=median_ttft(llm, held_out_items("number", 13, seed=args.seed + 1000)))
+        row["throughput"] = throughput(llm, held_out_items("colour", THROUGHPUT_REQUESTS, seed=args.seed + 2000))
+        began = time.perf_counter()
+        row["accuracy"] = {task: accuracy(llm, items[task])[:2] for task in args.tasks}
+        row["accuracy_s"] = time.perf_counter() - began
+    return row
+
+
+def throughput(llm, items) -> dict:
+    """48 requests at once: requests/s and output tokens/s over the whole batch, and what their prompts hold."""
+    params = SamplingParams(temperature=0.0, max_tokens=THROUGHPUT_TOKENS, ignore_eos=True)
+    began = time.perf_counter()
+    outs = llm.chat([conversation(item, []) for item in items], params, use_tqdm=False)
+    elapsed = time.perf_counter() - began
+    block = llm.engine.config.block_size
+    return {"seconds": elapsed, "requests_per_s": len(outs) / elapsed,
+            "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+            "visual_tokens": statistics.median(o.metrics.num_visual_tokens for o in outs),
+            "encoded_tokens": statistics.median(o.metrics.num_encoded_visual_tokens for o in outs),
+            "prompt_tokens": statistics.median(o.metrics.num_prompt_tokens for o in outs),
+            "kv_blocks": statistics.median(-(-(o.metrics.num_prompt_tokens + THROUGHPUT_TOKENS) // block)
+                                           for o in outs),
+            "encode_s": sum(o.metrics.encode_s for o in outs)}
+
+
+def report(folder: Path, summary_path: str | None) -> None:
+    """Print the tables; with summary_path, also write the rows the lesson reads (lessons/data/)."""
+    rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    order = {"none": 0, "pool": 1, "random": 2, "prune": 3, "attention": 4, "cap": 5}
+    rows.sort(key=lambda r: (-(r["policy"] or {}).get("keep_ratio", r["cap"] / DEFAULT_CAP),
+                             order[r["name"].split()[0]]))
+    tasks = list(rows[0]["accuracy"])
+    if summary_path:
+        Path(summary_path).write_text(json.dumps(summary(rows, tasks), indent=1) + "\n")
+    print(f"{rows[0]['machine']}; {rows[0]['per_task']} held-out questions per task (seed {rows[0]['seed']})\n")
+    print("| configuration | visual tokens | " + " | ".join(tasks) + " |\n|" + "---|" * (len(tasks) + 2))
+    for r in rows:
+        cells = [f"{100 * right / total:.1f}" for right, total in r["accuracy"].values()]
+        print(f"| {r['name']} | {r['throughput']['visual_tokens']:.0f} | " + " | ".join(cells) + " |")
+    print("\n| configuration | visual tokens | encoded | KV blocks | encode ms | prefill ms | TTFT ms | "
+          "req/s (48 at once) | out tok/s |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t, b = r["ttft"], r["throughput"]
+        print(f"| {r['name']} | {t['visual_tokens']:.0f} | {b['encoded_tokens']:.0f} | {b['kv_blocks']:.0f} | "
+              f"{t['encode_ms']:.1f} | {t['prefill_ms']:.1f} | {t['ttft_ms']:.1f} | {b['requests_per_s']:.2f} | "
+              f"{b['output_tokens_per_s']:.1f} |")
+
+
+def summary(rows: list[dict], tasks: list[str]) -> dict:
+    """The measured rows in percent and milliseconds, with the command and machine that produced them."""
+    first = rows[0]
+    command = (f"python scripts/eval_compression.py --per-task {first['per_task']} --seed {first['seed']} "
+               "(one process per core, OMP_NUM_THREADS=1)")
+    return {"command": command, "machine": first["machine"], "per_task": first["per_task"], "tasks": tasks,
+            "rows": [{"name": r["name"], "visual_tokens": r["throughput"]["visual_tokens"],
+                      "encoded_tokens": r["throughput"]["encoded_tokens"], "kv_blocks": r["throughput"]["kv_blocks"],
+                      "accuracy": {t: round(100 * right / total, 2) for t, (right, total) in r["accuracy"].items()},
+                      "ttft_ms": round(r["ttft"]["ttft_ms"], 2), "encode_ms": round(r["ttft"]["encode_ms"], 2),
+                      "prefill_ms": round(r["ttft"]["prefill_ms"], 2),
+                      "requests_per_s": round(r["throughput"]["requests_per_s"], 2),
+                      "output_tokens_per_s": round(r["throughput"]["output_tokens_per_s"], 1)} for r in rows]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a demo checkpoint folder; default: the one shipped")
+    parser.add_argument("--out", help="a folder for one JSON file per configuration")
+    parser.add_argument("--report", help="print the tables of the JSON files in this folder, and stop")
+    parser.add_argument("--summary", help="with --report: also write the rows as one JSON file (the lesson's)")
+    parser.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--ratios", type=float, nargs="*", default=list(RATIOS))
+    parser.add_argument("--caps", type=int, nargs="*", default=[], help="also: these caps, uncompressed")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip 'none'")
+    parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--per-task", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.report:
+        return report(Path(args.report), args.summary)
+    args.model = args.model or str(nanomm.demo_checkpoint())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    print(f"model {args.model} | {machine}")
+    for config in configurations(args):
+        row = run(config, args) | {"machine": machine, "per_task": args.per_task, "seed": args.seed}
+        (out / f"{config['name'].replace(' ', '_')}.json").write_text(json.dumps(row, indent=2))
+        cells = ", ".join(f"{task} {100 * r / n:.1f}" for task, (r, n) in row["accuracy"].items())
+        print(f"{config['name']}: {row['ttft']['visual_tokens']:.0f} tokens, TTFT {row['ttft']['ttft_ms']:.1f} ms, "
+              f"{cells} ({row['accuracy_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
