@@ -227,11 +227,8 @@ def parse_args(argv=None):
 
 
 def _compression(text: str) -> dict:
-    from nanomm.inputs.compression import policy_from_text
-    try:
-        return policy_from_text(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    from nanomm.inputs.compression import policy_argument  # nanomm is imported late here, after the arguments
+    return policy_argument(text)
 
 
 def main(argv=None) -> int:

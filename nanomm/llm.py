@@ -150,7 +150,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (vLLM's shape); use_tqdm shows a progress bar (rich, on stderr).
-        mm_processor_kwargs: the pixel cap for every prompt that does not set its own."""
+        mm_processor_kwargs: the pixel cap and visual-token compression of every prompt, key by key where a prompt
+        does not set its own."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if mm_processor_kwargs is not None:
@@ -227,9 +228,11 @@ def _progress(show: bool, total: int):
 
 
 def _with_processor_kwargs(prompt, kwargs: dict):
-    """A prompt with the call's mm_processor_kwargs, unless it carries its own."""
+    """A prompt with the call's mm_processor_kwargs, under the keys the prompt does not set itself. Whatever is
+    not a dict passes through, for the prompt's validation to name."""
     if isinstance(prompt, str):
         return {"prompt": prompt, "mm_processor_kwargs": kwargs}
-    if isinstance(prompt, dict) and "mm_processor_kwargs" not in prompt:
-        return {**prompt, "mm_processor_kwargs": kwargs}
+    own = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+    if isinstance(prompt, dict) and isinstance(kwargs, dict) and (own is None or isinstance(own, dict)):
+        return {**prompt, "mm_processor_kwargs": {**kwargs, **(own or {})}}
     return prompt

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from nanomm.engine.kv_cache import kv_bytes_per_token
-from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_from_text
+from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--device-memory, else float32 (nanomm's CPU default)")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="auto: the weights' dtype")
     p.add_argument("--quantization", choices=["int8", "int4"], help="the language model's weights (default: none)")
-    p.add_argument("--compression", type=parse_compression, metavar="METHOD:RATIO",
+    p.add_argument("--compression", type=policy_argument, metavar="METHOD:RATIO",
                    help="visual-token compression, e.g. pool:0.25 or prune:0.5 (default: none)")
     p.add_argument("--max-pixels", type=_positive_int, help="default: the checkpoint's preprocessor config")
     p.add_argument("--min-pixels", type=_positive_int)
@@ -435,14 +435,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
-
-
-def parse_compression(text: str) -> dict:
-    """--compression prune:0.5 -> the policy dict (compression.policy_from_text), or argparse's error."""
-    try:
-        return policy_from_text(text)
-    except ValueError as exc:  # InvalidInputError is one
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None) -> int:

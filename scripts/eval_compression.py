@@ -134,6 +134,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.report:
         return report(Path(args.report), args.summary)
+    if not args.out:
+        parser.error("give --out (a folder for the results), or --report")
     args.model = args.model or str(nanomm.demo_checkpoint())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,10 +43,25 @@ def test_keep_ratio_one_is_no_compression():
     assert parse_policy(policy("prune", 0.25)) == CompressionPolicy("prune", 0.25)
 
 
-@pytest.mark.parametrize("ratio, window", [(0.5, (1, 2)), (0.25, (2, 2)), (0.2, (2, 3)), (0.1, (3, 4)),
-                                           (0.9, (1, 2))])
-def test_the_pool_window_is_the_smallest_that_keeps_at_most_the_ratio(ratio, window):
+@pytest.mark.parametrize("ratio, window", [(1, (1, 1)), (0.5, (1, 2)), (0.25, (2, 2)), (0.2, (2, 3)), (0.1, (3, 4)),
+                                           (1 / 9, (3, 3)), (0.9, (1, 2)), (1e-30, (10**15, 10**15))])
+def test_the_pool_window_is_the_first_whose_area_is_at_least_one_over_the_ratio(ratio, window):
     assert pool_window(ratio) == window
+
+
+def test_a_policy_checks_its_fields_however_it_is_made():
+    for method, ratio in (("crop", 0.5), ("pool", 0), ("pool", -1), ("pool", 1.5), ("pool", float("nan"))):
+        with pytest.raises(InvalidInputError):
+            CompressionPolicy(method, ratio)
+    assert parse_policy(CompressionPolicy("pool", 1)) is None
+
+
+def test_tiny_ratios_keep_one_token_and_rounding_does_not_add_one():
+    assert kept_layout((1, 10, 10), CompressionPolicy("random", 0.07)) == (7, 10)  # 100 x 0.07 = 7.000000000000001
+    assert kept_layout((1, 10, 10), CompressionPolicy("prune", 1e-9)) == (1, 10)
+    assert kept_layout((1, 10, 10), CompressionPolicy("pool", 1e-30)) == (1, 1)  # the whole grid in one window
+    out = compress(torch.arange(100.0).view(100, 1), (1, 10, 10), CompressionPolicy("pool", 1e-30))
+    assert out.embeds.tolist() == [[49.5]] and out.coords.tolist() == [[0], [0], [0]]
 
 
 def test_kept_layout_counts_by_hand():
@@ -91,21 +106,28 @@ def test_max_min_diversity_keeps_one_of_each_cluster():
 
 
 def test_attention_keeps_the_most_attended_tokens_and_merges_the_rest_into_contextual_ones():
-    embeds = torch.tensor([[1.0, 0], [0, 1.0], [1.0, 0.1], [0.1, 1.0], [0.9, 0], [5.0, 5.0], [0, 2.0]])
-    attention = torch.tensor([0.1, 0.2, 0.1, 0.1, 0.1, 0.3, 0.1])
-    # 7 tokens x 6/7 -> 6 kept: int(6 / 6) = 1 contextual, 5 dominant = the 5 most attended (5, 1, then 0, 2, 3
-    # by topk's order among ties). The rest, 4 and 6, merge into one contextual token: the first of the rest, 4,
-    # averaged with every rest token closer to it than to any other target (6 too: 4 is the only target).
-    out = compress(embeds, (1, 1, 7), CompressionPolicy("attention", 6 / 7), attention=attention)
-    dominant = set(attention.topk(5).indices.tolist())
-    assert dominant >= {5, 1} and len(dominant) == 5
-    rest = sorted(set(range(7)) - dominant)
-    assert out.coords[2].tolist() == sorted(dominant | {rest[0]})
-    row = out.coords[2].tolist().index(rest[0])
-    assert torch.allclose(out.embeds[row], embeds[rest].mean(dim=0))
-    for r, column in enumerate(out.coords[2].tolist()):
-        if column in dominant:
-            assert torch.equal(out.embeds[r], embeds[column])
+    # 12 tokens on a 3x4 grid, 0.5 kept -> 6: int(6 / 6) = 1 contextual and 5 dominant.
+    embeds = torch.tensor([[1.0, 0], [0, 1], [1, 0.2], [0.2, 1], [2, 0], [0, 2], [3, 3], [1, 1], [0, 3], [3, 0],
+                           [1, 2], [2, 1]])
+    attention = torch.tensor([0.01, 0.02, 0.30, 0.03, 0.04, 0.25, 0.05, 0.20, 0.06, 0.15, 0.07, 0.08])
+    out = compress(embeds, (1, 3, 4), CompressionPolicy("attention", 0.5), attention=attention)
+    # Dominant: the five most attended, 2, 5, 7, 9, 11. The rest is 0, 1, 3, 4, 6, 8, 10; its first token, 0, is
+    # the one contextual target, and all the rest join it (there is no other target): their mean.
+    flat = (out.coords[1] * 4 + out.coords[2]).tolist()
+    assert flat == [0, 2, 5, 7, 9, 11] and out.coords[0].tolist() == [0] * 6
+    assert torch.allclose(out.embeds[0], embeds[[0, 1, 3, 4, 6, 8, 10]].mean(dim=0))
+    assert torch.equal(out.embeds[1:], embeds[[2, 5, 7, 9, 11]])
+
+
+def test_contextual_tokens_average_the_rest_tokens_most_similar_to_them():
+    # 13 tokens, keep 12/13 -> 12: int(12 / 6) = 2 contextual, 10 dominant (the attention is on 3..12). The rest
+    # is 0, 1, 2; the targets are every (3 // 2)-th of it: 0 and 1. Token 2 points like token 1, so it joins 1.
+    embeds = torch.tensor([[1.0, 0]] + [[0, 1.0]] + [[0.1, 1.0]] + [[5.0, float(i)] for i in range(10)])
+    attention = torch.tensor([0.0] * 3 + [1.0] * 10)
+    out = compress(embeds, (1, 1, 13), CompressionPolicy("attention", 12 / 13), attention=attention)
+    assert out.coords[2].tolist() == [0, 1] + list(range(3, 13))
+    assert torch.equal(out.embeds[0], embeds[0])  # alone in its group
+    assert torch.allclose(out.embeds[1], (embeds[1] + embeds[2]) / 2)
 
 
 def test_received_attention_is_the_softmax_that_the_fused_kernel_applies(ckpt):
@@ -147,6 +169,17 @@ def test_a_request_overrides_the_engine_default_and_the_metrics_count_before_and
             for p in (default, override, none)] == [4, 8, 16]
 
 
+def test_a_call_s_policy_applies_to_prompts_that_set_only_their_pixel_cap(ckpt):
+    llm = make_llm(ckpt)
+    image = random_image(112, 112, 3)  # a 4x4 token grid
+    own_cap = dict(chat_prompt("look", [image]), mm_processor_kwargs={"max_pixels": 112 * 112})
+    own_policy = dict(chat_prompt("look", [image]),
+                      mm_processor_kwargs={"visual_token_compression": policy("prune", 0.5)})
+    outs = llm.generate([own_cap, own_policy, chat_prompt("look", [image])], GREEDY,
+                        mm_processor_kwargs={"visual_token_compression": policy("pool", 0.25)})
+    assert [o.metrics.num_visual_tokens for o in outs] == [4, 8, 4]
+
+
 @pytest.mark.parametrize("bad", [policy("fastv", 0.5), policy("prune", 0.0), {"keep_ratio": 0.5}])
 def test_a_bad_request_policy_is_rejected_before_any_compute_and_leaks_nothing(ckpt, bad):
     llm = make_llm(ckpt)
@@ -164,7 +197,10 @@ def test_a_bad_engine_policy_fails_at_construction(ckpt):
         make_llm(ckpt, visual_token_compression=policy("fastv", 0.5))
     with pytest.raises(ValueError, match="given twice"):
         make_llm(ckpt, visual_token_compression=policy("pool", 0.5),
-                 mm_processor_kwargs={"visual_token_compression": policy("pool", 0.5)})
+                 mm_processor_kwargs={"visual_token_compression": policy("prune", 0.5)})
+    same = make_llm(ckpt, visual_token_compression=policy("pool", 0.5),
+                    mm_processor_kwargs={"visual_token_compression": policy("pool", 0.5)})
+    assert same.engine.config.visual_token_compression == CompressionPolicy("pool", 0.5)
     llm = make_llm(ckpt, mm_processor_kwargs={"visual_token_compression": policy("pool", 0.5), "max_pixels": 12544})
     assert llm.engine.config.visual_token_compression == CompressionPolicy("pool", 0.5)
 
@@ -190,7 +226,8 @@ def test_two_policies_never_reuse_each_others_tokens(ckpt):
         hashes.append(llm.engine.block_manager.block_hashes(prepared.token_ids, prepared.image_spans,
                                                             span.end // 4, [])[span.start // 4:])
         assert out.metrics.num_cached_tokens <= span.start  # nothing of another policy's image was reused
-    assert len(keys) == 3 and not set(hashes[0]) & set(hashes[1]) and not set(hashes[1]) & set(hashes[2])
+    assert len(keys) == 3
+    assert not set(hashes[0]) & set(hashes[1]) and not set(hashes[1]) & set(hashes[2]) and not set(hashes[0]) & set(hashes[2])
     for prompt in prompts:  # again: each policy finds its own tokens
         out = llm.generate(prompt, GREEDY)[0]
         assert out.metrics.num_cached_tokens > llm.engine.prepare(prompt, GREEDY).image_spans[0].end - 4

@@ -95,3 +95,12 @@ def test_quantized_engine_on_cuda_matches_its_dense_reference(ckpt, extra):
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS, quantization_group_size=32,
               **STRESS["tiny-pool-preemption"], **extra)
     assert_mixed_workload_matches(llm, llm.model)
+
+
+@pytest.mark.parametrize("method", ["pool", "random", "prune", "attention"])
+def test_compressed_visual_tokens_on_cuda_match_the_dense_reference(ckpt, method):
+    """Every compression method on the GPU (its indices and coordinates cross between devices), under preemption
+    and tiny chunks, against the dense reference compressing the same way on the same device."""
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS,
+              visual_token_compression={"method": method, "keep_ratio": 0.5}, **STRESS["tiny-pool-preemption"])
+    assert_mixed_workload_matches(llm, llm.model)

@@ -113,10 +113,11 @@ class EngineConfig:
         if self.mm_processor_kwargs is not None:
             kwargs = self.mm_processor_kwargs
             if isinstance(kwargs, dict) and "visual_token_compression" in kwargs:
-                if self.visual_token_compression is not None:
+                given = parse_policy(kwargs["visual_token_compression"], "mm_processor_kwargs visual_token_compression")
+                if self.visual_token_compression is not None and parse_policy(self.visual_token_compression) != given:
                     raise ValueError("visual_token_compression is given twice, as an argument and in "
                                      "mm_processor_kwargs")
-                self.visual_token_compression = kwargs["visual_token_compression"]
+                self.visual_token_compression = given
                 kwargs = {k: v for k, v in kwargs.items() if k != "visual_token_compression"}
                 self.mm_processor_kwargs = kwargs  # translated: a second __post_init__ (replace) sees it once
             for name, value in _pixel_kwargs(kwargs, "mm_processor_kwargs").items():

@@ -68,7 +68,8 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
     del hidden
     if model.visual is not None:
         image = worst_case_pixels(image_config, worst_image)
-        model.encode_images(image.pixel_values.to(device), [image.grid_thw])
+        # With the last layer's attention weights, which the "attention" compression method (lesson 14) needs.
+        model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()

@@ -24,7 +24,6 @@ from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, Sequen
                                      StepMetadata, batch_short_queries)
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
-from nanomm.inputs.compression import encode_images
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
@@ -209,7 +208,7 @@ class ModelRunner:
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
-            encoded = encode_images(self.model, images)  # compressed by each image's policy
+            encoded = self.model.visual_tokens(images)  # compressed by each image's policy
             if self.device.type == "cuda":  # time the encode, not only its launch
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start

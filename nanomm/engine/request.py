@@ -54,7 +54,8 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def positions(self, start: int, end: int) -> torch.Tensor:
-        """(3, end - start) M-RoPE ids: the precomputed prompt ones, then index + rope delta on all axes."""
+        """(3, end - start) M-RoPE ids: the precomputed prompt ones, then index + rope delta on all axes. The rows
+        of a compressed image hold its origin: the model runner adds the kept tokens' coordinates (lesson 14)."""
         prompt_end = min(end, self.num_prompt_tokens)
         parts = [self.prompt.positions[:, start:prompt_end]] if start < prompt_end else []
         if end > self.num_prompt_tokens:

@@ -2,5 +2,6 @@
 
 `prompt.py` validates a prompt and expands its image placeholders, `tokenizer.py` holds the tokenizer and chat
 template, `image_io.py` loads untrusted images safely, `image.py` resizes and patchifies them (lesson 01) and
-`pool.py` does the image work on worker threads (lesson 07). Nothing here runs the model.
+`pool.py` does the image work on worker threads (lesson 07); `compression.py` says how many visual tokens an image
+keeps and which (lesson 14). Nothing here runs the model.
 """

@@ -8,8 +8,11 @@ places on the request path:
 
 - at expansion (inputs/prompt.py), the policy fixes how many <|image_pad|> tokens the image gets
   (`kept_layout`), so the prompt, its KV blocks and the scheduler's budget see the smaller count from the start;
-- after the vision tower and the projector (`encode_images`), the policy picks or merges that many tokens
-  (`compress`), and says where each kept token sits in the image's grid (its (t, h, w) M-RoPE coordinates).
+- after the vision tower and the projector (`Qwen2VL.visual_tokens` calls `compress`), the policy picks or
+  merges that many tokens, and says where each kept token sits in the image's grid (its (t, h, w) M-RoPE
+  coordinates).
+
+Nothing here runs the model: `compress` works on the tower's output it is handed.
 
 The methods, baselines first (independent benchmarks found plain pooling and random selection "surprisingly
 strong" against published selection methods):
@@ -33,6 +36,7 @@ The policy is part of an image's identity (`ProcessedImage.with_compression`): t
 prefix-cache block hash both change with the method and ratio, so two policies never share visual tokens.
 """
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -47,8 +51,17 @@ CONTEXTUAL_SHARE = 1 / 6  # "attention": the share of kept tokens that are merge
 
 @dataclass(frozen=True)
 class CompressionPolicy:
-    method: str
-    keep_ratio: float  # in (0, 1): the share of an image's visual tokens the language model gets
+    method: str  # one of METHODS
+    keep_ratio: float  # in (0, 1]: a selection keeps ceil(keep_ratio x tokens); pool averages windows of at least
+    #                    1 / keep_ratio tokens (`pool_window`), so about that share (the grid's edges round up)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise InvalidInputError(f"visual_token_compression: unknown method {self.method!r}; choose one of "
+                                    f"{list(METHODS)}")
+        ratio = self.keep_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
+            raise InvalidInputError(f"visual_token_compression: keep_ratio must be a number in (0, 1], got {ratio!r}")
 
     @property
     def key(self) -> str:
@@ -59,42 +72,41 @@ class CompressionPolicy:
 @dataclass
 class VisualTokens:
     """An image's tokens as the language model gets them."""
-    embeds: torch.Tensor  # (tokens, hidden)
-    coords: torch.Tensor | None = None  # (3, tokens) (t, h, w) in the token grid; None: every cell, in order
+    embeds: torch.Tensor  # (tokens, hidden), on the model's device
+    coords: torch.Tensor | None = None  # (3, tokens) (t, h, w) in the token grid, on the CPU (positions are built
+    #                                     there); None: every cell, in order
 
 
 def parse_policy(value, name: str = "visual_token_compression") -> CompressionPolicy | None:
     """A policy from {"method": ..., "keep_ratio": ...} (or None: no compression). keep_ratio 1 is no compression,
     so it shares its cache entries with an uncompressed image. Anything else is an InvalidInputError."""
-    if value is None or isinstance(value, CompressionPolicy):
-        return value if value is None or value.keep_ratio < 1 else None
-    if not isinstance(value, dict) or set(value) != {"method", "keep_ratio"}:
+    if isinstance(value, dict) and set(value) == {"method", "keep_ratio"}:
+        try:
+            value = CompressionPolicy(value["method"], value["keep_ratio"])  # checks both
+        except InvalidInputError as exc:
+            raise InvalidInputError(str(exc).replace("visual_token_compression", name, 1)) from None
+    elif value is not None and not isinstance(value, CompressionPolicy):
         raise InvalidInputError(f"{name} must be a dict with exactly 'method' and 'keep_ratio', got {value!r:.80}")
-    method, ratio = value["method"], value["keep_ratio"]
-    if method not in METHODS:
-        raise InvalidInputError(f"{name}: unknown method {method!r}; choose one of {list(METHODS)}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (0 < ratio <= 1):
-        raise InvalidInputError(f"{name}: keep_ratio must be a number in (0, 1], got {ratio!r}")
-    return CompressionPolicy(method, float(ratio)) if ratio < 1 else None
+    return None if value is None or value.keep_ratio == 1 else CompressionPolicy(value.method, float(value.keep_ratio))
 
 
-def policy_from_text(text: str) -> dict:
-    """A command line's "prune:0.5" -> {"method": "prune", "keep_ratio": 0.5}; InvalidInputError if not a policy."""
+def policy_argument(text: str) -> dict:
+    """argparse's `type=` for a command line's "prune:0.5" -> {"method": "prune", "keep_ratio": 0.5}."""
     method, _, ratio = text.partition(":")
     try:
         policy = {"method": method, "keep_ratio": float(ratio)}
-    except ValueError:
-        raise InvalidInputError(f"{text!r}: write METHOD:KEEP_RATIO, e.g. prune:0.5 or pool:0.25") from None
-    parse_policy(policy, repr(text))
+        parse_policy(policy, repr(text))
+    except ValueError as exc:  # InvalidInputError is one
+        detail = str(exc) if isinstance(exc, InvalidInputError) else "write METHOD:KEEP_RATIO, e.g. prune:0.5"
+        raise argparse.ArgumentTypeError(f"{text!r}: {detail}") from None
     return policy
 
 
 def pool_window(keep_ratio: float) -> tuple[int, int]:
-    """The smallest window of 1x2, 2x2, 2x3, 3x3, 3x4, ... whose area is at least 1 / keep_ratio."""
-    kh, kw = 1, 1
-    while kh * kw * keep_ratio < 1 - 1e-9:
-        kh, kw = (kh, kw + 1) if kh == kw else (kh + 1, kw)
-    return kh, kw
+    """The first window of 1x1, 1x2, 2x2, 2x3, 3x3, 3x4, ... whose area is at least 1 / keep_ratio."""
+    area = math.ceil(1 / keep_ratio - 1e-9)
+    k = math.ceil(math.sqrt(area)) - 1  # k x k is too small, (k + 1) x (k + 1) is not
+    return (k, k + 1) if k * (k + 1) >= area else (k + 1, k + 1)
 
 
 def kept_layout(grid: tuple[int, int, int], policy: CompressionPolicy | None) -> tuple[int, int]:
@@ -107,7 +119,7 @@ def kept_layout(grid: tuple[int, int, int], policy: CompressionPolicy | None) ->
         kh, kw = pool_window(policy.keep_ratio)
         pooled = (t, -(-h // kh), -(-w // kw))
         return math.prod(pooled), max(pooled)
-    return max(1, math.ceil(t * h * w * policy.keep_ratio)), max(grid)
+    return max(1, math.ceil(t * h * w * policy.keep_ratio - 1e-9)), max(grid)  # 100 x 0.07 is 7.000000000000001
 
 
 def grid_coords(t: int, h: int, w: int) -> torch.Tensor:
@@ -126,40 +138,44 @@ def compress(embeds: torch.Tensor, grid: tuple[int, int, int], policy: Compressi
     num_kept, _ = kept_layout(grid, policy)
     if policy.method == "pool":
         return _pool(embeds, grid, pool_window(policy.keep_ratio))
+    if policy.method == "attention":
+        return _dominant_and_contextual(embeds, grid, attention, num_kept)
     if policy.method == "random":
         generator = torch.Generator().manual_seed(seed)
         kept = torch.randperm(embeds.shape[0], generator=generator)[:num_kept]
-    elif policy.method == "prune":
-        kept = max_min_diverse(embeds, num_kept)
-    else:
-        return _dominant_and_contextual(embeds, grid, attention, num_kept)
-    kept = kept.sort().values.to(embeds.device)  # in raster order, as the uncompressed tokens were
-    return VisualTokens(embeds[kept], grid_coords(*grid)[:, kept.cpu()])
+    else:  # "prune"
+        kept = max_min_diverse(embeds, num_kept).cpu()
+    kept = kept.sort().values  # in raster order, as the uncompressed tokens were
+    return VisualTokens(embeds[kept.to(embeds.device)], grid_coords(*grid)[:, kept])
 
 
 def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, int]) -> VisualTokens:
-    """Average each kh x kw window of the token grid; windows at the bottom and right edges average what they cover."""
+    """Average each kh x kw window of the token grid, in float32; windows at the bottom and right edges average
+    what they cover. A window larger than the grid is the grid."""
     (t, h, w), (kh, kw) = grid, window
+    kh, kw = min(kh, h), min(kw, w)
     ph, pw = -(-h // kh), -(-w // kw)  # the pooled grid
-    x = embeds.view(t, h, w, -1)  # (T, H, W, hidden)
-    ones = torch.ones(t, h, w, 1, dtype=embeds.dtype, device=embeds.device)
+    x = embeds.float().view(t, h, w, -1)  # (T, H, W, hidden)
+    ones = torch.ones(t, h, w, 1, device=embeds.device)
     pad = (0, 0, 0, pw * kw - w, 0, ph * kh - h)  # zeros on the right and at the bottom
     sums = F.pad(x, pad).view(t, ph, kh, pw, kw, -1).sum(dim=(2, 4))  # (T, ph, pw, hidden)
     counts = F.pad(ones, pad).view(t, ph, kh, pw, kw, 1).sum(dim=(2, 4))  # (T, ph, pw, 1)
-    return VisualTokens((sums / counts).reshape(t * ph * pw, -1), grid_coords(t, ph, pw))
+    pooled = (sums / counts).reshape(t * ph * pw, -1).to(embeds.dtype)  # (T*ph*pw, hidden)
+    return VisualTokens(pooled, grid_coords(t, ph, pw))
 
 
 def max_min_diverse(embeds: torch.Tensor, num_kept: int) -> torch.Tensor:
     """Greedy max-min diversity (DivPrune): indices of num_kept tokens, each one the farthest (in cosine distance)
     from those kept before it. Memory stays O(tokens): the (tokens, tokens) distances are never held whole."""
     unit = F.normalize(embeds.float(), dim=-1)  # (n, hidden)
-    kept = [int(_nearest_neighbour_distances(unit).argmax())]  # the most isolated token
+    kept = torch.empty(num_kept, dtype=torch.long, device=unit.device)  # on the device: no host sync per token
+    kept[0] = _nearest_neighbour_distances(unit).argmax()  # the most isolated token
     to_kept = 1 - unit @ unit[kept[0]]  # (n,) each token's distance to its nearest kept token
-    for _ in range(num_kept - 1):
-        to_kept[kept] = -1  # never pick a kept token again
-        kept.append(int(to_kept.argmax()))
-        to_kept = torch.minimum(to_kept, 1 - unit @ unit[kept[-1]])
-    return torch.tensor(kept)
+    for i in range(1, num_kept):
+        to_kept[kept[i - 1]] = -1  # never pick a kept token again (the minimum below keeps the -1)
+        kept[i] = to_kept.argmax()
+        to_kept = torch.minimum(to_kept, 1 - unit @ unit[kept[i]])
+    return kept
 
 
 def _nearest_neighbour_distances(unit: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
@@ -175,42 +191,28 @@ def _nearest_neighbour_distances(unit: torch.Tensor, rows_per_chunk: int = 1024)
 
 def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], attention: torch.Tensor,
                              num_kept: int) -> VisualTokens:
-    """VisionZip's two kinds of token: the num_dominant most attended-to tokens as they are, and num_contextual
-    tokens spread evenly over the rest, each the average of itself and the remaining tokens closest to it."""
+    """VisionZip's two kinds of token: the most attended-to tokens as they are ("dominant"), and num_kept / 6
+    "contextual" tokens spread evenly over the rest, each the average of itself and the remaining tokens most
+    similar to it (cosine similarity of the projector's output). Every kept token keeps its own position."""
     num_contextual = int(num_kept * CONTEXTUAL_SHARE)
     dominant = attention.topk(num_kept - num_contextual).indices.cpu()
-    rest = torch.ones(embeds.shape[0], dtype=torch.bool)
-    rest[dominant] = False
-    rest = rest.nonzero().flatten()  # (n - dominant,) indices
-    kept, merged = dominant.tolist(), {}
+    is_rest = torch.ones(embeds.shape[0], dtype=torch.bool)
+    is_rest[dominant] = False
+    rest = is_rest.nonzero().flatten()  # (n - dominant,) indices
+    targets = rest[::max(1, len(rest) // max(1, num_contextual))][:num_contextual]  # evenly spaced over the rest
+    kept = torch.cat([dominant, targets]).sort().values  # in raster order
+    tokens = embeds[kept.to(embeds.device)].clone()  # (num_kept, hidden)
     if num_contextual:
-        step = len(rest) // num_contextual
-        targets = rest[::step][:num_contextual]  # evenly spaced over the remaining tokens
         similarity = F.normalize(embeds[rest].float(), dim=-1) @ F.normalize(embeds[targets].float(), dim=-1).T
-        owner = similarity.argmax(dim=1).cpu()  # (n - dominant,) the target each remaining token joins
-        owner[torch.arange(num_contextual) * step] = torch.arange(num_contextual)  # a target joins itself
-        for j, target in enumerate(targets.tolist()):
-            merged[target] = embeds[rest[owner == j].to(embeds.device)].mean(dim=0)
-        kept += targets.tolist()
-    kept = sorted(kept)
-    rows = [merged[i] if i in merged else embeds[i] for i in kept]
-    return VisualTokens(torch.stack(rows), grid_coords(*grid)[:, kept])
+        owner = similarity.argmax(dim=1)  # (n - dominant,) the target each remaining token joins
+        owner[torch.searchsorted(rest, targets).to(owner.device)] = torch.arange(num_contextual, device=owner.device)
+        sums = torch.zeros(num_contextual, embeds.shape[1], device=embeds.device).index_add_(
+            0, owner, embeds[rest].float())  # (contextual, hidden)
+        counts = torch.bincount(owner, minlength=num_contextual).float()[:, None]  # a target joins itself: >= 1
+        tokens[torch.searchsorted(kept, targets).to(embeds.device)] = (sums / counts).to(embeds.dtype)
+    return VisualTokens(tokens, grid_coords(*grid)[:, kept])
 
 
 def seed_of(content_hash: str) -> int:
     """A generator seed from an image's hash: the same picture under the same policy keeps the same tokens."""
     return int(content_hash[:15], 16)
-
-
-def encode_images(model, images: list) -> list[VisualTokens]:
-    """Run the vision tower on several preprocessed images (`ProcessedImage`) at once, then compress each one by
-    its own policy. The last layer's attention is computed only when some image asks for "attention"."""
-    pixels = torch.cat([im.pixel_values for im in images]).to(model.device)
-    grids = [tuple(im.grid_thw) for im in images]
-    wants_attention = any(im.compression is not None and im.compression.method == "attention" for im in images)
-    if wants_attention:
-        embeds, attention = model.encode_images(pixels, grids, received_attention=True)
-    else:
-        embeds, attention = model.encode_images(pixels, grids), [None] * len(images)
-    return [compress(e, im.token_grid, im.compression, seed_of(im.content_hash), a)
-            for e, im, a in zip(embeds, images, attention)]

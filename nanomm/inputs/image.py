@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -180,7 +180,7 @@ class ProcessedImage:
         if policy is None:
             return self
         content_hash = hashlib.sha256(f"{self.content_hash}\0{policy.key}".encode()).hexdigest()
-        return ProcessedImage(self.resized_rgb, self.grid_thw, content_hash, self.config, policy)
+        return replace(self, content_hash=content_hash, compression=policy)
 
     @cached_property
     def pixel_values(self) -> torch.Tensor:

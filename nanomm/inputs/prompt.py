@@ -51,7 +51,9 @@ class PreparedPrompt:
     token_ids: list[int]  # expanded: one <|image_pad|> per visual token
     images: list[ProcessedImage]
     image_spans: list[ImageSpan]
-    positions: torch.Tensor  # (3, len(token_ids)) M-RoPE ids
+    # (3, len(token_ids)) M-RoPE ids. A compressed image's rows hold its origin only: the model runner adds each
+    # kept token's (t, h, w) from the encoder's output (`_compressed_image_origins`).
+    positions: torch.Tensor
     rope_delta: int  # generated token i (0-based over the whole sequence) has position i + rope_delta
     ready_time: float  # time.perf_counter() when it was ready to schedule
     arrival_time: float | None = None  # when the caller handed it in (set by the engine)
@@ -122,7 +124,8 @@ class InputProcessor:
                                     f"room to generate within max_model_len={self.max_model_len}")
         spans = _image_spans(ids, images, self.model_config.image_token_id)
         positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
-                                           self.model_config.vision.spatial_merge_size, _origins(images))
+                                           self.model_config.vision.spatial_merge_size,
+                                           _compressed_image_origins(images))
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
 
     def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
@@ -170,7 +173,7 @@ class InputProcessor:
         return dict(kwargs)
 
 
-def _origins(images: list[ProcessedImage]) -> list:
+def _compressed_image_origins(images: list[ProcessedImage]) -> list:
     """`mrope_positions`' `compressed` for the engine. Which tokens a compressed image keeps is known only once
     it is encoded, so each of its rows holds the image's first position on all three axes (coordinates 0), and
     the model runner adds each kept token's own (t, h, w) when a chunk takes the tokens (model_runner.py)."""

@@ -33,24 +33,25 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_lengths: list[int]):
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x (n, heads, head_dim)
-        # Rotary in float32, then back to the activation dtype (what the reference does in bf16 too).
-        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
+        q, k, v = self._rotated_qkv(x, cos, sin)
         out = torch.cat([_full_attention(*parts) for parts in
                          zip(q.split(segment_lengths), k.split(segment_lengths), v.split(segment_lengths))])
-        return self.proj(out.reshape(n, -1))  # (n, heads, head_dim) -> (n, embed_dim)
+        return self.proj(out.reshape(x.shape[0], -1))  # (n, heads, head_dim) -> (n, embed_dim)
+
+    def _rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k (rotated), v: 3 x (n, heads, head_dim). Rotary in float32, then back to the activation dtype (what
+        the reference does in bf16 too)."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        return apply_rotary(q.float(), cos, sin).to(x.dtype), apply_rotary(k.float(), cos, sin).to(x.dtype), v
 
     def received_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            segment_lengths: list[int], max_weights: int = 2**24) -> torch.Tensor:
-        """(n,) how much attention each patch receives, averaged over heads and over the queries of its image:
-        the softmax weights written out, which the fused kernel never shows (visual-token compression,
-        nanomm/inputs/compression.py, "attention"). Queries go a chunk at a time, so no more than max_weights
-        weights (64 MiB) exist at once, whatever the image's size."""
-        n = x.shape[0]
-        q, k, _ = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x (n, heads, head_dim)
-        q, k = apply_rotary(q.float(), cos, sin), apply_rotary(k.float(), cos, sin)
+        """(n,) how much attention each patch receives, averaged over heads and over the queries of its frame (an
+        image is one): the softmax weights written out, in float32, which the fused kernel never shows
+        (visual-token compression, nanomm/inputs/compression.py, "attention"). Queries go a chunk at a time, so
+        the scores and weights of at most max_weights entries (2 x 64 MiB) exist at once, whatever the size."""
+        q, k, _ = self._rotated_qkv(x, cos, sin)
+        q, k = q.float(), k.float()
         out = []
         for q_seg, k_seg in zip(q.split(segment_lengths), k.split(segment_lengths)):
             received = torch.zeros(k_seg.shape[0], device=x.device)
