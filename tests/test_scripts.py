@@ -172,3 +172,26 @@ def test_bench_quant_quick(tmp_path, what):
         assert all(row["positions"] == 64 for row in rows.values())
         # int8's error is ~1/16 of int4's on the tiny model (95% against 56% top-1 when this was written)
         assert rows["int8"]["top1_agreement"] >= 0.8 and rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"] / 4
+
+
+def test_eval_compression_smallest(tmp_path):
+    """Two configurations of two questions per task on the demo model, a timing-only pass, then the report and the
+    summary the lesson reads."""
+    env = offline_env(tmp_path)
+    script = [sys.executable, str(ROOT / "scripts" / "eval_compression.py")]
+    for extra in ([], ["--timing-only"]):
+        proc = subprocess.run(script + ["--out", "out", "--methods", "prune", "--ratios", "0.25", "--caps", "36",
+                                        "--no-baseline", "--per-task", "2", "--tasks", "colour", "shape", *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "cap_36.json", "cap_36.timing.json", "prune_0.25.json", "prune_0.25.timing.json"]
+    proc = subprocess.run(script + ["--report", "out", "--summary", "summary.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tasks"] == ["colour", "shape"] and [r["name"] for r in summary["rows"]] == ["prune 0.25", "cap 36"]
+    prune = summary["rows"][0]
+    assert prune["visual_tokens"] < prune["encoded_tokens"] and prune["ttft_ms"] > 0
+    assert all(0 <= a <= 100 for r in summary["rows"] for a in r["accuracy"].values())
+    assert "| prune 0.25 |" in proc.stdout

@@ -199,7 +199,7 @@ def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], a
     is_rest = torch.ones(embeds.shape[0], dtype=torch.bool)
     is_rest[dominant] = False
     rest = is_rest.nonzero().flatten()  # (n - dominant,) indices
-    targets = rest[::max(1, len(rest) // max(1, num_contextual))][:num_contextual]  # evenly spaced over the rest
+    targets = rest[::max(1, len(rest) // max(1, num_contextual))][:num_contextual].contiguous()  # evenly spaced
     kept = torch.cat([dominant, targets]).sort().values  # in raster order
     tokens = embeds[kept.to(embeds.device)].clone()  # (num_kept, hidden)
     if num_contextual:
