@@ -97,34 +97,36 @@ def throughput(llm, items) -> dict:
 
 
 def load_rows(folder: Path) -> list[dict]:
-    """Each configuration's accuracy run, with its --timing-only and --external results where there are some."""
+    """Each configuration's accuracy run, with its --timing-only and --external results where there are some (a
+    folder of --timing-only runs alone gives rows without accuracy)."""
     rows = []
-    for path in sorted(folder.glob("*.json")):
-        if path.name.endswith((".timing.json", ".external.json")):
-            continue
-        row, stem = json.loads(path.read_text()), path.name.removesuffix(".json")
-        timing, external = folder / f"{stem}.timing.json", folder / f"{stem}.external.json"
+    for stem in sorted({p.name.split(".json")[0].removesuffix(".timing").removesuffix(".external")
+                        for p in folder.glob("*.json")}):
+        plain, timing, external = (folder / f"{stem}{suffix}.json" for suffix in ("", ".timing", ".external"))
+        row = json.loads((plain if plain.exists() else timing).read_text())
         if timing.exists():  # all configurations timed in one quiet process
             measured = json.loads(timing.read_text())
             row.update(ttft=measured["ttft"], throughput=measured["throughput"], timing_machine=measured["machine"])
         if external.exists():
             row["external"] = json.loads(external.read_text())["accuracy"]
         rows.append(row)
-    order = {"none": 0, "pool": 1, "random": 2, "prune": 3, "attention": 4, "cap": 5}
     full = max(r["cap"] for r in rows)
-    return sorted(rows, key=lambda r: (-(r["policy"] or {}).get("keep_ratio", r["cap"] / full),
-                                       order[r["name"].split()[0]]))
+    ratios = {r["policy"]["keep_ratio"] for r in rows if r["policy"]} or {1.0}
+    group = lambda r: r["policy"]["keep_ratio"] if r["policy"] else min(ratios | {1.0}, key=lambda x: abs(x - r["cap"] / full))
+    order = {"none": 0, "pool": 1, "random": 2, "prune": 3, "attention": 4, "cap": 5}
+    return sorted(rows, key=lambda r: (-group(r), order[r["name"].split()[0]]))
 
 
 def report(folder: Path, summary_path: str | None) -> None:
     """Print the tables; with summary_path, also write the rows the lesson reads (lessons/data/)."""
     rows = load_rows(folder)
-    tasks = list(rows[0]["accuracy"])
+    tasks = list(rows[0].get("accuracy", {}))
     if summary_path:
         Path(summary_path).write_text(json.dumps(summary(rows, tasks), indent=1) + "\n")
     print(f"accuracy: {rows[0]['machine']}; {rows[0]['per_task']} questions per task (seed {rows[0]['seed']})")
     print(f"timings: {rows[0].get('timing_machine', rows[0]['machine'])}")
-    print_accuracy(rows, "accuracy", "held-out set")
+    if tasks:
+        print_accuracy(rows, "accuracy", "held-out set")
     if any("external" in r for r in rows):
         print_accuracy([r for r in rows if "external" in r], "external", "pictures drawn by other_renderer.py")
     print("\n| configuration | visual tokens | encoded | KV blocks | encode ms | prefill ms | TTFT ms | "
