@@ -252,6 +252,9 @@ def main(argv=None) -> int:
                 stats = llm.stats()
                 console.print(f"[dim]weights: {args.quantization or 'as stored'}; KV cache: {stats['kv_cache_dtype']}, "
                               f"{stats['kv_bytes_per_token']:,} bytes per token (lesson 13)[/dim]")
+            if args.compression:
+                console.print(f"[dim]visual tokens: {args.compression['method']} keeps "
+                              f"{args.compression['keep_ratio']:.0%} of each picture's (lesson 14)[/dim]")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             chat = Chat(llm, params, console, interactive)
             for path in args.image:

@@ -131,8 +131,8 @@ def test_the_chat_serves_a_quantized_demo_model(env, tmp_path):
 
 
 def test_the_chat_compresses_visual_tokens(env, tmp_path):
-    """--compression reaches the engine: the red circle is still red with a quarter of its tokens (prune), and the
-    summary line says how many of the encoded tokens the model got; a bad policy is a usage error."""
+    """--compression reaches the engine: the red circle is still red with a quarter of its tokens (prune), the log
+    says so, and a turn's summary line counts the tokens kept and encoded; a bad policy is a usage error."""
     from PIL import Image, ImageDraw
     image = Image.new("RGB", (224, 224), "white")
     ImageDraw.Draw(image).ellipse((62, 62, 162, 162), fill="red")
@@ -141,7 +141,14 @@ def test_the_chat_compresses_visual_tokens(env, tmp_path):
                             "What colour is the circle?\n", env, tmp_path)
     assert rc == 0, err
     assert [r.strip().lower() for r in replies] == ["red"], (replies, err)
-    assert "36 visual tokens (of 144 encoded)" in err, err
+    assert "prune keeps 25% of each picture's" in err, err
+    from nanomm import LLM
+    from nanomm.chat import summary
+    from nanomm import demo_checkpoint
+    with LLM(str(demo_checkpoint()), visual_token_compression={"method": "prune", "keep_ratio": 0.25}) as llm:
+        out = llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>red?",
+                            "multi_modal_data": {"image": image}})[0]
+    assert "36 visual tokens (of 144 encoded)" in summary(out)
     rc, _, err = chat(["--demo", "--compression", "crop:0.5"], "", env, tmp_path)
     assert rc == 2 and "unknown method 'crop'" in err, err
 
