@@ -89,7 +89,8 @@ class LLM:
         return make_plan(self.model.config, self.image_config, model=self.model_name, dtype=self._dtype_name,
                          kv_dtype=config.kv_cache_dtype, quantization=config.quantization,
                          quantization_group_size=config.quantization_group_size,
-                         visual_token_compression=config.visual_token_compression, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                         visual_token_compression=config.visual_token_compression, block_size=config.block_size,
+                         max_num_seqs=config.max_num_seqs,
                          max_model_len=config.max_model_len, workload=Workload(**workload),
                          num_kv_blocks=config.num_kv_blocks)
 

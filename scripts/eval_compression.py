@@ -111,10 +111,15 @@ def load_rows(folder: Path) -> list[dict]:
             row["external"] = json.loads(external.read_text())["accuracy"]
         rows.append(row)
     full = max(r["cap"] for r in rows)
-    ratios = {r["policy"]["keep_ratio"] for r in rows if r["policy"]} or {1.0}
-    group = lambda r: r["policy"]["keep_ratio"] if r["policy"] else min(ratios | {1.0}, key=lambda x: abs(x - r["cap"] / full))
+    ratios = {r["policy"]["keep_ratio"] for r in rows if r["policy"]} | {1.0}
     order = {"none": 0, "pool": 1, "random": 2, "prune": 3, "attention": 4, "cap": 5}
-    return sorted(rows, key=lambda r: (-group(r), order[r["name"].split()[0]]))
+
+    def key(row):  # by keep ratio (a cap: the ratio nearest its share of the full cap), then by method
+        share = row["cap"] / full
+        ratio = row["policy"]["keep_ratio"] if row["policy"] else min(ratios, key=lambda x: abs(x - share))
+        return -ratio, order[row["name"].split()[0]]
+
+    return sorted(rows, key=key)
 
 
 def report(folder: Path, summary_path: str | None) -> None:
@@ -150,7 +155,8 @@ def print_accuracy(rows: list[dict], key: str, title: str) -> None:
 def summary(rows: list[dict], tasks: list[str]) -> dict:
     """The measured rows in percent and milliseconds, with the command and machine that produced them."""
     first = rows[0]
-    command = (f"python scripts/eval_compression.py --out runs/compression --per-task {first['per_task']} --caps 72 36 15"
+    command = (f"python scripts/eval_compression.py --out runs/compression --per-task {first['per_task']} "
+               "--caps 72 36 15"
                " (accuracy: split over two processes with OMP_NUM_THREADS=1), then the same with --timing-only "
                "(timings: one process, alone on the machine)")
     return {"command": command, "accuracy_machine": first["machine"],

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, random_image, random_workload,
                      reference_tokens)
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.inputs.compression import (CompressionPolicy, compress, kept_layout, max_min_diverse, parse_policy,
-                                       pool_window)
-from nanomm.model.rope import mrope_positions
+from nanomm.inputs.compression import (CompressionPolicy, _nearest_neighbour_distances, compress, kept_layout,
+                                       max_min_diverse, parse_policy, pool_window)
+from nanomm.model.rope import apply_rotary, mrope_positions, vision_cos_sin
 from nanomm.model.vision import _full_attention, attention_weights
 from nanomm.tools.random_checkpoint import make_checkpoint
 
@@ -227,7 +227,8 @@ def test_two_policies_never_reuse_each_others_tokens(ckpt):
                                                             span.end // 4, [])[span.start // 4:])
         assert out.metrics.num_cached_tokens <= span.start  # nothing of another policy's image was reused
     assert len(keys) == 3
-    assert not set(hashes[0]) & set(hashes[1]) and not set(hashes[1]) & set(hashes[2]) and not set(hashes[0]) & set(hashes[2])
+    for a, b in ((0, 1), (1, 2), (0, 2)):
+        assert not set(hashes[a]) & set(hashes[b])
     for prompt in prompts:  # again: each policy finds its own tokens
         out = llm.generate(prompt, GREEDY)[0]
         assert out.metrics.num_cached_tokens > llm.engine.prepare(prompt, GREEDY).image_spans[0].end - 4
@@ -346,8 +347,6 @@ def test_nanomm_plan_takes_a_compression_policy(ckpt, capsys):
 def test_the_chunked_computations_equal_the_whole_ones(ckpt):
     """Large images go a chunk at a time (received attention by query rows, nearest neighbours by rows): the
     chunks give what one whole matrix gives."""
-    from nanomm.inputs.compression import _nearest_neighbour_distances
-    from nanomm.model.rope import vision_cos_sin
     unit = F.normalize(torch.randn(50, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
     whole = 1 - unit @ unit.T + torch.eye(50) * 9
     assert torch.allclose(_nearest_neighbour_distances(unit, rows_per_chunk=7), whole.min(dim=1).values, atol=1e-6)
@@ -358,7 +357,6 @@ def test_the_chunked_computations_equal_the_whole_ones(ckpt):
     chunked = attn.received_attention(x, cos, sin, [16, 16], max_weights=attn.num_heads * 16 * 3)  # 3 rows a chunk
     assert torch.allclose(chunked, attn.received_attention(x, cos, sin, [16, 16]), atol=1e-6)
     q, k, _ = attn.qkv(x).view(32, 3, attn.num_heads, attn.head_dim).unbind(1)
-    from nanomm.model.rope import apply_rotary
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     by_hand = torch.cat([attention_weights(q[s:s + 16], k[s:s + 16]).mean(dim=(0, 1)) for s in (0, 16)])
     assert torch.allclose(chunked, by_hand, atol=1e-6) and torch.allclose(chunked.sum(), torch.tensor(2.0))

@@ -144,7 +144,8 @@ def test_a_draft_with_the_target_s_vision_tower_shares_its_encoder_cache(ckpt, w
         proposer, encoded = llm.engine.proposer, []
         assert (proposer.runner.encoder_cache is llm.engine.encoder_cache) == shared
         tower = proposer.model.visual
-        tower.forward = lambda pixels, grids, *rest, run=tower.forward: encoded.extend(grids) or run(pixels, grids, *rest)
+        tower.forward = lambda pixels, grids, *rest, run=tower.forward: (encoded.extend(grids)
+                                                                        or run(pixels, grids, *rest))
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
         assert len(encoded) == (0 if shared else num_images)  # pictures the draft's own tower encoded
         assert_no_leaks(llm)

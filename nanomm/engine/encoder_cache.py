@@ -9,10 +9,11 @@ the preprocessing and the model. So the cache maps
     key = sha256(image content hash, model identity)
 
 to the projected visual tokens (tokens, hidden), after visual-token compression if the image has a policy
-(inputs/compression.py; then the entry also holds each kept token's grid coordinates). The image content hash (`nanomm.inputs.image.ProcessedImage`)
-already covers the decoded pixels and every preprocessing parameter that changes them (resized size,
-min/max pixel cap, mean/std, patch and merge sizes, compression method and ratio), so the same picture given as a path, as bytes or as a
-PIL image hits, and the same picture under another `max_pixels` misses.
+(inputs/compression.py; then the entry also holds each kept token's grid coordinates). The image content hash
+(`nanomm.inputs.image.ProcessedImage`) already covers the decoded pixels and every parameter that changes the
+tokens (resized size, min/max pixel cap, mean/std, patch and merge sizes, compression method and ratio), so the
+same picture given as a path, as bytes or as a PIL image hits, and the same picture under another `max_pixels`
+or another compression policy misses.
 
 The budget is counted in visual tokens (`capacity_tokens`). Least recently used entries are evicted when a
 new one does not fit, but never an entry a running request still needs: requests *hold* the entries of the
