@@ -11,7 +11,6 @@ import torch
 
 from nanomm.engine.attention import causal_attention
 from nanomm.engine.kv_fp8 import fp8_round_trip
-from nanomm.inputs.compression import kept_layout
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, adjust_logits, sample
@@ -57,7 +56,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     if images:
         visual = model.visual_tokens(images)  # each image compressed by its own policy, if it has one
         image_embeds = torch.cat([v.embeds for v in visual])
-        compressed = [None if v.coords is None else (kept_layout(im.token_grid, im.compression)[1], v.coords)
+        compressed = [None if v.coords is None else (im.position_extent, v.coords)
                       for v, im in zip(visual, images)]
     if cfg.has_vision:
         positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size,

@@ -233,7 +233,7 @@ class ModelRunner:
     def _visual_slices(self, chunk: ScheduledChunk, offset: int, grid_offsets: list) -> list[torch.Tensor]:
         """The rows of each overlapping image's visual tokens that fall inside this chunk, in order. A compressed
         image's rows also add (packed row, its (t, h, w)) to grid_offsets: their positions hold the image's origin
-        until then (inputs/prompt.py, `_origins`). offset: where the chunk starts in the packed tokens."""
+        until then (inputs/prompt.py, `_compressed_image_origins`). offset: where the chunk starts in the packed tokens."""
         request, out = chunk.request, []
         for i, span in enumerate(request.prompt.image_spans):
             rows = span.clip(chunk.start, chunk.end)

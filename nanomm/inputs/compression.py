@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from nanomm.errors import InvalidInputError
+from nanomm.model.rope import grid_positions
 
 METHODS = ("pool", "random", "prune", "attention")
 CONTEXTUAL_SHARE = 1 / 6  # "attention": the share of kept tokens that are merged contextual ones (VisionZip: 10 of 64)
@@ -122,12 +123,6 @@ def kept_layout(grid: tuple[int, int, int], policy: CompressionPolicy | None) ->
     return max(1, math.ceil(t * h * w * policy.keep_ratio - 1e-9)), max(grid)  # 100 x 0.07 is 7.000000000000001
 
 
-def grid_coords(t: int, h: int, w: int) -> torch.Tensor:
-    """(3, t*h*w) coordinates of every cell of a grid in token order: t-major, then rows, then columns."""
-    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-    return torch.stack([tt, hh, ww]).reshape(3, -1)
-
-
 def compress(embeds: torch.Tensor, grid: tuple[int, int, int], policy: CompressionPolicy | None, seed: int = 0,
              attention: torch.Tensor | None = None) -> VisualTokens:
     """embeds (T*H*W, hidden) of one image whose token grid is (T, H, W) -> the tokens its policy keeps.
@@ -146,7 +141,7 @@ def compress(embeds: torch.Tensor, grid: tuple[int, int, int], policy: Compressi
     else:  # "prune"
         kept = max_min_diverse(embeds, num_kept).cpu()
     kept = kept.sort().values  # in raster order, as the uncompressed tokens were
-    return VisualTokens(embeds[kept.to(embeds.device)], grid_coords(*grid)[:, kept])
+    return VisualTokens(embeds[kept.to(embeds.device)], grid_positions(*grid)[:, kept])
 
 
 def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, int]) -> VisualTokens:
@@ -161,7 +156,7 @@ def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, i
     sums = F.pad(x, pad).view(t, ph, kh, pw, kw, -1).sum(dim=(2, 4))  # (T, ph, pw, hidden)
     counts = F.pad(ones, pad).view(t, ph, kh, pw, kw, 1).sum(dim=(2, 4))  # (T, ph, pw, 1)
     pooled = (sums / counts).reshape(t * ph * pw, -1).to(embeds.dtype)  # (T*ph*pw, hidden)
-    return VisualTokens(pooled, grid_coords(t, ph, pw))
+    return VisualTokens(pooled, grid_positions(t, ph, pw))
 
 
 def max_min_diverse(embeds: torch.Tensor, num_kept: int) -> torch.Tensor:
@@ -210,7 +205,7 @@ def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], a
             0, owner, embeds[rest].float())  # (contextual, hidden)
         counts = torch.bincount(owner, minlength=num_contextual).float()[:, None]  # a target joins itself: >= 1
         tokens[torch.searchsorted(kept, targets).to(embeds.device)] = (sums / counts).to(embeds.dtype)
-    return VisualTokens(tokens, grid_coords(*grid)[:, kept])
+    return VisualTokens(tokens, grid_positions(*grid)[:, kept])
 
 
 def seed_of(content_hash: str) -> int:

@@ -211,6 +211,11 @@ class ProcessedImage:
         """The number of <|image_pad|> tokens: the encoded tokens that compression keeps (all without it)."""
         return kept_layout(self.token_grid, self.compression)[0]
 
+    @property
+    def position_extent(self) -> int:
+        """M-RoPE positions the image spans: the text after it resumes this far past its first position."""
+        return kept_layout(self.token_grid, self.compression)[1]
+
 
 def preprocess_image(image, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
                      name: str = "image") -> ProcessedImage:

@@ -15,7 +15,7 @@ import torch
 
 from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
-from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy
+from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
 from nanomm.model.rope import mrope_positions
 from nanomm.inputs.tokenizer import Tokenizer
@@ -178,7 +178,7 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
     it is encoded, so each of its rows holds the image's first position on all three axes (coordinates 0), and
     the model runner adds each kept token's own (t, h, w) when a chunk takes the tokens (model_runner.py)."""
     return [None if im.compression is None else
-            (kept_layout(im.token_grid, im.compression)[1], torch.zeros(3, im.num_tokens, dtype=torch.long))
+            (im.position_extent, torch.zeros(3, im.num_tokens, dtype=torch.long))
             for im in images]
 
 

@@ -67,7 +67,7 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
                 raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
             grid = (t, h // spatial_merge_size, w // spatial_merge_size)
-            extent, coords = compressed[k] or (max(grid), _grid_positions(*grid))
+            extent, coords = compressed[k] or (max(grid), grid_positions(*grid))
             blocks.append(coords + start)  # (3, tokens)
             start += extent
             i += coords.shape[1]
@@ -92,7 +92,7 @@ def text_positions(num_tokens: int, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + num_tokens).expand(3, -1)
 
 
-def _grid_positions(t: int, h: int, w: int) -> torch.Tensor:
+def grid_positions(t: int, h: int, w: int) -> torch.Tensor:
     """(3, t*h*w) grid coordinates in token order: t-major, then rows, then columns."""
     tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
     return torch.stack([tt, hh, ww]).reshape(3, -1)
