@@ -3,9 +3,15 @@
     python scripts/train_demo.py --out runs/demo --threads 2     # a new run (its folder is created)
     python scripts/train_demo.py --out runs/demo --threads 2     # run again: resumes from runs/demo/train_state.pt
     python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour \
-        --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the shipped model's recipe
+        --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the shipped model's recipe (*)
     python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
+    python scripts/train_demo.py --out runs/count --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 2700:count,compare --counting-chats 0.9   # more stage 3 from trained weights (lesson 12, section 5)
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
+
+(*) With the code of commit 6ad4f33, which trained it. Since then the tower's hint head also learns how many shapes
+of its kind a token's shape has and where shapes' centres are (`token_hints`), so the same command today trains
+a slightly different model.
 
 The recipe is in nanomm/demo/training.py (data, loss, the vision hints) and nanomm/demo/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
@@ -24,6 +30,7 @@ wait for a sleeping OpenMP thread), so leave the policy at its default.
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
 from bench import cpu_name  # noqa: E402
-from nanomm.demo.trainer import TINY_SPEC, export, new_run, train  # noqa: E402
+from nanomm.demo.trainer import STATE_FILE, TINY_SPEC, export, new_run, train  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
 from nanomm.demo.training import TrainConfig  # noqa: E402
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
@@ -64,6 +71,8 @@ def main(argv=None) -> None:
                         help="a phase of stage 3: STEPS steps asking only these tasks (repeat for more phases)")
     parser.add_argument("--focus-start", type=int, help="the step stage 3 begins at (default: --steps)")
     parser.add_argument("--focus-lr", type=float, default=TrainConfig.focus_lr)
+    parser.add_argument("--counting-chats", type=float, default=TrainConfig.counting_chats,
+                        help="in a phase asking count: the share of chats about 0-6 shapes of one kind (default 0)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -72,6 +81,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-flush-denormal", action="store_true",
                         help="keep denormal floats (slower; how the shipped model's first 1000 steps ran)")
+    parser.add_argument("--init-from", type=Path,
+                        help="start a new run from this trained checkpoint's weights (a fresh optimizer; use with --focus)")
     parser.add_argument("--draft-of", type=Path, help="train a draft model from this trained model's folder")
     parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers the draft keeps")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (for tests): 2 small layers")
@@ -84,9 +95,13 @@ def main(argv=None) -> None:
                       bf16=torch.cpu._is_amx_tile_supported() if args.bf16 is None else args.bf16,
                       threads=args.threads, freeze_vision=args.draft_of is not None,
                       flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
-                      focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr)
+                      focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr,
+                      counting_chats=args.counting_chats)
     if not (args.out / "config.json").is_file():
-        if args.draft_of:
+        if args.init_from:
+            shutil.copytree(args.init_from, args.out, dirs_exist_ok=True)  # Hub files and weights; step 0
+            (args.out / STATE_FILE).unlink(missing_ok=True)
+        elif args.draft_of:
             make_draft_checkpoint(args.draft_of, args.out, args.draft_layers)  # the target's first layers
         else:
             new_run(args.out, TINY_SPEC if args.tiny else None, seed=args.seed)

@@ -14,8 +14,8 @@ import torch
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
-from nanomm.demo.training import (IGNORE, TrainConfig, encode_chat, image_token_places, learning_rate, make_batch,
-                                  pick_contrasting, stage, token_hints)
+from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
+                                  learning_rate, make_batch, pick_contrasting, stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import load_model
@@ -122,7 +122,9 @@ def test_hints_say_what_lies_under_each_visual_token(tiny_run):
     # inside the bottom-right token only (one sample point: labelled as the block of its centre); "7" is printed
     # across the top-right token's centre. Relations (columns 3-6: where the only circle/square/triangle/star is
     # left (0) or right (1); columns 7-10: above (0) or below (1)): from the circle, the star is right and below;
-    # from the star, the circle is left and above; no square or triangle, so those stay IGNORE (-100).
+    # from the star, the circle is left and above; no square or triangle, so those stay IGNORE (-100). Column 11:
+    # how many of the covering shape's kind (one circle, one star), IGNORE off the shapes; column 12: 1 on the
+    # block of a shape's centre (the circle's (28, 28) is in block (1, 1), the star's in (3, 3)), else 0.
     scene = plain_scene([shape("circle", "red", 28, 28, radius=30), shape("star", "blue", 90, 95, radius=5)],
                         number="7")
     scene.width = scene.height = 112
@@ -131,13 +133,29 @@ def test_hints_say_what_lies_under_each_visual_token(tiny_run):
     assert image.grid_thw == (1, 8, 8)
     red, blue, circle, star, text, seven = COLOURS.index("red") + 1, COLOURS.index("blue") + 1, 1, 4, 5, 8
     _ = -100
-    expected = torch.tensor([[0, 0, 0] + [_] * 8] * 16).view(4, 4, 11)
+    expected = torch.tensor([[0, 0, 0] + [_] * 9 + [0]] * 16).view(4, 4, 13)
     for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        expected[r, c] = torch.tensor([red, circle, 0, _, _, _, 1, _, _, _, 1])
-    expected[3, 3] = torch.tensor([blue, star, 0, 0, _, _, _, 0, _, _, _])
-    expected[0, 3] = torch.tensor([0, text, seven] + [_] * 8)
+        expected[r, c] = torch.tensor([red, circle, 0, _, _, _, 1, _, _, _, 1, 1, int((r, c) == (1, 1))])
+    expected[3, 3] = torch.tensor([blue, star, 0, 0, _, _, _, 0, _, _, _, 1, 1])
+    expected[0, 3] = torch.tensor([0, text, seven] + [_] * 9 + [0])
     assert SHAPES == ("circle", "square", "triangle", "star")
-    assert torch.equal(token_hints(scene, image), expected.view(16, 11))
+    assert torch.equal(token_hints(scene, image), expected.view(16, 13))
+
+
+def test_count_hints_count_the_shapes_of_a_kind(tiny_run):
+    # Three circles and a square far apart in a 168x168 picture (6x6 blocks of 28 px): every block a circle covers
+    # says 3, the square's blocks say 1, and exactly four blocks are centres (30 px is in block 1, 138 in block 4).
+    shapes = [shape("circle", "red", 30, 30, radius=18), shape("circle", "green", 138, 30, radius=18),
+              shape("circle", "blue", 30, 138, radius=18), shape("square", "black", 138, 138, radius=18)]
+    scene = plain_scene(shapes)
+    scene.width = scene.height = 168
+    image = preprocess_image(render(scene), ImageProcessorConfig.from_pretrained(tiny_run))
+    hints = token_hints(scene, image)
+    assert hints.shape == (36, 13)
+    kind, count, centre = hints[:, 1], hints[:, 11], hints[:, 12]
+    assert set(count[kind == 1].tolist()) == {3} and set(count[kind == 2].tolist()) == {1}
+    assert set(count[kind == 0].tolist()) == {-100}
+    assert sorted(centre.nonzero().squeeze(1).tolist()) == [1 * 6 + 1, 1 * 6 + 4, 4 * 6 + 1, 4 * 6 + 4]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,6 +245,37 @@ def test_stage_three_asks_several_questions_of_a_task_in_one_chat():
         assert all(qa.task != "count" for qa in chosen)  # a task not listed is never asked
     # When the listed tasks' pools run dry, fewer questions come back.
     assert len(pick_contrasting(qas, random.Random(0), 8, ("shape",))) == 4
+
+
+def test_a_count_phase_asks_every_count_about_equally_often():
+    # Counting chats ask "How many" about a kind drawn 0..6 times; the answer is what the scene holds.
+    rng, first_answers = random.Random(0), Counter()
+    for _ in range(700):
+        scene, qas = counting_chat(rng)
+        for qa in qas:
+            assert qa.task == "count"
+            kind = qa.question.removeprefix("How many ").removesuffix("s are there?")
+            assert qa.answer == str(sum(s.kind == kind for s in scene.shapes))
+        first_answers.update(qa.answer for qa in qas)
+    assert set(first_answers) == {str(n) for n in range(7)}
+    assert min(first_answers[str(n)] for n in range(3, 7)) >= 0.05 * sum(first_answers.values())
+
+
+def test_a_count_phase_mixes_counting_chats_into_its_batches(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+
+    def share_of_three_to_six(counting_chats):
+        cfg = TrainConfig(steps=10, vision_steps=0, focus_start=0, focus_phases=((5, ("count",)),), batch_size=40,
+                          counting_chats=counting_chats)
+        answers = Counter()
+        for ex in make_batch(0, cfg, tokenizer, config):
+            labelled = [t for t, label in zip(ex.token_ids[1:], ex.labels[1:]) if label != IGNORE]
+            answers.update(tokenizer.decode(labelled, skip_special_tokens=False).split("<|im_end|>")[:-1])
+        assert set(answers) <= {str(n) for n in range(7)}  # a count phase asks only "How many"
+        return sum(answers[str(n)] for n in range(3, 7)) / sum(answers.values())
+
+    # Without counting chats, 3 to 6 are about 7% of a count phase's answers; mostly counting chats triple that.
+    assert share_of_three_to_six(0.0) < 0.1 and share_of_three_to_six(0.9) >= 0.18
 
 
 def test_image_token_places_go_row_by_row_from_the_top_left():

@@ -11,6 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from nanomm import LLM
 from nanomm.demo import other_renderer
@@ -140,6 +142,15 @@ def test_train_then_evaluate_a_tiny_demo_model_and_its_draft(tmp_path):
     summary = json.loads((tmp_path / "tiny" / "train_summary.json").read_text())
     assert summary["steps"] == 6 and summary["resumed_at"] == 3
     assert summary["config"]["focus_phases"] == [[2, list(TASKS)], [1, ["colour", "count"]]]
+    # --init-from: a new run that starts from the trained weights (a fresh optimizer, step 0), here one count step.
+    script("train_demo.py", "--out", "tuned", "--init-from", "tiny", "--batch-size", "4", "--no-progress",
+           "--focus-start", "0", "--focus", "1:count")
+    summary = json.loads((tmp_path / "tuned" / "train_summary.json").read_text())
+    assert summary["steps"] == 1 and summary["resumed_at"] == 0
+    before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("tiny", "tuned"))
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert changed and all((after[n] - before[n]).abs().max() < 0.05 for n in changed)  # one small step from tiny
     wrong = subprocess.run([sys.executable, str(root / "scripts" / "train_demo.py"), "--out", "tiny", "--focus",
                             "5:colours"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert wrong.returncode != 0 and "unknown tasks ['colours']" in wrong.stderr

@@ -15,10 +15,13 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
 - fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
   resumed run sees exactly the data it would have seen;
 - hints for the vision tower: a training-only linear head reads each visual token and is taught what lies under
-  it (which colour, which shape or text, which digit) and where the other shapes are (left or right, above or
-  below), from the scene's truth, because through the answers alone the tower learns shapes very slowly. The
-  head is thrown away: the checkpoint is a plain Qwen2-VL. (trainer.py's `local_attention_init` is the other
-  half: a vision tower that starts out looking at neighbouring patches.)
+  it (which colour, which shape or text, which digit), where the other shapes are (left or right, above or
+  below), how many shapes of its kind the picture holds, and whether a shape's centre lies in it, from the
+  scene's truth, because through the answers alone the tower learns shapes very slowly. The head is thrown
+  away: the checkpoint is a plain Qwen2-VL. (trainer.py's `local_attention_init` is the other half: a vision
+  tower that starts out looking at neighbouring patches.)
+- counting chats (`counting_chat`, `TrainConfig.counting_chats`): a stage-3 phase that asks count can draw most
+  of its pictures with 0..6 shapes of one kind, so that every count is asked about equally often.
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -34,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render, shape_mask
-from nanomm.demo.tasks import QA, TASKS, clearly_apart, compare_questions, scene_questions, vary
+from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, question,
+                               scene_questions, vary)
 from nanomm.engine.attention import causal_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
@@ -72,6 +76,8 @@ class TrainConfig:
     focus_start: int | None = None  # the step stage 3 begins at (default: `steps`, where stage 2 ends)
     focus_lr: float = 3e-4  # stage 3's learning rate (after a short warm-up), the same for the whole model
     focus_warmup: int = 50
+    # In a stage-3 phase that asks count, the share of chats that are `counting_chat`s (0: the recipe before them).
+    counting_chats: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +138,7 @@ class Example:
     labels: list[int]  # token id to predict at each position, or IGNORE
     images: list  # ProcessedImage, in prompt order
     tasks: list[str]  # the task of each answer, in order (for per-task accuracy)
-    hints: list[torch.Tensor] = field(default_factory=list)  # per image: `token_hints`, (visual tokens, 3 + 8)
+    hints: list[torch.Tensor] = field(default_factory=list)  # per image: `token_hints`, (visual tokens, HINT_COLUMNS)
 
 
 def encode_chat(tokenizer: Tokenizer, images: list, qas: list[QA]) -> Example:
@@ -228,11 +234,30 @@ def pick_contrasting(by_task: dict[str, list[QA]], rng: random.Random, max_turns
     return rng.sample(chosen, len(chosen))
 
 
+OTHER_COUNTS = 0.3  # a counting chat also asks about each other kind with this probability
+
+
+def counting_chat(rng: random.Random) -> tuple:
+    """A picture with 0..6 shapes of one kind among others, and "How many" about that kind (every answer equally
+    often), sometimes about the other kinds too. Pictures drawn at random rarely hold 3 or more of a kind: of
+    stage 3's count questions, about 88% have the answer 0 or 1 and 5% an answer from 3 to 6 (lesson 12, section
+    5), and the shipped model answered most 3+ with "2" or "6"."""
+    kind = rng.choice(SHAPES)
+    scene = counting_scene(rng, kind=kind, count=rng.randint(0, MAX_COUNT))
+    qas = [QA("count", question("count", shape=kind), str(scene.count(kind)))]
+    qas += [QA("count", question("count", shape=k), str(scene.count(k))) for k in SHAPES
+            if k != kind and rng.random() < OTHER_COUNTS]
+    return scene, rng.sample(qas, len(qas))
+
+
 def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
                  image_config: ImageProcessorConfig) -> Example:
     focus = cfg.focus_tasks(step) if stage(step, cfg) == 3 else None
     compare = "compare" in focus if focus else not in_curriculum(step, cfg)
-    if compare and rng.random() < cfg.compare_fraction:
+    if focus and "count" in focus and cfg.counting_chats and rng.random() < cfg.counting_chats:
+        scene, qas = counting_chat(rng)
+        scenes = [scene]
+    elif compare and rng.random() < cfg.compare_fraction:
         scenes = [counting_scene(rng), counting_scene(rng)]
         qas = compare_questions(*scenes)
         if not qas:
@@ -259,31 +284,42 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
 HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2, 11)  # colour | shape or text | digit; class 0 = nothing
 # Relation hints: for each shape kind and each axis, is the (only) shape of that kind before or after this one?
 RELATION_HINTS = 2 * len(SHAPES)  # (kind, axis) pairs, each a two-way choice
+COUNT_CLASSES = MAX_COUNT + 1  # how many shapes of the covering shape's kind the picture holds (1..6; 0 unused)
+RELATIONS_AT, COUNT_AT, CENTRE_AT = 3, 3 + RELATION_HINTS, 4 + RELATION_HINTS  # columns of `token_hints`
+HINT_COLUMNS = CENTRE_AT + 1
 BACKGROUND_WEIGHT = 0.05  # weight of class 0 ("nothing here") in the hints' loss: most tokens are background
+NOT_CENTRE_WEIGHT = 0.2  # weight of "no shape's centre is here" in the centre hint's loss
 
 
 def token_hints(scene, image) -> torch.Tensor:
-    """(visual tokens, 3 + RELATION_HINTS) labels for each token's 28x28 block.
+    """(visual tokens, HINT_COLUMNS) labels for each token's block of pixels.
 
     Columns 0-2: the colour and kind (shape, or len(SHAPES)+1 for the printed number) of the shape that covers
     most of the block (at least MIN_COVER of it), and the digit under the block's centre; 0 where there is
     nothing. A shape too small to cover MIN_COVER of any block still labels the block of its centre.
 
-    Columns 3 onwards, on blocks covered by a shape: for each kind k of SHAPES, whether the only shape of kind k
-    lies left (0) or right (1) of the covering shape, then the same for above (0) or below (1); IGNORE where
-    there is no such shape, or it is not clearly apart (the rule left/right questions follow)."""
+    Columns 3 to 3 + RELATION_HINTS - 1, on blocks covered by a shape: for each kind k of SHAPES, whether the only
+    shape of kind k lies left (0) or right (1) of the covering shape, then the same for above (0) or below (1);
+    IGNORE where there is no such shape, or it is not clearly apart (the rule left/right questions follow).
+
+    Column COUNT_AT, on blocks covered by a shape: how many shapes of its kind the picture holds (IGNORE elsewhere
+    and above MAX_COUNT). Column CENTRE_AT: 1 on the block of each shape's centre, 0 on every other block. Counting
+    objects is counting centres of a kind; counting the tokens of a kind would depend on the shapes' sizes. (The
+    tower learned the centres but not the counts: the language model counts. Lesson 12, section 5.)"""
     _, gh, gw = image.grid_thw
     rows, cols = gh // image.merge_size, gw // image.merge_size
-    hints = torch.zeros(rows * cols, 3 + RELATION_HINTS, dtype=torch.long)
-    hints[:, 3:] = IGNORE
+    hints = torch.zeros(rows * cols, HINT_COLUMNS, dtype=torch.long)
+    hints[:, RELATIONS_AT:CENTRE_AT] = IGNORE
     if scene.shapes:
-        per_shape = torch.stack([_shape_hints(scene, s) for s in scene.shapes])  # (shapes, 3 + RELATION_HINTS)
+        per_shape = torch.stack([_shape_hints(scene, s) for s in scene.shapes])  # (shapes, HINT_COLUMNS)
         cover, best = _block_cover(scene, rows, cols).max(dim=0)  # per block: the largest cover, and its shape
         covered = cover >= MIN_COVER
         hints[covered] = per_shape[best[covered]]
         block_w, block_h = scene.width / cols, scene.height / rows
         for s, labels in zip(scene.shapes, per_shape):
-            hints[min(rows - 1, int(s.y / block_h)) * cols + min(cols - 1, int(s.x / block_w))] = labels
+            centre = min(rows - 1, int(s.y / block_h)) * cols + min(cols - 1, int(s.x / block_w))
+            hints[centre] = labels
+            hints[centre, CENTRE_AT] = 1
     if scene.number is not None:
         for r in range(rows):
             for c in range(cols):
@@ -294,6 +330,7 @@ def token_hints(scene, image) -> torch.Tensor:
                                              int((x - left) / (right - left) * len(scene.number)))]
                     hints[r * cols + c] = IGNORE
                     hints[r * cols + c, :3] = torch.tensor([0, len(SHAPES) + 1, int(digit) + 1])
+                    hints[r * cols + c, CENTRE_AT] = 0
     return hints  # token order: blocks row by row, as the projector emits them
 
 
@@ -309,7 +346,8 @@ def _block_cover(scene, rows: int, cols: int) -> torch.Tensor:
 
 
 def _shape_hints(scene, shape) -> torch.Tensor:
-    """The hints of a block covered by `shape`: its colour and kind, no digit, and where the other shapes are."""
+    """The hints of a block covered by `shape`: its colour and kind, no digit, where the other shapes are, how many
+    of its kind there are, and not a centre (token_hints marks the centre's block)."""
     relations = [IGNORE] * RELATION_HINTS
     unique = scene.unique("kind")
     for axis_index, axis in enumerate(("x", "y")):
@@ -317,7 +355,9 @@ def _shape_hints(scene, shape) -> torch.Tensor:
             other = unique.get(kind)
             if other is not None and other is not shape and clearly_apart(shape, other, axis):
                 relations[axis_index * len(SHAPES) + k] = int(getattr(other, axis) > getattr(shape, axis))
-    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1, 0] + relations)
+    count = scene.count(shape.kind)
+    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1, 0] + relations
+                        + [count if count <= MAX_COUNT else IGNORE, 0])
 
 
 def _inside(box, x, y) -> bool:
@@ -362,7 +402,7 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
     image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))  # (vis. tokens, hidden)
     with_hints = heads is not None and (vision_only or hint_weight)
-    hints = torch.cat([h for ex in batch for h in ex.hints]) if with_hints else None  # (visual tokens, 3 + 8)
+    hints = torch.cat([h for ex in batch for h in ex.hints]) if with_hints else None  # (visual tokens, HINT_COLUMNS)
     if vision_only:
         return hint_loss(heads["hints"](image_embeds).float(), hints)
     ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
@@ -391,7 +431,7 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     return loss, accuracy
 
 
-HINT_OUTPUTS = sum(HINT_CLASSES) + 2 * RELATION_HINTS  # the hint head's width
+HINT_OUTPUTS = sum(HINT_CLASSES) + 2 * RELATION_HINTS + COUNT_CLASSES + 2  # the hint head's width
 POSITION_LAYER = 1  # the position loss reads the output of this decoder layer (the second of four)
 
 
@@ -411,22 +451,26 @@ def image_token_places(grids: list[tuple[int, int, int]], merge_size: int) -> to
 
 
 def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
-    """scores (visual tokens, HINT_OUTPUTS), hints (visual tokens, 3 + RELATION_HINTS): one cross-entropy per
-    kind of hint (background down-weighted), and each one's accuracy on the tokens it labels (not background)."""
-    parts = scores.split(HINT_CLASSES + (2 * RELATION_HINTS,), dim=1)
+    """scores (visual tokens, HINT_OUTPUTS), hints (visual tokens, HINT_COLUMNS): one cross-entropy per kind of
+    hint (background down-weighted), and each one's accuracy on the tokens it labels (not background)."""
+    colour, kind, digit, relations, count, centre = scores.split(
+        HINT_CLASSES + (2 * RELATION_HINTS, COUNT_CLASSES, 2), dim=1)
     total, accuracy = 0.0, {}
-    for i, (name, part) in enumerate(zip(("colour", "kind", "digit"), parts)):
+    for i, (name, part) in enumerate(zip(("colour", "kind", "digit"), (colour, kind, digit))):
         weight = torch.ones(part.shape[1])
         weight[0] = BACKGROUND_WEIGHT
         total = total + F.cross_entropy(part, hints[:, i], weight=weight)
         right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
         accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
-    relations = parts[-1].reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
-    labels = hints[:, 3:].reshape(-1)
-    if (labels != IGNORE).any():
-        total = total + F.cross_entropy(relations, labels, ignore_index=IGNORE)
-    right = (relations.argmax(1) == labels)[labels != IGNORE]
-    accuracy["hint relation"] = (int(right.sum()), right.numel())
+    relations = relations.reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
+    named = {"relation": (relations, hints[:, RELATIONS_AT:COUNT_AT].reshape(-1), None),
+             "count": (count, hints[:, COUNT_AT], None),
+             "centre": (centre, hints[:, CENTRE_AT], torch.tensor([NOT_CENTRE_WEIGHT, 1.0]))}
+    for name, (part, labels, weight) in named.items():
+        if (labels != IGNORE).any():
+            total = total + F.cross_entropy(part, labels, weight=weight, ignore_index=IGNORE)
+        right = (part.argmax(1) == labels)[labels > 0 if name == "centre" else labels != IGNORE]
+        accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
     return total, accuracy
 
 
