@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-flush-denormal", action="store_true",
                         help="keep denormal floats (slower; how the shipped model's first 1000 steps ran)")
     parser.add_argument("--init-from", type=Path,
-                        help="start a new run from this trained checkpoint's weights (a fresh optimizer; use with --focus)")
+                        help="start a new run from a trained checkpoint's weights (fresh optimizer; use with --focus)")
     parser.add_argument("--draft-of", type=Path, help="train a draft model from this trained model's folder")
     parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers the draft keeps")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (for tests): 2 small layers")
@@ -99,8 +99,9 @@ def main(argv=None) -> None:
                       counting_chats=args.counting_chats)
     if not (args.out / "config.json").is_file():
         if args.init_from:
-            shutil.copytree(args.init_from, args.out, dirs_exist_ok=True)  # Hub files and weights; step 0
-            (args.out / STATE_FILE).unlink(missing_ok=True)
+            # The Hub files and weights, not a training state: the new run starts at step 0.
+            shutil.copytree(args.init_from, args.out, ignore=shutil.ignore_patterns(STATE_FILE + "*"),
+                            dirs_exist_ok=True)
         elif args.draft_of:
             make_draft_checkpoint(args.draft_of, args.out, args.draft_layers)  # the target's first layers
         else:

@@ -64,8 +64,7 @@ def scene_questions(scene: Scene) -> dict[str, list[QA]]:
     kinds, colours = scene.unique("kind"), scene.unique("colour")
     out["colour"] = [QA("colour", question("colour", shape=k), s.colour) for k, s in kinds.items()]
     out["shape"] = [QA("shape", question("shape", colour=c), s.kind) for c, s in colours.items()]
-    out["count"] = [QA("count", question("count", shape=k), str(scene.count(k)))
-                    for k in SHAPES if scene.count(k) <= MAX_COUNT]
+    out["count"] = [count_question(scene, k) for k in SHAPES if scene.count(k) <= MAX_COUNT]
     for task, axis, words in (("left_right", "x", ("left", "right")), ("above_below", "y", ("above", "below"))):
         out[task] = [QA(task, question(task, a=ka, b=kb), words[getattr(sa, axis) > getattr(sb, axis)])
                      for ka, sa in kinds.items() for kb, sb in kinds.items()
@@ -75,6 +74,11 @@ def scene_questions(scene: Scene) -> dict[str, list[QA]]:
     if 1 <= len(scene.shapes) <= MAX_DESCRIBED:
         out["describe"] = [QA("describe", question("describe"), describe(scene))]
     return {task: qas for task, qas in out.items() if qas}
+
+
+def count_question(scene: Scene, kind: str) -> QA:
+    """"How many {kind}s are there?", answered from the scene."""
+    return QA("count", question("count", shape=kind), str(scene.count(kind)))
 
 
 def compare_questions(first: Scene, second: Scene) -> list[QA]:

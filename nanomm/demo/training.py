@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render, shape_mask
-from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, question,
+from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, count_question,
                                scene_questions, vary)
 from nanomm.engine.attention import causal_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
@@ -244,9 +244,8 @@ def counting_chat(rng: random.Random) -> tuple:
     5), and the shipped model answered most 3+ with "2" or "6"."""
     kind = rng.choice(SHAPES)
     scene = counting_scene(rng, kind=kind, count=rng.randint(0, MAX_COUNT))
-    qas = [QA("count", question("count", shape=kind), str(scene.count(kind)))]
-    qas += [QA("count", question("count", shape=k), str(scene.count(k))) for k in SHAPES
-            if k != kind and rng.random() < OTHER_COUNTS]
+    qas = [count_question(scene, kind)]
+    qas += [count_question(scene, k) for k in SHAPES if k != kind and rng.random() < OTHER_COUNTS]
     return scene, rng.sample(qas, len(qas))
 
 
@@ -463,13 +462,16 @@ def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, 
         right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
         accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
     relations = relations.reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
-    named = {"relation": (relations, hints[:, RELATIONS_AT:COUNT_AT].reshape(-1), None),
-             "count": (count, hints[:, COUNT_AT], None),
-             "centre": (centre, hints[:, CENTRE_AT], torch.tensor([NOT_CENTRE_WEIGHT, 1.0]))}
-    for name, (part, labels, weight) in named.items():
+    relation_labels, count_labels, centre_labels = (hints[:, RELATIONS_AT:COUNT_AT].reshape(-1), hints[:, COUNT_AT],
+                                                    hints[:, CENTRE_AT])
+    # name: (scores, labels, class weights, the tokens its accuracy is measured on)
+    named = {"relation": (relations, relation_labels, None, relation_labels != IGNORE),
+             "count": (count, count_labels, None, count_labels != IGNORE),
+             "centre": (centre, centre_labels, torch.tensor([NOT_CENTRE_WEIGHT, 1.0]), centre_labels == 1)}
+    for name, (part, labels, weight, scored) in named.items():
         if (labels != IGNORE).any():
             total = total + F.cross_entropy(part, labels, weight=weight, ignore_index=IGNORE)
-        right = (part.argmax(1) == labels)[labels > 0 if name == "centre" else labels != IGNORE]
+        right = (part.argmax(1) == labels)[scored]
         accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
     return total, accuracy
 
