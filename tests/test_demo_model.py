@@ -4,10 +4,8 @@ its draft changes no token.
 Accuracy is checked on a small fixed held-out set (`held_out_items` with seed 1: string seeds, which training's
 integer seeds never produce) and on pictures drawn by independent code (`other_renderer`). The floors are what
 the shipped model demonstrably does, well above guessing, so that a serving bug that blinds it (visual tokens
-dropped, misplaced or mis-positioned) fails here. They are not the issue's thresholds: the shipped model meets
-those for colour, shape, left/right and above/below only (BENCHMARKS.md, "The trained demo model", has the
-200-per-task tables). Tasks it answers at or near the level of guessing (the printed number, the two-picture
-comparison) have no floor: one could not fail.
+dropped, misplaced or mis-positioned) fails here. They are not the issue's thresholds, which BENCHMARKS.md checks
+on 200 questions per task ("The shipped demo model, step 6,750": every task but the printed number meets them).
 Exactness: greedy answers token for token against transformers' Qwen2-VL in float32.
 """
 
@@ -32,11 +30,15 @@ import transformers  # the oracle (dev extra); a missing oracle must fail, not s
 
 MODEL, DRAFT = nanomm.demo_checkpoint(), nanomm.demo_checkpoint("draft")
 PER_TASK = 40
-# Guessing scores about 1/11 on colour, 1/4 on shape, 1/7 on count (answers 0-6 equally often), 1/2 on places.
-# The shipped model on these 40 (seed 1): colour 0.9, shape 0.925, count 0.5, left_right 1.0, above_below 0.975;
-# other renderer: colour 1.0, shape 1.0, left_right 1.0, above_below 0.925.
-FLOORS = {"colour": 0.75, "shape": 0.85, "count": 0.3, "left_right": 0.85, "above_below": 0.8}
-EXTERNAL_FLOORS = {"colour": 0.85, "shape": 0.85, "left_right": 0.85, "above_below": 0.8}
+# Guessing scores about 1/11 on colour, 1/4 on shape, 1/7 on count (answers 0-6 equally often), 1/2 on places and
+# on compare, next to nothing on the printed number (0 to 999).
+# The shipped model on these 40 (seed 1): colour 0.925, shape 1.0, count 0.8, left_right 1.0, above_below 0.975,
+# compare 0.95, number 0.35; other renderer: colour 1.0, shape 1.0, count 0.875, left_right 1.0,
+# above_below 0.975, compare 0.975, number 0.525.
+FLOORS = {"colour": 0.8, "shape": 0.9, "count": 0.65, "left_right": 0.9, "above_below": 0.85, "compare": 0.8,
+          "number": 0.2}
+EXTERNAL_FLOORS = {"colour": 0.9, "shape": 0.9, "count": 0.7, "left_right": 0.9, "above_below": 0.85,
+                   "compare": 0.85, "number": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_the_trained_model_answers_held_out_questions(llm, task):
 
 def test_a_follow_up_question_is_answered_too(llm):
     right, total, _ = accuracy(llm, held_out_items("follow-up", PER_TASK, seed=1))
-    assert right / total >= 0.65  # the shipped model: 0.825
+    assert right / total >= 0.75  # the shipped model: 0.875
 
 
 @pytest.mark.parametrize("task", list(EXTERNAL_FLOORS))
@@ -64,16 +66,18 @@ def test_pictures_drawn_by_other_code(llm, task):
     assert right / total >= EXTERNAL_FLOORS[task], (right, total, replies[:10])
 
 
-def test_shapes_need_some_pixels():
-    """At 16 visual tokens (a 56x56 picture) the model names shapes worse than at its default cap of 144."""
-    items = held_out_items("shape", PER_TASK, seed=1)
+@pytest.mark.parametrize("task, gap", [("shape", 0.1), ("number", 0.15)])
+def test_answers_need_some_pixels(task, gap):
+    """At 16 visual tokens (a 56x56 picture) the model names shapes and reads numbers worse than at its default
+    cap of 144 (seed 1: shape 0.75 against 1.0, number 0.1 against 0.35)."""
+    items = held_out_items(task, PER_TASK, seed=1)
     token_pixels = ImageProcessorConfig.from_pretrained(MODEL).factor
     scores = {}
     for cap in (16, None):
         kwargs = {} if cap is None else {"max_pixels": cap * token_pixels ** 2, "min_pixels": cap * token_pixels ** 2}
         with LLM(str(MODEL), **kwargs) as llm:
             scores[cap] = accuracy(llm, items)[0] / len(items)
-    assert scores[16] <= scores[None] - 0.1, scores
+    assert scores[16] <= scores[None] - gap, scores
 
 
 def oracle_inputs(item: EvalItem, tokenizer: Tokenizer, image_config: ImageProcessorConfig, image_token_id: int):
