@@ -5,6 +5,7 @@
     python scripts/eval_demo.py --model runs/demo --draft runs/draft     # plus the draft's speed-up
     python scripts/eval_demo.py --model runs/demo --json results.json    # also write the numbers as JSON
     python scripts/eval_demo.py --model runs/demo --quantization int4 --kv-cache-dtype fp8   # quantized serving
+    python scripts/eval_demo.py --model runs/demo --caps --no-external --number-by-size --seed 9  # why numbers fail
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
 default cap on pictures from nanomm/demo/other_renderer.py, and with --draft, speculative decoding at batch 1.
@@ -24,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 
 from bench import cpu_name  # noqa: E402
 from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, conversation, held_out_items,  # noqa: E402
-                                    median_ttft, tasks_with_follow_up)
-from nanomm.demo.tasks import QA  # noqa: E402
+from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, answer_items, conversation,  # noqa: E402
+                                    digit_height, held_out_items, median_ttft, tasks_with_follow_up)
+from nanomm.demo.tasks import QA, grade  # noqa: E402
 from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
 
 
@@ -44,6 +45,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (model/quant.py)")
     parser.add_argument("--group-size", type=int, default=128, help="int4: input columns per scale")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--number-by-size", action="store_true",
+                        help="also: number reading at the default cap by digit height and by how many digits")
     args = parser.parse_args(argv)
     args.engine = dict(quantization=args.quantization, quantization_group_size=args.group_size,
                        kv_cache_dtype=args.kv_cache_dtype)  # every LLM below gets these
@@ -55,6 +58,8 @@ def main(argv=None) -> None:
         results["external"] = external_table(model, args)
     if args.draft:
         results["speculative"] = speculative_table(model, args.draft, args)
+    if args.number_by_size:
+        results["number_by_size"] = number_by_size_table(model, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -99,6 +104,33 @@ def external_table(model: str, args) -> dict:
     for task, (right, total) in table.items():
         print(f"| {task} | {_percent(right, total)} |")
     return table
+
+
+HEIGHT_BINS = ((0, 10), (10, 15), (15, 20), (20, 30), (30, 1000))  # digit height in the picture the model sees, px
+
+
+def number_by_size_table(model: str, args) -> dict:
+    """Number reading at the default cap, split by how tall the digits are once the picture is resized to the
+    cap, and by how many digits the number has."""
+    items = held_out_items("number", args.per_task, args.seed)
+    image_config = ImageProcessorConfig.from_pretrained(model)
+    with LLM(model, **args.engine) as llm:
+        replies = answer_items(llm, items)
+    groups: dict[str, list[int]] = {}
+    for item, reply in zip(items, replies):
+        height = digit_height(item, image_config)
+        low, high = next(b for b in HEIGHT_BINS if b[0] <= height < b[1])
+        for key in (f"digits {low}-{high} px tall" if high < 1000 else f"digits {low}+ px tall",
+                    f"{len(item.scenes[0].number)}-digit numbers"):
+            tally = groups.setdefault(key, [0, 0])
+            tally[0] += grade(item.turns[-1], reply)
+            tally[1] += 1
+    print(f"\nnumber reading at the default cap, {args.per_task} questions (seed {args.seed})\n")
+    print("| group | questions | accuracy |\n|---|---:|---:|")
+    for key in sorted(groups, key=lambda k: (k[0].isdigit(), k)):
+        right, total = groups[key]
+        print(f"| {key} | {total} | {_percent(right, total)} |")
+    return groups
 
 
 def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:

@@ -3,15 +3,19 @@
     python scripts/train_demo.py --out runs/demo --threads 2     # a new run (its folder is created)
     python scripts/train_demo.py --out runs/demo --threads 2     # run again: resumes from runs/demo/train_state.pt
     python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour \
-        --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the shipped model's recipe (*)
+        --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the 6ad4f33 model's recipe (*)
     python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
     python scripts/train_demo.py --out runs/count --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 2700:count,compare --counting-chats 0.9   # more stage 3 from trained weights (lesson 12, section 5)
+    python scripts/train_demo.py --out runs/more --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 600:number --focus 300:all --counting-chats 0 --focus-lr 1e-4   # more of the printed number
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
-(*) With the code of commit 6ad4f33, which trained it. Since then the tower's hint head also learns how many shapes
-of its kind a token's shape has and where shapes' centres are (`token_hints`), so the same command today trains
-a slightly different model.
+(*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head also
+learns how many shapes of its kind a token's shape has and where shapes' centres are (`token_hints`), so the
+same command today trains a slightly different model. The model shipped now is that 6ad4f33 model after 6,750
+more steps of stage 3 from its weights: BENCHMARKS.md ("Teaching the demo model to count and read") has the
+eight commands, lesson 12 section 5 the story.
 
 The recipe is in nanomm/demo/training.py (data, loss, the vision hints) and nanomm/demo/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
@@ -22,7 +26,7 @@ runs/demo/model.safetensors (float16) beside its config and tokenizer, loadable 
 nanomm/demo/checkpoints/ holds the shipped one.
 
 Keep it alone on the machine: a second busy process on a 2-core VM slows every step. On the 2-core Intel Xeon
-VM that trained the shipped model (AMX, so --bf16 is on by default there), stage 1 ran at about 0.75 s per step
+VM that trained the 6ad4f33 model (AMX, so --bf16 is on by default there), stage 1 ran at about 0.75 s per step
 and stage 2 at about 1.3 s; with OMP_WAIT_POLICY=PASSIVE stage 2 ran at 2.0 s per step (its many small ops each
 wait for a sleeping OpenMP thread), so leave the policy at its default.
 """
@@ -80,7 +84,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-flush-denormal", action="store_true",
-                        help="keep denormal floats (slower; how the shipped model's first 1000 steps ran)")
+                        help="keep denormal floats (slower; how the first 1000 steps of the shipped models ran)")
     parser.add_argument("--init-from", type=Path,
                         help="start a new run from a trained checkpoint's weights (fresh optimizer; use with --focus)")
     parser.add_argument("--draft-of", type=Path, help="train a draft model from this trained model's folder")

@@ -7,17 +7,21 @@ checkpoint. What a trained model scores is scripts/eval_demo.py's business, not 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from nanomm import LLM
 from nanomm.demo import other_renderer
-from nanomm.demo.evaluation import FOLLOW_UP, accuracy, conversation, held_out_items, tasks_with_follow_up
+from nanomm.demo.evaluation import (FOLLOW_UP, EvalItem, accuracy, conversation, digit_height, held_out_items,
+                                    tasks_with_follow_up)
 from nanomm.demo.tasks import TASKS, QA, grade
+from nanomm.inputs.image import ImageProcessorConfig
 
 
 class StandIn:
@@ -53,6 +57,21 @@ def test_the_held_out_set_is_fixed_and_its_answers_are_the_scenes():
                 assert item.turns[0].task == task
             else:
                 assert item.turns[0].task != item.turns[1].task
+
+
+def test_number_items_carry_their_scene_and_its_digits_height_at_a_cap():
+    items = held_out_items("number", 6, seed=0)
+    for item in items:
+        scene, = item.scenes
+        assert scene.number == item.turns[0].answer and scene.number_box is not None
+    # By hand: a 400x400 picture whose digits are 20 px tall, at 144 tokens of 14x14 px (28,224 pixels), is
+    # resized to 168x168, where the digits are 20 x 168 / 400 = 8.4 px tall; at 400 tokens (280x280), 14 px.
+    item = items[0]
+    scene = replace(item.scenes[0], number_box=(10.0, 30.0, 50.0, 50.0))
+    square = EvalItem("number", (Image.new("RGB", (400, 400)),), item.turns, (scene,))
+    config = ImageProcessorConfig(min_pixels=3136, max_pixels=144 * 14 * 14, patch_size=7, merge_size=2)
+    assert digit_height(square, config) == pytest.approx(8.4)
+    assert digit_height(square, config, max_pixels=400 * 14 * 14) == pytest.approx(14.0)
 
 
 def test_count_items_ask_every_count_from_zero_to_six_equally():

@@ -299,7 +299,7 @@ def test_an_fp8_engine_reports_its_cache(ckpt):
 @pytest.mark.parametrize("fmt, floor", [("int8", 0.95), ("int4", 0.85), ("fp8-kv", 0.95)])
 def test_the_trained_model_answers_the_same_when_quantized(fmt, floor):
     """Answers of the demo model on 60 held-out questions (colour, shape, places), quantized against not.
-    BENCHMARKS.md has the accuracy per task on 200 questions each."""
+    BENCHMARKS.md has the accuracy per task on 800 questions each."""
     from nanomm.demo.evaluation import answer_items, held_out_items
     items = [item for task in ("colour", "shape", "left_right", "above_below")
              for item in held_out_items(task, 15, seed=1)]

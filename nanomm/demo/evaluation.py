@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from nanomm.demo.scenes import SHAPES, random_scene, render
+from nanomm.demo.scenes import SHAPES, Scene, random_scene, render
 from nanomm.demo.tasks import QA, TASKS, compare_questions, grade, question, scene_questions
 from nanomm.demo.training import counting_scene
+from nanomm.inputs.image import ImageProcessorConfig, smart_resize
 from nanomm.sampling import SamplingParams
 
 # Pixel caps by visual tokens per picture: 16 up to the demo model's default, 144 (a token is a 14x14-pixel block).
@@ -35,6 +36,7 @@ class EvalItem:
     task: str
     images: tuple[Image.Image, ...]
     turns: tuple[QA, ...]  # asked in order in one chat; the last one is graded
+    scenes: tuple[Scene, ...] = ()  # the truth behind the images, where known (for analyses such as digit_height)
 
 
 def held_out_items(task: str, n: int, seed: int = 0) -> list[EvalItem]:
@@ -53,13 +55,13 @@ def _held_out_item(task: str, rng: random.Random, i: int) -> EvalItem | None:
     if task == "compare":
         scenes = [counting_scene(rng, **size), counting_scene(rng, **size)]
         qas = compare_questions(*scenes)
-        return EvalItem(task, tuple(render(s, rng) for s in scenes), (rng.choice(qas),)) if qas else None
+        return EvalItem(task, tuple(render(s, rng) for s in scenes), (rng.choice(qas),), tuple(scenes)) if qas else None
     if task == "count":  # every answer 0..6 equally often, about the shape that was counted out
         kind = rng.choice(SHAPES)
         scene = counting_scene(rng, kind=kind, count=i % 7, **size)
         if scene.count(kind) != i % 7:  # a shape found no room: draw another scene
             return None
-        return EvalItem(task, (render(scene, rng),), (QA(task, question(task, shape=kind), str(i % 7)),))
+        return EvalItem(task, (render(scene, rng),), (QA(task, question(task, shape=kind), str(i % 7)),), (scene,))
     scene = random_scene(rng, num_shapes=rng.randint(1, 5), number_probability=float(task == "number"), **size)
     by_task = scene_questions(scene)
     if task == FOLLOW_UP:
@@ -71,7 +73,7 @@ def _held_out_item(task: str, rng: random.Random, i: int) -> EvalItem | None:
         turns = (rng.choice(by_task[task]),)
     else:
         return None
-    return EvalItem(task, (render(scene, rng),), turns)
+    return EvalItem(task, (render(scene, rng),), turns, (scene,))
 
 
 def conversation(item: EvalItem, replies: list[str]) -> list[dict]:
@@ -115,6 +117,16 @@ def median_ttft(llm, items: list[EvalItem], repeats: int = 12) -> dict[str, floa
             "encode_ms": 1e3 * statistics.median(m.encode_s for m in runs),
             "prefill_ms": 1e3 * statistics.median(m.prefill_s for m in runs),
             "visual_tokens": statistics.median(m.num_visual_tokens for m in runs)}
+
+
+def digit_height(item: EvalItem, image_config: ImageProcessorConfig, max_pixels: int | None = None) -> float:
+    """How tall the item's printed digits are, in pixels of the picture the model sees (after `smart_resize` to
+    the cap): what decides whether 7-pixel patches can resolve them (lesson 12, section 5)."""
+    scene, picture = item.scenes[0], item.images[0]
+    _, top, _, bottom = scene.number_box
+    height, _ = smart_resize(picture.height, picture.width, image_config.factor, image_config.min_pixels,
+                             max_pixels or image_config.max_pixels)
+    return (bottom - top) * height / picture.height
 
 
 def tasks_with_follow_up() -> tuple[str, ...]:

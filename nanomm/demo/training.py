@@ -241,7 +241,7 @@ def counting_chat(rng: random.Random) -> tuple:
     """A picture with 0..6 shapes of one kind among others, and "How many" about that kind (every answer equally
     often), sometimes about the other kinds too. Pictures drawn at random rarely hold 3 or more of a kind: of
     stage 3's count questions, about 88% have the answer 0 or 1 and 5% an answer from 3 to 6 (lesson 12, section
-    5), and the shipped model answered most 3+ with "2" or "6"."""
+    5), and the model shipped at 6ad4f33 answered most 3+ with "2" or "6"."""
     kind = rng.choice(SHAPES)
     scene = counting_scene(rng, kind=kind, count=rng.randint(0, MAX_COUNT))
     qas = [count_question(scene, kind)]
