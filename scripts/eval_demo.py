@@ -8,7 +8,8 @@
     python scripts/eval_demo.py --model runs/demo --caps --no-external --number-by-size --seed 9  # why numbers fail
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
-default cap on pictures from nanomm/demo/other_renderer.py, and with --draft, speculative decoding at batch 1.
+default cap on pictures from nanomm/demo/other_renderer.py, with --draft, speculative decoding at batch 1, and
+with --number-by-size, number reading by digit height and number length.
 Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-time requests.
 """
 

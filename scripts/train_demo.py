@@ -5,8 +5,8 @@
     python scripts/train_demo.py --out runs/demo --threads 2 --focus-start 3700 --focus 500:colour \
         --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the 6ad4f33 model's recipe (*)
     python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
-    python scripts/train_demo.py --out runs/count --init-from nanomm/demo/checkpoints/model --focus-start 0 \
-        --focus 2700:count,compare --counting-chats 0.9   # more stage 3 from trained weights (lesson 12, section 5)
+    python scripts/train_demo.py --out runs/count --init-from /tmp/6ad4f33 --focus-start 0 \
+        --focus 2700:count,compare --counting-chats 0.9   # lesson 12 section 5's first phases (BENCHMARKS.md)
     python scripts/train_demo.py --out runs/more --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 600:number --focus 300:all --counting-chats 0 --focus-lr 1e-4   # more of the printed number
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run

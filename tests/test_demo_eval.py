@@ -177,10 +177,12 @@ def test_train_then_evaluate_a_tiny_demo_model_and_its_draft(tmp_path):
            "--no-progress")
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 1
     printed = script("eval_demo.py", "--model", "tiny", "--draft", "draft", "--spec-requests", "3", "--per-task", "2",
-                     "--caps", "16", "36", "--json", "eval.json")
+                     "--caps", "16", "36", "--number-by-size", "--json", "eval.json")
     results = json.loads((tmp_path / "eval.json").read_text())
     assert set(results["held_out"]) == {"16", "36"}
     assert all(results["held_out"]["16"][task][1] == 2 for task in tasks_with_follow_up())
     assert set(results["external"]) == set(other_renderer.TASKS)
     assert results["speculative"]["exact"] is True  # a draft never changes a greedy token
+    by_length = {k: v for k, v in results["number_by_size"].items() if k.endswith("-digit numbers")}
+    assert sum(total for _, total in by_length.values()) == 2  # each of the 2 number questions counted once
     assert "| colour |" in printed and "decode speedup" in printed
