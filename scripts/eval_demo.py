@@ -14,6 +14,7 @@ Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-ti
 """
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -107,7 +108,9 @@ def external_table(model: str, args) -> dict:
     return table
 
 
-HEIGHT_BINS = ((0, 10), (10, 15), (15, 20), (20, 30), (30, 1000))  # digit height in the picture the model sees, px
+HEIGHT_EDGES = (10, 15, 20, 30)  # digit height in the picture the model sees, px: the groups' bounds
+HEIGHT_GROUPS = tuple(f"digits {low}-{high} px tall" for low, high in zip((0,) + HEIGHT_EDGES, HEIGHT_EDGES))
+HEIGHT_GROUPS += (f"digits {HEIGHT_EDGES[-1]}+ px tall",)
 
 
 def number_by_size_table(model: str, args) -> dict:
@@ -117,19 +120,16 @@ def number_by_size_table(model: str, args) -> dict:
     image_config = ImageProcessorConfig.from_pretrained(model)
     with LLM(model, **args.engine) as llm:
         replies = answer_items(llm, items)
-    groups: dict[str, list[int]] = {}
+    groups = {key: [0, 0] for key in HEIGHT_GROUPS + tuple(f"{n}-digit numbers" for n in (1, 2, 3))}  # right, total
     for item, reply in zip(items, replies):
-        height = digit_height(item, image_config)
-        low, high = next(b for b in HEIGHT_BINS if b[0] <= height < b[1])
-        for key in (f"digits {low}-{high} px tall" if high < 1000 else f"digits {low}+ px tall",
-                    f"{len(item.scenes[0].number)}-digit numbers"):
-            tally = groups.setdefault(key, [0, 0])
-            tally[0] += grade(item.turns[-1], reply)
-            tally[1] += 1
+        height_group = HEIGHT_GROUPS[bisect.bisect_right(HEIGHT_EDGES, digit_height(item, image_config))]
+        for key in (height_group, f"{len(item.scenes[0].number)}-digit numbers"):
+            groups[key][0] += grade(item.turns[-1], reply)
+            groups[key][1] += 1
+    groups = {key: tally for key, tally in groups.items() if tally[1]}
     print(f"\nnumber reading at the default cap, {args.per_task} questions (seed {args.seed})\n")
     print("| group | questions | accuracy |\n|---|---:|---:|")
-    for key in sorted(groups, key=lambda k: (k[0].isdigit(), k)):
-        right, total = groups[key]
+    for key, (right, total) in groups.items():
         print(f"| {key} | {total} | {_percent(right, total)} |")
     return groups
 

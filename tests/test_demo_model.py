@@ -5,7 +5,8 @@ Accuracy is checked on a small fixed held-out set (`held_out_items` with seed 1:
 integer seeds never produce) and on pictures drawn by independent code (`other_renderer`). The floors are what
 the shipped model demonstrably does, well above guessing, so that a serving bug that blinds it (visual tokens
 dropped, misplaced or mis-positioned) fails here. They are not the issue's thresholds, which BENCHMARKS.md checks
-on 200 questions per task ("The shipped demo model, step 6,750": every task with a threshold but the printed number meets them).
+on 200 questions per task ("The shipped demo model, step 6,750": every task with a threshold but the printed
+number meets them).
 Exactness: greedy answers token for token against transformers' Qwen2-VL in float32.
 """
 
