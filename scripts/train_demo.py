@@ -77,6 +77,8 @@ def main(argv=None) -> None:
     parser.add_argument("--focus-lr", type=float, default=TrainConfig.focus_lr)
     parser.add_argument("--counting-chats", type=float, default=TrainConfig.counting_chats,
                         help="in a phase asking count: the share of chats about 0-6 shapes of one kind (default 0)")
+    parser.add_argument("--number-chats", type=float, default=TrainConfig.number_chats,
+                        help="in a phase asking number: the share of chats about a picture with a number (default 0)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -100,7 +102,7 @@ def main(argv=None) -> None:
                       threads=args.threads, freeze_vision=args.draft_of is not None,
                       flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
                       focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr,
-                      counting_chats=args.counting_chats)
+                      counting_chats=args.counting_chats, number_chats=args.number_chats)
     if not (args.out / "config.json").is_file():
         if args.init_from:
             # The Hub files and weights, not a training state: the new run starts at step 0.

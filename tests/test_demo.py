@@ -15,7 +15,7 @@ from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_sc
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
 from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
-                                  learning_rate, make_batch, pick_contrasting, stage, token_hints)
+                                  learning_rate, make_batch, number_hints, pick_contrasting, stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import load_model
@@ -120,11 +120,13 @@ def test_hints_say_what_lies_under_each_visual_token(tiny_run):
     # A 112x112 picture is 4x4 visual tokens of 28x28 pixels. A big red circle covers the top-left 2x2 tokens
     # (most of their sample points lie within 0.9 x 30 px of its centre at (28, 28)); a small blue star sits
     # inside the bottom-right token only (one sample point: labelled as the block of its centre); "7" is printed
-    # across the top-right token's centre. Relations (columns 3-6: where the only circle/square/triangle/star is
-    # left (0) or right (1); columns 7-10: above (0) or below (1)): from the circle, the star is right and below;
-    # from the star, the circle is left and above; no square or triangle, so those stay IGNORE (-100). Column 11:
-    # how many of the covering shape's kind (one circle, one star), IGNORE off the shapes; column 12: 1 on the
-    # block of a shape's centre (the circle's (28, 28) is in block (1, 1), the star's in (3, 3)), else 0.
+    # in the top-right token (x 84-112), its centre x = 95 in the block's middle third (93.3-102.7). Columns 2-4:
+    # the digit (+1) in the block's left, middle and right third. Relations (columns 5-8: where the only
+    # circle/square/triangle/star is left (0) or right (1); columns 9-12: above (0) or below (1)): from the
+    # circle, the star is right and below; from the star, the circle is left and above; no square or triangle,
+    # so those stay IGNORE (-100). Column 13: how many of the covering shape's kind (one circle, one star),
+    # IGNORE off the shapes; column 14: 1 on the block of a shape's centre (the circle's (28, 28) is in block
+    # (1, 1), the star's in (3, 3)), else 0.
     scene = plain_scene([shape("circle", "red", 28, 28, radius=30), shape("star", "blue", 90, 95, radius=5)],
                         number="7")
     scene.width = scene.height = 112
@@ -133,13 +135,31 @@ def test_hints_say_what_lies_under_each_visual_token(tiny_run):
     assert image.grid_thw == (1, 8, 8)
     red, blue, circle, star, text, seven = COLOURS.index("red") + 1, COLOURS.index("blue") + 1, 1, 4, 5, 8
     _ = -100
-    expected = torch.tensor([[0, 0, 0] + [_] * 9 + [0]] * 16).view(4, 4, 13)
+    expected = torch.tensor([[0, 0, 0, 0, 0] + [_] * 9 + [0]] * 16).view(4, 4, 15)
     for r, c in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        expected[r, c] = torch.tensor([red, circle, 0, _, _, _, 1, _, _, _, 1, 1, int((r, c) == (1, 1))])
-    expected[3, 3] = torch.tensor([blue, star, 0, 0, _, _, _, 0, _, _, _, 1, 1])
-    expected[0, 3] = torch.tensor([0, text, seven] + [_] * 9 + [0])
+        expected[r, c] = torch.tensor([red, circle, 0, 0, 0, _, _, _, 1, _, _, _, 1, 1, int((r, c) == (1, 1))])
+    expected[3, 3] = torch.tensor([blue, star, 0, 0, 0, 0, _, _, _, 0, _, _, _, 1, 1])
+    expected[0, 3] = torch.tensor([0, text, 0, seven, 0] + [_] * 9 + [0])
     assert SHAPES == ("circle", "square", "triangle", "star")
-    assert torch.equal(token_hints(scene, image), expected.view(16, 13))
+    assert torch.equal(token_hints(scene, image), expected.view(16, 15))
+
+
+def test_every_digit_of_a_small_number_is_hinted():
+    # 4x4 blocks of 28 px. "305" in the box x 20-44, y 40-50: three digits 8 px wide, centres at x = 24, 32, 40,
+    # all in block row 1 (28-56 px). 24 is in block column 0, its right third (18.7-28); 32 in column 1's left
+    # third (28-37.3); 40 in column 1's middle third (37.3-46.7). No block's centre (14, 42, 70, 98) lies in the
+    # box but x = 42: labelling only the digit under a block's centre would teach "5" and never "3" or "0".
+    scene = plain_scene([], number="305")
+    scene.width = scene.height = 112
+    scene.number_box = (20, 40, 44, 50)
+    assert number_hints(scene, 4, 4) == {1 * 4 + 0: [0, 0, 3 + 1], 1 * 4 + 1: [0 + 1, 5 + 1, 0]}
+    # A tall "8" (x 60-80, y 10-50, centre x 70: column 2's middle third) covers 18 px of row 0 and 22 px of
+    # row 1, each more than half a block (14 px): both rows show it.
+    scene.number, scene.number_box = "8", (60, 10, 80, 50)
+    assert number_hints(scene, 4, 4) == {0 * 4 + 2: [0, 9, 0], 1 * 4 + 2: [0, 9, 0]}
+    # Moved down to y 20-60: 8 px of row 0 and 4 px of row 2 are too little; row 1 alone (28 px) shows it.
+    scene.number_box = (60, 20, 80, 60)
+    assert number_hints(scene, 4, 4) == {1 * 4 + 2: [0, 9, 0]}
 
 
 def test_count_hints_count_the_shapes_of_a_kind(tiny_run):
@@ -151,8 +171,8 @@ def test_count_hints_count_the_shapes_of_a_kind(tiny_run):
     scene.width = scene.height = 168
     image = preprocess_image(render(scene), ImageProcessorConfig.from_pretrained(tiny_run))
     hints = token_hints(scene, image)
-    assert hints.shape == (36, 13)
-    kind, count, centre = hints[:, 1], hints[:, 11], hints[:, 12]
+    assert hints.shape == (36, 15)
+    kind, count, centre = hints[:, 1], hints[:, 13], hints[:, 14]
     assert set(count[kind == 1].tolist()) == {3} and set(count[kind == 2].tolist()) == {1}
     assert set(count[kind == 0].tolist()) == {-100}
     assert sorted(centre.nonzero().squeeze(1).tolist()) == [1 * 6 + 1, 1 * 6 + 4, 4 * 6 + 1, 4 * 6 + 4]
@@ -277,6 +297,21 @@ def test_a_count_phase_mixes_counting_chats_into_its_batches(tiny_run):
 
     # Without counting chats, 3 to 6 are about 7% of a count phase's answers; mostly counting chats triple that.
     assert share_of_three_to_six(0.0) < 0.1 and share_of_three_to_six(0.9) >= 0.18
+
+
+def test_number_chats_ask_the_printed_number_among_the_phase_s_other_questions(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+
+    def chats_asking_the_number(number_chats):
+        cfg = TrainConfig(steps=10, vision_steps=0, focus_start=0, focus_phases=((5, ("number", "colour")),),
+                          batch_size=40, number_chats=number_chats)
+        batch = make_batch(0, cfg, tokenizer, config)
+        assert all(set(ex.tasks) <= {"number", "colour"} for ex in batch)  # only the phase's tasks
+        return sum("number" in ex.tasks for ex in batch) / len(batch)
+
+    # A picture holds a number 40% of the time: without number chats, under half the chats can ask it; with all
+    # chats number chats, every chat asks it.
+    assert chats_asking_the_number(0.0) < 0.5 and chats_asking_the_number(1.0) == 1.0
 
 
 def test_image_token_places_go_row_by_row_from_the_top_left():

@@ -15,13 +15,15 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
 - fresh data every step: scenes are drawn on the fly from a per-step seed, so there is no overfitting and a
   resumed run sees exactly the data it would have seen;
 - hints for the vision tower: a training-only linear head reads each visual token and is taught what lies under
-  it (which colour, which shape or text, which digit), where the other shapes are (left or right, above or
+  it (which colour, which shape or text, which digits), where the other shapes are (left or right, above or
   below), how many shapes of its kind the picture holds, and whether a shape's centre lies in it, from the
   scene's truth, because through the answers alone the tower learns shapes very slowly. The head is thrown
   away: the checkpoint is a plain Qwen2-VL. (trainer.py's `local_attention_init` is the other half: a vision
   tower that starts out looking at neighbouring patches.)
 - counting chats (`counting_chat`, `TrainConfig.counting_chats`): a stage-3 phase that asks count can draw most
   of its pictures with 0..6 shapes of one kind, so that every count is asked about equally often.
+- number chats (`number_chat`, `TrainConfig.number_chats`): likewise, a phase that asks number can draw a share
+  of its pictures with a printed number, and ask it among the phase's other questions.
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -78,6 +80,8 @@ class TrainConfig:
     focus_warmup: int = 50
     # In a stage-3 phase that asks count, the share of chats that are `counting_chat`s (0: the recipe before them).
     counting_chats: float = 0.0
+    # In a stage-3 phase that asks number, the share of chats about a picture that surely holds one (`number_chat`).
+    number_chats: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -249,12 +253,29 @@ def counting_chat(rng: random.Random) -> tuple:
     return scene, rng.sample(qas, len(qas))
 
 
+def number_chat(rng: random.Random, tasks: tuple[str, ...], max_turns: int) -> tuple:
+    """A picture that holds a printed number among 1..4 shapes, "What number..." and up to max_turns - 1 questions
+    of the phase's other tasks. A random picture holds a number 40% of the time and a chat asks one question about
+    it, so a phase of every task reads few numbers; mixing number chats into its batches reads more, while the
+    other tasks go on being asked (a phase of the number alone made count forget; lesson 12, section 5)."""
+    scene = random_scene(rng, num_shapes=rng.randint(1, 4), number_probability=1.0)
+    while scene.number is None:  # a number too wide for a small picture is left out
+        scene = random_scene(rng, num_shapes=rng.randint(1, 4), number_probability=1.0)
+    by_task = scene_questions(scene)
+    number = by_task.pop("number")
+    others = pick_contrasting(by_task, rng, max_turns - 1, tasks)
+    return scene, rng.sample(number + others, 1 + len(others))
+
+
 def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
                  image_config: ImageProcessorConfig) -> Example:
     focus = cfg.focus_tasks(step) if stage(step, cfg) == 3 else None
     compare = "compare" in focus if focus else not in_curriculum(step, cfg)
     if focus and "count" in focus and cfg.counting_chats and rng.random() < cfg.counting_chats:
         scene, qas = counting_chat(rng)
+        scenes = [scene]
+    elif focus and "number" in focus and cfg.number_chats and rng.random() < cfg.number_chats:
+        scene, qas = number_chat(rng, focus, cfg.max_turns)
         scenes = [scene]
     elif compare and rng.random() < cfg.compare_fraction:
         scenes = [counting_scene(rng), counting_scene(rng)]
@@ -280,11 +301,13 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
 # ---------------------------------------------------------------------------------------------------------
 # Hints for the vision tower: what lies under each visual token
 
-HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2, 11)  # colour | shape or text | digit; class 0 = nothing
+DIGIT_SLOTS = 3  # a block's digit hints: the digit centred in its left, middle and right third
+HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2) + (11,) * DIGIT_SLOTS  # colour | shape or text | digits
 # Relation hints: for each shape kind and each axis, is the (only) shape of that kind before or after this one?
 RELATION_HINTS = 2 * len(SHAPES)  # (kind, axis) pairs, each a two-way choice
 COUNT_CLASSES = MAX_COUNT + 1  # how many shapes of the covering shape's kind the picture holds (1..6; 0 unused)
-RELATIONS_AT, COUNT_AT, CENTRE_AT = 3, 3 + RELATION_HINTS, 4 + RELATION_HINTS  # columns of `token_hints`
+RELATIONS_AT = len(HINT_CLASSES)  # columns of `token_hints`: the classes above, relations, count, centre
+COUNT_AT, CENTRE_AT = RELATIONS_AT + RELATION_HINTS, RELATIONS_AT + RELATION_HINTS + 1
 HINT_COLUMNS = CENTRE_AT + 1
 BACKGROUND_WEIGHT = 0.05  # weight of class 0 ("nothing here") in the hints' loss: most tokens are background
 NOT_CENTRE_WEIGHT = 0.2  # weight of "no shape's centre is here" in the centre hint's loss
@@ -293,13 +316,15 @@ NOT_CENTRE_WEIGHT = 0.2  # weight of "no shape's centre is here" in the centre h
 def token_hints(scene, image) -> torch.Tensor:
     """(visual tokens, HINT_COLUMNS) labels for each token's block of pixels.
 
-    Columns 0-2: the colour and kind (shape, or len(SHAPES)+1 for the printed number) of the shape that covers
-    most of the block (at least MIN_COVER of it), and the digit under the block's centre; 0 where there is
-    nothing. A shape too small to cover MIN_COVER of any block still labels the block of its centre.
+    Columns 0-1: the colour and kind (shape, or len(SHAPES)+1 for the printed number) of the shape that covers
+    most of the block (at least MIN_COVER of it); 0 where there is nothing. A shape too small to cover MIN_COVER
+    of any block still labels the block of its centre. Columns 2 to 2 + DIGIT_SLOTS - 1: the printed digits in
+    the block (`number_hints`), digit + 1 per slot, 0 where no digit is.
 
-    Columns 3 to 3 + RELATION_HINTS - 1, on blocks covered by a shape: for each kind k of SHAPES, whether the only
-    shape of kind k lies left (0) or right (1) of the covering shape, then the same for above (0) or below (1);
-    IGNORE where there is no such shape, or it is not clearly apart (the rule left/right questions follow).
+    Columns RELATIONS_AT to RELATIONS_AT + RELATION_HINTS - 1, on blocks covered by a shape: for each kind k of
+    SHAPES, whether the only shape of kind k lies left (0) or right (1) of the covering shape, then the same for
+    above (0) or below (1); IGNORE where there is no such shape, or it is not clearly apart (the rule left/right
+    questions follow).
 
     Column COUNT_AT, on blocks covered by a shape: how many shapes of its kind the picture holds (IGNORE elsewhere
     and above MAX_COUNT). Column CENTRE_AT: 1 on the block of each shape's centre, 0 on every other block. Counting
@@ -320,17 +345,34 @@ def token_hints(scene, image) -> torch.Tensor:
             hints[centre] = labels
             hints[centre, CENTRE_AT] = 1
     if scene.number is not None:
-        for r in range(rows):
-            for c in range(cols):
-                x, y = (c + 0.5) * scene.width / cols, (r + 0.5) * scene.height / rows
-                if _inside(scene.number_box, x, y):
-                    left, _, right, _ = scene.number_box
-                    digit = scene.number[min(len(scene.number) - 1,
-                                             int((x - left) / (right - left) * len(scene.number)))]
-                    hints[r * cols + c] = IGNORE
-                    hints[r * cols + c, :3] = torch.tensor([0, len(SHAPES) + 1, int(digit) + 1])
-                    hints[r * cols + c, CENTRE_AT] = 0
+        for block, slots in number_hints(scene, rows, cols).items():
+            hints[block] = IGNORE
+            hints[block, :RELATIONS_AT] = torch.tensor([0, len(SHAPES) + 1] + slots)
+            hints[block, CENTRE_AT] = 0
     return hints  # token order: blocks row by row, as the projector emits them
+
+
+def number_hints(scene, rows: int, cols: int) -> dict[int, list[int]]:
+    """The blocks the printed number shows in, each with its DIGIT_SLOTS labels: digit + 1 in the slot (third of
+    the block's width) that the digit's centre falls in, 0 elsewhere. A block shows a digit when the digit's
+    centre lies in the block's columns and the number covers at least half of the block's height, or half of the
+    number's own height (a small number lies within one row of blocks, a tall one spans several). Digits are
+    taken as equally wide, which the fonts nearly are. Small digits matter most here: two or three of them can
+    share one block, and none may cover the block's centre."""
+    left, top, right, bottom = scene.number_box
+    block_w, block_h = scene.width / cols, scene.height / rows
+    digit_w = (right - left) / len(scene.number)
+    out: dict[int, list[int]] = {}
+    for r in range(rows):
+        overlap = min(bottom, (r + 1) * block_h) - max(top, r * block_h)
+        if overlap < 0.5 * min(bottom - top, block_h):
+            continue
+        for i, digit in enumerate(scene.number):
+            x = left + (i + 0.5) * digit_w  # the digit's centre
+            c = min(cols - 1, int(x / block_w))
+            slot = min(DIGIT_SLOTS - 1, int((x - c * block_w) / block_w * DIGIT_SLOTS))
+            out.setdefault(r * cols + c, [0] * DIGIT_SLOTS)[slot] = int(digit) + 1
+    return out
 
 
 MIN_COVER = 0.3  # the share of a token's block a shape must cover to label it
@@ -355,7 +397,7 @@ def _shape_hints(scene, shape) -> torch.Tensor:
             if other is not None and other is not shape and clearly_apart(shape, other, axis):
                 relations[axis_index * len(SHAPES) + k] = int(getattr(other, axis) > getattr(shape, axis))
     count = scene.count(shape.kind)
-    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1, 0] + relations
+    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1] + [0] * DIGIT_SLOTS + relations
                         + [count if count <= MAX_COUNT else IGNORE, 0])
 
 
@@ -452,15 +494,19 @@ def image_token_places(grids: list[tuple[int, int, int]], merge_size: int) -> to
 def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
     """scores (visual tokens, HINT_OUTPUTS), hints (visual tokens, HINT_COLUMNS): one cross-entropy per kind of
     hint (background down-weighted), and each one's accuracy on the tokens it labels (not background)."""
-    colour, kind, digit, relations, count, centre = scores.split(
-        HINT_CLASSES + (2 * RELATION_HINTS, COUNT_CLASSES, 2), dim=1)
-    total, accuracy = 0.0, {}
-    for i, (name, part) in enumerate(zip(("colour", "kind", "digit"), (colour, kind, digit))):
+    *classes, relations, count, centre = scores.split(HINT_CLASSES + (2 * RELATION_HINTS, COUNT_CLASSES, 2), dim=1)
+    names = ("colour", "kind") + tuple(f"digit {i}" for i in range(DIGIT_SLOTS))
+    total, accuracy, right_digits = 0.0, {}, (0, 0)
+    for i, (name, part) in enumerate(zip(names, classes)):
         weight = torch.ones(part.shape[1])
         weight[0] = BACKGROUND_WEIGHT
         total = total + F.cross_entropy(part, hints[:, i], weight=weight)
         right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
-        accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
+        if name.startswith("digit"):  # the slots' accuracy together
+            right_digits = (right_digits[0] + int(right.sum()), right_digits[1] + right.numel())
+        else:
+            accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
+    accuracy["hint digit"] = right_digits
     relations = relations.reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
     relation_labels, count_labels, centre_labels = (hints[:, RELATIONS_AT:COUNT_AT].reshape(-1), hints[:, COUNT_AT],
                                                     hints[:, CENTRE_AT])
