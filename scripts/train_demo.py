@@ -9,13 +9,15 @@
         --focus 2700:count,compare --counting-chats 0.9   # lesson 12 section 5's first phases (BENCHMARKS.md)
     python scripts/train_demo.py --out runs/more --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 600:number --focus 300:all --counting-chats 0 --focus-lr 1e-4   # more of the printed number
+    python scripts/train_demo.py --out runs/nh1 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 3000:all --number-chats 0.5 --focus-lr 2e-4   # numbers among every task (BENCHMARKS.md probe)
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
-(*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head also
-learns how many shapes of its kind a token's shape has and where shapes' centres are (`token_hints`), so the
-same command today trains a slightly different model. The model shipped now is that 6ad4f33 model after 6,750
-more steps of stage 3 from its weights: BENCHMARKS.md ("Teaching the demo model to count and read") has the
-eight commands, lesson 12 section 5 the story.
+(*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head
+also learns how many shapes of its kind a token's shape has and where shapes' centres are, and names every digit
+of the printed number (`token_hints`), so the same command today trains a slightly different model. The model
+shipped now is that 6ad4f33 model after 6,750 more steps of stage 3 from its weights: BENCHMARKS.md ("Teaching
+the demo model to count and read") has the eight commands, lesson 12 section 5 the story.
 
 The recipe is in nanomm/demo/training.py (data, loss, the vision hints) and nanomm/demo/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
