@@ -355,8 +355,8 @@ def token_hints(scene, image) -> torch.Tensor:
 def number_hints(scene, rows: int, cols: int) -> dict[int, list[int]]:
     """The blocks the printed number shows in, each with its DIGIT_SLOTS labels: digit + 1 in the slot (third of
     the block's width) that the digit's centre falls in, 0 elsewhere. A block shows a digit when the digit's
-    centre lies in the block's columns and the number covers at least half of the block's height, or half of the
-    number's own height (a small number lies within one row of blocks, a tall one spans several). Digits are
+    centre lies in the block's columns and the number covers at least half of the block's height or half of its
+    own height, whichever is less (a small number shows in one row of blocks, a tall one in several). Digits are
     taken as equally wide, which the fonts nearly are. Small digits matter most here: two or three of them can
     share one block, and none may cover the block's centre."""
     left, top, right, bottom = scene.number_box
@@ -397,13 +397,8 @@ def _shape_hints(scene, shape) -> torch.Tensor:
             if other is not None and other is not shape and clearly_apart(shape, other, axis):
                 relations[axis_index * len(SHAPES) + k] = int(getattr(other, axis) > getattr(shape, axis))
     count = scene.count(shape.kind)
-    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1] + [0] * DIGIT_SLOTS + relations
-                        + [count if count <= MAX_COUNT else IGNORE, 0])
-
-
-def _inside(box, x, y) -> bool:
-    left, top, right, bottom = box
-    return left <= x <= right and top <= y <= bottom
+    return torch.tensor([COLOURS.index(shape.colour) + 1, SHAPES.index(shape.kind) + 1] + [0] * DIGIT_SLOTS
+                        + relations + [count if count <= MAX_COUNT else IGNORE, 0])
 
 
 def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> list[Example]:
@@ -496,17 +491,15 @@ def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, 
     hint (background down-weighted), and each one's accuracy on the tokens it labels (not background)."""
     *classes, relations, count, centre = scores.split(HINT_CLASSES + (2 * RELATION_HINTS, COUNT_CLASSES, 2), dim=1)
     names = ("colour", "kind") + tuple(f"digit {i}" for i in range(DIGIT_SLOTS))
-    total, accuracy, right_digits = 0.0, {}, (0, 0)
+    total, accuracy = 0.0, {}
     for i, (name, part) in enumerate(zip(names, classes)):
         weight = torch.ones(part.shape[1])
         weight[0] = BACKGROUND_WEIGHT
         total = total + F.cross_entropy(part, hints[:, i], weight=weight)
         right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
-        if name.startswith("digit"):  # the slots' accuracy together
-            right_digits = (right_digits[0] + int(right.sum()), right_digits[1] + right.numel())
-        else:
-            accuracy[f"hint {name}"] = (int(right.sum()), right.numel())
-    accuracy["hint digit"] = right_digits
+        key = f"hint {name.split()[0]}"  # the digit slots count together, as "hint digit"
+        hits, seen = accuracy.get(key, (0, 0))
+        accuracy[key] = (hits + int(right.sum()), seen + right.numel())
     relations = relations.reshape(-1, 2)  # (tokens * RELATION_HINTS, 2): before or after
     relation_labels, count_labels, centre_labels = (hints[:, RELATIONS_AT:COUNT_AT].reshape(-1), hints[:, COUNT_AT],
                                                     hints[:, CENTRE_AT])
