@@ -160,6 +160,11 @@ def test_every_digit_of_a_small_number_is_hinted():
     # Moved down to y 20-60: 8 px of row 0 and 4 px of row 2 are too little; row 1 alone (28 px) shows it.
     scene.number_box = (60, 20, 80, 60)
     assert number_hints(scene, 4, 4) == {1 * 4 + 2: [0, 9, 0]}
+    # A wide "4" (x 10-66, y 0-28): its centre x = 38 is in column 1 (28-56), its middle third ((38 - 28) / 28 x 3
+    # = 1.07). Column 0 holds 18 px of it, over half a block (14 px): text, no digit centred there. Column 2 holds
+    # 10 px: too little.
+    scene.number, scene.number_box = "4", (10, 0, 66, 28)
+    assert number_hints(scene, 4, 4) == {0: [0, 0, 0], 1: [0, 5, 0]}
 
 
 def test_count_hints_count_the_shapes_of_a_kind(tiny_run):
@@ -307,6 +312,7 @@ def test_number_chats_ask_the_printed_number_among_the_phase_s_other_questions(t
                           batch_size=40, number_chats=number_chats)
         batch = make_batch(0, cfg, tokenizer, config)
         assert all(set(ex.tasks) <= {"number", "colour"} for ex in batch)  # only the phase's tasks
+        assert any("colour" in ex.tasks for ex in batch)  # the number among the phase's other questions
         return sum("number" in ex.tasks for ex in batch) / len(batch)
 
     # A picture holds a number 40% of the time: without number chats, under half the chats can ask it; with all

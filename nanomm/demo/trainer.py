@@ -243,6 +243,10 @@ def _resume(folder: Path, model, optimizer, heads) -> int:
     state = torch.load(path, weights_only=False)
     model.load_state_dict(state["model"])
     if heads is not None:
+        saved = state["heads"]["hints.weight"].shape[0]
+        if saved != HINT_OUTPUTS:
+            raise SystemExit(f"{path} was saved with a {saved}-wide hint head and this code's is {HINT_OUTPUTS} "
+                             "(the hints changed): start a new run from its weights with --init-from")
         heads.load_state_dict(state["heads"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"]

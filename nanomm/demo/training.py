@@ -23,7 +23,8 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
 - counting chats (`counting_chat`, `TrainConfig.counting_chats`): a stage-3 phase that asks count can draw most
   of its pictures with 0..6 shapes of one kind, so that every count is asked about equally often.
 - number chats (`number_chat`, `TrainConfig.number_chats`): likewise, a phase that asks number can draw a share
-  of its pictures with a printed number, and ask it among the phase's other questions.
+  of its pictures with a printed number, and ask it among the phase's other questions (of the chats that are
+  not counting chats, where a phase asks both).
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -301,7 +302,8 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
 # ---------------------------------------------------------------------------------------------------------
 # Hints for the vision tower: what lies under each visual token
 
-DIGIT_SLOTS = 3  # a block's digit hints: the digit centred in its left, middle and right third
+DIGIT_SLOTS = 3  # a block's digit hints: the digit centred in its left, middle and right third (each slot is its
+# own cross-entropy in `hint_loss`, so the digits weigh three times what the one digit column did before)
 HINT_CLASSES = (len(COLOURS) + 1, len(SHAPES) + 2) + (11,) * DIGIT_SLOTS  # colour | shape or text | digits
 # Relation hints: for each shape kind and each axis, is the (only) shape of that kind before or after this one?
 RELATION_HINTS = 2 * len(SHAPES)  # (kind, axis) pairs, each a two-way choice
@@ -354,19 +356,27 @@ def token_hints(scene, image) -> torch.Tensor:
 
 def number_hints(scene, rows: int, cols: int) -> dict[int, list[int]]:
     """The blocks the printed number shows in, each with its DIGIT_SLOTS labels: digit + 1 in the slot (third of
-    the block's width) that the digit's centre falls in, 0 elsewhere. A block shows a digit when the digit's
-    centre lies in the block's columns and the number covers at least half of the block's height or half of its
-    own height, whichever is less (a small number shows in one row of blocks, a tall one in several). Digits are
-    taken as equally wide, which the fonts nearly are. Small digits matter most here: two or three of them can
-    share one block, and none may cover the block's centre."""
+    the block's width) that the digit's centre falls in, 0 elsewhere. The number shows in a block when it covers
+    at least half of the block's height or half of its own height, whichever is less (a small number shows in
+    one row of blocks, a tall one in several), and the same across: a block that a wide digit's strokes fill but
+    whose centre lies in the next block is text with no digit centred in it. Digits are taken as equally wide,
+    which the fonts nearly are. Small digits matter most here: two or three of them can share one block, and
+    none may cover the block's centre. (Digits narrower than a third of a block, about 8 pixels tall and less,
+    can share a slot: the last one is kept.)"""
     left, top, right, bottom = scene.number_box
     block_w, block_h = scene.width / cols, scene.height / rows
     digit_w = (right - left) / len(scene.number)
+
+    def shows(start, end, size, low, high):  # does the span start..end cover enough of the block low..high?
+        return min(end, high) - max(start, low) >= 0.5 * min(end - start, size)
+
     out: dict[int, list[int]] = {}
     for r in range(rows):
-        overlap = min(bottom, (r + 1) * block_h) - max(top, r * block_h)
-        if overlap < 0.5 * min(bottom - top, block_h):
+        if not shows(top, bottom, block_h, r * block_h, (r + 1) * block_h):
             continue
+        for c in range(cols):
+            if shows(left, right, block_w, c * block_w, (c + 1) * block_w):
+                out[r * cols + c] = [0] * DIGIT_SLOTS
         for i, digit in enumerate(scene.number):
             x = left + (i + 0.5) * digit_w  # the digit's centre
             c = min(cols - 1, int(x / block_w))
