@@ -80,7 +80,8 @@ def main(argv=None) -> None:
     parser.add_argument("--counting-chats", type=float, default=TrainConfig.counting_chats,
                         help="in a phase asking count: the share of chats about 0-6 shapes of one kind (default 0)")
     parser.add_argument("--number-chats", type=float, default=TrainConfig.number_chats,
-                        help="in a phase asking number: the share of chats (after counting chats) about a picture with a number")
+                        help="in a phase asking number: the share of chats (after counting chats) about a picture "
+                             "with a number (default 0)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)

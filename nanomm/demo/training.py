@@ -259,8 +259,8 @@ def number_chat(rng: random.Random, tasks: tuple[str, ...], max_turns: int) -> t
     of the phase's other tasks. A random picture holds a number 40% of the time and a chat asks one question about
     it, so a phase of every task reads few numbers; mixing number chats into its batches reads more, while the
     other tasks go on being asked (a phase of the number alone made count forget; lesson 12, section 5)."""
-    scene = random_scene(rng, num_shapes=rng.randint(1, 4), number_probability=1.0)
-    while scene.number is None:  # a number too wide for a small picture is left out
+    scene = None
+    while scene is None or scene.number is None:  # a number too wide for a small picture is left out: draw again
         scene = random_scene(rng, num_shapes=rng.randint(1, 4), number_probability=1.0)
     by_task = scene_questions(scene)
     number = by_task.pop("number")
@@ -370,19 +370,16 @@ def number_hints(scene, rows: int, cols: int) -> dict[int, list[int]]:
     def shows(start, end, size, low, high):  # does the span start..end cover enough of the block low..high?
         return min(end, high) - max(start, low) >= 0.5 * min(end - start, size)
 
-    out: dict[int, list[int]] = {}
-    for r in range(rows):
-        if not shows(top, bottom, block_h, r * block_h, (r + 1) * block_h):
-            continue
-        for c in range(cols):
-            if shows(left, right, block_w, c * block_w, (c + 1) * block_w):
-                out[r * cols + c] = [0] * DIGIT_SLOTS
-        for i, digit in enumerate(scene.number):
-            x = left + (i + 0.5) * digit_w  # the digit's centre
-            c = min(cols - 1, int(x / block_w))
-            slot = min(DIGIT_SLOTS - 1, int((x - c * block_w) / block_w * DIGIT_SLOTS))
-            out.setdefault(r * cols + c, [0] * DIGIT_SLOTS)[slot] = int(digit) + 1
-    return out
+    # The labels of one row of blocks, the same in every row the number shows in: column -> slots.
+    by_column = {c: [0] * DIGIT_SLOTS for c in range(cols)
+                 if shows(left, right, block_w, c * block_w, (c + 1) * block_w)}
+    for i, digit in enumerate(scene.number):
+        x = left + (i + 0.5) * digit_w  # the digit's centre
+        c = min(cols - 1, int(x / block_w))
+        slot = min(DIGIT_SLOTS - 1, int((x - c * block_w) / block_w * DIGIT_SLOTS))
+        by_column.setdefault(c, [0] * DIGIT_SLOTS)[slot] = int(digit) + 1
+    rows_shown = [r for r in range(rows) if shows(top, bottom, block_h, r * block_h, (r + 1) * block_h)]
+    return {r * cols + c: list(slots) for r in rows_shown for c, slots in by_column.items()}
 
 
 MIN_COVER = 0.3  # the share of a token's block a shape must cover to label it
