@@ -2,6 +2,7 @@
 
     python scripts/bench_linear.py              # the `small` preset's shapes, 2 threads, best of 20
     python scripts/bench_linear.py --threads 4 --repeats 50
+    python scripts/bench_linear.py --head-rows 1 8 32 64 128   # the LM head alone at other batch sizes
 
 Prints one line per shape: F.linear ms, PackedLinear ms and the speed-up. Results go in BENCHMARKS.md with the
 machine (`lscpu`): the answer differs between CPUs (oneDNN's packed kernel doubles the matmul rate on an AMD
@@ -47,6 +48,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--head-rows", type=int, nargs="*", default=[],
+                   help="also time the LM head (512 x 151,936, packed as the engine packs it) at these row counts")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not packed_linear_available(torch.device("cpu"), torch.float32):
@@ -60,7 +63,23 @@ def main(argv=None) -> None:
             plain_ms = best_ms(lambda: F.linear(x, layer.weight), args.repeats)
             packed_ms = best_ms(lambda: packed(x), args.repeats)
             print(f"{rows} x {d_in} @ {d_in} x {d_out} ({what}): F.linear {plain_ms:.2f} ms, "
-                  f"packed {packed_ms:.2f} ms, {plain_ms / packed_ms:.2f}x")
+                  f"packed {packed_ms:.2f} ms, {plain_ms / packed_ms:.2f}x, packed {gflops(rows, d_in, d_out, packed_ms)}")
+        head_at_rows(args.head_rows, args.repeats)
+
+
+def gflops(rows: int, d_in: int, d_out: int, ms: float) -> str:
+    return f"{2 * rows * d_in * d_out / ms / 1e6:.0f} GFLOP/s"
+
+
+def head_at_rows(row_counts: list[int], repeats: int) -> None:
+    """The batch-32 decode step's largest matmul at other row counts: how close a matmul this skinny (few rows
+    against 151,936 output columns) comes to the square one's rate."""
+    layer = torch.nn.Linear(512, 151_936, bias=False)
+    packed = PackedLinear(layer)  # packed as the engine packs it (batch_size_hint 32)
+    for rows in row_counts:
+        x = torch.randn(rows, 512)
+        ms = best_ms(lambda: packed(x), repeats)
+        print(f"LM head at {rows} rows: packed {ms:.2f} ms, {gflops(rows, 512, 151_936, ms)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import bisect
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from nanomm import LLM, SamplingParams  # noqa: E402
 from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, answer_items, conversation,  # noqa: E402
                                     digit_height, held_out_items, median_ttft, tasks_with_follow_up)
 from nanomm.demo.tasks import QA, grade  # noqa: E402
+from nanomm.engine.trace import ENGINE_PID  # noqa: E402
 from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
 
 
@@ -138,21 +140,28 @@ def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:
     """Batch 1, greedy, "Describe the picture." (the longest answers): decode rate with the draft against without.
 
     Decode rate = (tokens - 1) / (last token time - first token time): prefill (and the draft's own prefill)
-    is not counted. Outputs must be identical token for token; the table says so."""
+    is not counted. Outputs must be identical token for token; the table says so. A second table takes the
+    decode steps apart (from each run's engine trace, engine/trace.py): how long a step is, how much of it the
+    draft's proposals take and how much the target's forward pass, and how many tokens a step emits."""
     items = held_out_items("describe", args.spec_requests, seed=args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=48)
     runs = {}
     for name, extra in (("plain", {}), (f"draft k={k}", {"speculative": {"method": "draft", "model": draft,
                                                                           "num_speculative_tokens": k}})):
-        with LLM(model, **extra, **args.engine) as llm:
-            llm.chat(conversation(items[0], []), params)  # warm-up
-            outs = [llm.chat(conversation(item, []), params)[0] for item in items]
+        with tempfile.TemporaryDirectory() as folder:
+            trace_file = Path(folder) / "trace.json"
+            with LLM(model, **extra, **args.engine, trace_path=str(trace_file)) as llm:
+                warm_up = llm.chat(conversation(items[0], []), params)[0]
+                outs = [llm.chat(conversation(item, []), params)[0] for item in items]
+            steps = decode_step_costs(trace_file, max_step_tokens=1 + k)
         decode_s = sum(o.metrics.e2e_s - o.metrics.ttft_s for o in outs)
+        emitted_in_decode = sum(len(o.outputs[0].token_ids) - 1 for o in [warm_up] + outs)  # the trace has both
         runs[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                       "decode_tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / decode_s,
                       "e2e_ms": 1e3 * statistics.median(o.metrics.e2e_s for o in outs),
                       "proposed": sum(o.metrics.num_draft_tokens for o in outs),
-                      "accepted": sum(o.metrics.num_accepted_tokens for o in outs)}
+                      "accepted": sum(o.metrics.num_accepted_tokens for o in outs),
+                      "decode_steps": steps | {"tokens_per_step": emitted_in_decode / steps["steps"]}}
     plain, spec = runs["plain"], runs[f"draft k={k}"]
     exact = plain["tokens"] == spec["tokens"]
     mean_tokens = statistics.mean(len(t) for t in plain["tokens"])
@@ -165,9 +174,39 @@ def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:
               f"{'yes' if name == 'plain' or exact else 'NO'} |")
     print(f"decode speedup {spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x, end-to-end "
           f"{plain['e2e_ms'] / spec['e2e_ms']:.2f}x")
+    print("\nthe decode steps of both runs (warm-up request included; medians)\n")
+    print("| configuration | decode steps | tokens per step | step ms | of which the draft's proposals ms | "
+          "of which the target's forward ms |\n|---|---:|---:|---:|---:|---:|")
+    for name, run in runs.items():
+        s = run["decode_steps"]
+        print(f"| {name} | {s['steps']} | {s['tokens_per_step']:.2f} | {s['step_ms']:.2f} | {s['propose_ms']:.2f} | "
+              f"{s['forward_ms']:.2f} |")
     for run in runs.values():
         del run["tokens"]
     return {"runs": runs, "exact": exact}
+
+
+def decode_step_costs(trace_file: Path, max_step_tokens: int) -> dict:
+    """Medians over the decode steps of an engine trace, in ms: the whole step, its "propose" span (the draft's
+    rounds, its catch-up included) and its forward pass. A decode step's forward computes at most
+    max_step_tokens tokens (the last known one and the proposals); a prefill step's computes the prompt."""
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    steps, parts = [], {}
+    for event in events:  # the engine lane's spans, each appended when it ends: a step's parts come before it
+        if event.get("ph") != "X" or event["pid"] != ENGINE_PID:
+            continue
+        if event["name"] == "step":
+            steps.append(parts | {"step": event})
+            parts = {}
+        else:
+            parts[event["name"]] = event
+    decode = [s for s in steps if "forward" in s and s["forward"]["args"]["tokens"] <= max_step_tokens]
+
+    def median_ms(name: str) -> float:
+        return statistics.median(s[name]["dur"] / 1e3 if name in s else 0.0 for s in decode)
+
+    return {"steps": len(decode), "step_ms": median_ms("step"), "propose_ms": median_ms("propose"),
+            "forward_ms": median_ms("forward")}
 
 
 def _percent(right: int, total: int) -> str:
