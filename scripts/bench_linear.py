@@ -3,6 +3,7 @@
     python scripts/bench_linear.py              # the `small` preset's shapes, 2 threads, best of 20
     python scripts/bench_linear.py --threads 4 --repeats 50
     python scripts/bench_linear.py --head-rows 1 8 32 64 128   # the LM head alone at other batch sizes
+    python scripts/bench_linear.py --layer-sweep --repeats 5   # small layers: where packing starts to pay
 
 Prints one line per shape: F.linear ms, PackedLinear ms and the speed-up. Results go in BENCHMARKS.md with the
 machine (`lscpu`): the answer differs between CPUs (oneDNN's packed kernel doubles the matmul rate on an AMD
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--layer-sweep", action="store_true",
+                   help="also time layers from 256 to 1,536 wide at 1, 5 and 32 rows (where packing starts to pay)")
     p.add_argument("--head-rows", type=int, nargs="*", default=[],
                    help="also time the LM head (512 x 151,936, packed as the engine packs it) at these row counts")
     args = p.parse_args(argv)
@@ -65,10 +68,30 @@ def main(argv=None) -> None:
             print(f"{rows} x {d_in} @ {d_in} x {d_out} ({what}): F.linear {plain_ms:.2f} ms, "
                   f"packed {packed_ms:.2f} ms, {plain_ms / packed_ms:.2f}x, packed {gflops(rows, d_in, d_out, packed_ms)}")
         head_at_rows(args.head_rows, args.repeats)
+        if args.layer_sweep:
+            layer_sweep(args.repeats)
 
 
 def gflops(rows: int, d_in: int, d_out: int, ms: float) -> str:
     return f"{2 * rows * d_in * d_out / ms / 1e6:.0f} GFLOP/s"
+
+
+SWEEP_LAYERS = [(256, 768), (256, 1024), (512, 256), (256, 619), (512, 512), (512, 768), (1536, 512), (512, 3072),
+                (1536, 2048)]  # (in, out): the demo model's layers, then the `small` and `2b-shaped` presets'
+
+
+def layer_sweep(repeats: int) -> None:
+    """Each layer of SWEEP_LAYERS at 1, 5 and 32 rows, F.linear against packed, in microseconds per call (each
+    the best of `repeats` means of 200 calls: these calls are too short to time one by one)."""
+    for d_in, d_out in SWEEP_LAYERS:
+        layer = torch.nn.Linear(d_in, d_out, bias=False)
+        packed = PackedLinear(layer)  # packed as the engine packs it (batch_size_hint 32)
+        cells = []
+        for rows in (1, 5, 32):
+            x = torch.randn(rows, d_in)
+            plain_us, packed_us = (best_ms(lambda: [f(x) for _ in range(200)], repeats) * 5 for f in (layer, packed))
+            cells.append(f"{rows} rows: F.linear {plain_us:.0f} us, packed {packed_us:.0f} us")
+        print(f"{d_in} -> {d_out}: " + "; ".join(cells))
 
 
 def head_at_rows(row_counts: list[int], repeats: int) -> None:

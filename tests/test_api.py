@@ -188,16 +188,37 @@ def test_close_and_context_manager_stop_the_worker_pool(tmp_path):
     llm.close()  # a second close is harmless
 
 
-def test_cpu_fast_linear_switch(llm, tmp_path):
-    """The fast path is on by default for CPU float32 and off with cpu_fast_linear=False: then every layer is the
-    plain nn.Linear the lessons read. Both give the dense reference's tokens."""
+def test_cpu_fast_linear_switch(llm, tmp_path, monkeypatch):
+    """The fast path is on by default for CPU float32, for layers at least MIN_PACKED_SIDE wide on both sides (the
+    tiny preset has none), and off with cpu_fast_linear=False: then every layer is the plain nn.Linear the lessons
+    read. With every layer packed, and with none, the engine gives the dense reference's tokens."""
+    from nanomm.model import fast_linear
     from nanomm.model.fast_linear import PackedLinear, packed_linear_available
-    plain = LLM(str(make_checkpoint(tmp_path / "tiny", preset="tiny")), device="cpu", max_pixels=28 * 28 * 16,
-                max_model_len=512, num_kv_blocks=64, block_size=4, cpu_fast_linear=False)
+    settings = dict(device="cpu", max_pixels=28 * 28 * 16, max_model_len=512, num_kv_blocks=64, block_size=4)
+    tiny = str(make_checkpoint(tmp_path / "tiny", preset="tiny"))
+    plain = LLM(tiny, cpu_fast_linear=False, **settings)
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in llm.model.modules())  # 64 wide: too small to pay
+    engines = [plain]
     if packed_linear_available(llm.model.device, llm.model.dtype):
-        assert not any(isinstance(m, torch.nn.Linear) for m in llm.model.modules())
+        monkeypatch.setattr(fast_linear, "MIN_PACKED_SIDE", 1)
+        every_layer_packed = LLM(tiny, **settings)
+        assert not any(isinstance(m, torch.nn.Linear) for m in every_layer_packed.model.modules())
+        engines.append(every_layer_packed)
     prompts = [chat_prompt("what is it?", [random_image(56, 84, 3)]), chat_prompt("hello there")]
-    for engine in (llm, plain):
+    for engine in engines:
         for prompt, out in zip(prompts, engine.generate(prompts, GREEDY)):
             assert out.outputs[0].token_ids == reference_tokens(engine, prompt, GREEDY)
+        engine.close()
+
+
+def test_only_layers_wide_enough_to_pay_are_packed():
+    """pack_linear_layers packs a layer only if both its sides are at least MIN_PACKED_SIDE (512)."""
+    from nanomm.model.fast_linear import PackedLinear, pack_linear_layers, packed_linear_available
+    if not packed_linear_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no usable oneDNN linear ops")
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256), torch.nn.Linear(1024, 512),
+                                torch.nn.Linear(256, 151_936))
+    assert pack_linear_layers(model) == 2
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear", "PackedLinear", "Linear"]
+    assert isinstance(model[0], PackedLinear)

@@ -1,8 +1,9 @@
 """THE CPU FAST PATH, not part of the model: float32 linear layers through oneDNN, each weight reordered once.
 
 Lesson: lessons/05-continuous-batching.md, section 6 (where the decode step's time goes). The model code the
-lessons read is `nn.Linear` (`F.linear`); `LLM` swaps these in after loading, on CPU float32 only, and
-`LLM(..., cpu_fast_linear=False)` leaves the plain layers in place.
+lessons read is `nn.Linear` (`F.linear`); `LLM` swaps these in after loading, on CPU float32 only and for layers
+at least `MIN_PACKED_SIDE` wide (smaller ones are faster as they are), and `LLM(..., cpu_fast_linear=False)`
+leaves every plain layer in place.
 
 On a CPU, a decode step is a handful of matrix multiplications, and the widest of them, the LM head
 (hidden x ~152k vocabulary rows), dominates it. PyTorch's default CPU matmul reads the weight in its plain
@@ -66,16 +67,26 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every nn.Linear in model by a PackedLinear (in place); returns how many were replaced.
+# A layer is packed only if both its sides are at least this wide. oneDNN's call costs more than MKL's (on the
+# 2-core Xeon, 10-15 microseconds more a call), which a small layer's matmul never earns back: layers with a
+# 256-wide side (the demo model's) ran 1.7-2.5x slower packed at 1 and 5 rows and about even at 32, while layers
+# 512 wide and wider ran 1.3-1.7x faster packed at 32 rows. BENCHMARKS.md, "Small layers stay on F.linear";
+# `python scripts/bench_linear.py --layer-sweep`.
+MIN_PACKED_SIDE = 512
+
+
+def pack_linear_layers(model: nn.Module, min_side: int | None = None) -> int:
+    """Replace every nn.Linear of model whose in and out features are both at least min_side (default
+    MIN_PACKED_SIDE) by a PackedLinear, in place; returns how many were replaced.
 
     An untied layer's plain weight is released. A tied LM head gets its own packed copy of the embedding
     matrix (the embedding lookup still needs the plain one): one extra copy of that matrix in memory.
     """
+    min_side = MIN_PACKED_SIDE if min_side is None else min_side
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and min(child.in_features, child.out_features) >= min_side:
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced
