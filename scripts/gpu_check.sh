@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh            # results under gpu_check/ (or $OUT when set)
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
-# have no network. Every stage has its own time limit, so that the whole run ends within 8 minutes; a stage
+# have no network. Every stage has its own time limit (150 + 110 + 110 + 45 = 415 s, leaving a minute for start-up
+# and the summary), so that the whole run ends within 8 minutes; a stage
 # that fails or times out is reported and the next one still runs. It writes:
 #   gpu_check.json       everything: the machine, each stage's exit status and time, both bench results
 #   summary.txt          the numbers issue 12 asks for, in words
@@ -56,18 +57,18 @@ if [ "${GPU_CHECK_DRY_RUN:-0}" != 1 ] && ! python -c "import torch, sys; sys.exi
     exit 1
 fi
 
-stage tests 180 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
+stage tests 150 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
     tests/test_loader.py::test_loads_onto_cuda
 
-stage bench-small 120 python scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
+stage bench-small 110 python scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
     --json "$OUT/bench-small.json"
 
-stage bench-2b 120 python scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
+stage bench-2b 110 python scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
     --json "$OUT/bench-2b.json"
 
 QUANT=(--device cuda --repeats 3 --max-tokens 32)
 [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ] && QUANT=(--device cpu --quick --cache-dir "$OUT/ckpt-tiny")
-stage bench-quant 60 python scripts/bench_quant.py speed "${QUANT[@]}" --json "$OUT/bench-quant.json"
+stage bench-quant 45 python scripts/bench_quant.py speed "${QUANT[@]}" --json "$OUT/bench-quant.json"
 
 python - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys

@@ -107,3 +107,24 @@ def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype):
         assert graphed.engine.runner.decode_graphs.replays > 0
         assert all(r.graph is not None for r in graphed.engine.runner.decode_graphs.recorded.values())
     assert got == expected
+
+
+def test_the_op_count_runs_the_step_eagerly_and_puts_the_graphs_back(ckpt):
+    """A graph replay would hide every kernel from the op count (bench.py's kernels-per-layer line on CUDA): the
+    counted step goes around the decode graphs, which are in place again afterwards."""
+    from nanomm.tools.op_count import decode_step_ops
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    graphs, scratch = with_static_decode(llm)
+    for i in range(3):
+        llm.engine.add_request(f"request {i} asks", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    llm.engine.step()  # prefills
+    llm.engine.step()  # the first decode step, through the graphs' static path
+    replays = graphs.replays
+    ops = decode_step_ops(llm.engine)
+    assert graphs.replays == replays and llm.engine.runner.decode_graphs is graphs
+    assert 0 < ops["kernels_per_layer"] <= 25
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert graphs.replays > replays  # the later steps replay again
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)

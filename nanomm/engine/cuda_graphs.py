@@ -24,6 +24,7 @@ prompt logprobs run eagerly). On by default on CUDA; `LLM(enforce_eager=True)` (
 On a CPU the same static path runs without recording (`capture=False`), which is how the tests check it.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -128,16 +129,17 @@ class DecodeGraphs:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits (len(chunks), vocab) of an eligible step."""
         key = (batch_bucket(len(chunks)), context_bucket(max(c.end for c in chunks), self.block_size))
-        recorded = self.recorded.get(key) or self._record(*key)
-        values = recorded.inputs.host_values(chunks, self.block_size, self.scratch_slot)
-        if recorded.inputs.flat.device.type == "cuda":
-            values = values.pin_memory()
-        recorded.inputs.flat.copy_(values, non_blocking=True)
-        self.replays += 1
-        if recorded.graph is None:
-            return decode_forward(self.model, self.kv_cache, recorded.inputs)[:len(chunks)]
-        recorded.graph.replay()
-        return recorded.logits[:len(chunks)]
+        with _on_device(self.kv_cache.device):  # streams and graphs belong to the current GPU: make it the model's
+            recorded = self.recorded.get(key) or self._record(*key)
+            values = recorded.inputs.host_values(chunks, self.block_size, self.scratch_slot)
+            if recorded.inputs.flat.device.type == "cuda":
+                values = values.pin_memory()
+            recorded.inputs.flat.copy_(values, non_blocking=True)
+            self.replays += 1
+            if recorded.graph is None:
+                return decode_forward(self.model, self.kv_cache, recorded.inputs)[:len(chunks)]
+            recorded.graph.replay()
+            return recorded.logits[:len(chunks)]
 
     def _record(self, batch: int, length: int) -> _Recorded:
         inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device)
@@ -157,3 +159,9 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.recorded[(batch, length)] = _Recorded(inputs, graph, logits)
         return self.recorded[(batch, length)]
+
+
+def _on_device(device: torch.device):
+    """`torch.cuda.device(device)` for a GPU (a model on cuda:1 must record and replay on cuda:1's streams, not the
+    current device's); nothing on a CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -111,12 +111,18 @@ def counting_only_inside(counter: OpCounter, modules):
 
 def decode_step_ops(engine) -> dict:
     """Operations of the engine's next step (call it when every running request is decoding): in the whole
-    step, per decoder layer, and the host syncs inside the decoder layers."""
+    step, per decoder layer, and the host syncs inside the decoder layers. The step runs eagerly: a CUDA graph's
+    replay would show none of the kernels it launches."""
     layers = engine.model.language_model.layers
-    with OpCounter() as whole:
-        with OpCounter() as inside, counting_only_inside(inside, layers):
-            batch = len(engine.scheduler.running)
-            engine.step()
+    runner = engine.runner
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        with OpCounter() as whole:
+            with OpCounter() as inside, counting_only_inside(inside, layers):
+                batch = len(engine.scheduler.running)
+                engine.step()
+    finally:
+        runner.decode_graphs = graphs
     # The inner mode sees each op first and passes it on, so the outer one counts the whole step.
     return {"batch": batch, "step_kernels": whole.kernels, "kernels_per_layer": inside.kernels / len(layers),
             "host_syncs_in_layers": inside.host_syncs, "top_ops_per_layer": {
