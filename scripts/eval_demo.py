@@ -139,8 +139,8 @@ def number_by_size_table(model: str, args) -> dict:
 def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:
     """Batch 1, greedy, "Describe the picture." (the longest answers): decode rate with the draft against without.
 
-    Decode rate = (tokens - 1) / (last token time - first token time): prefill (and the draft's own prefill)
-    is not counted. Outputs must be identical token for token; the table says so. A second table takes the
+    Decode rate = (tokens - 1) / (last token time - first token time): the target's prefill is not counted, the
+    draft's is (its first round). Outputs must be identical token for token; the table says so. A second table takes the
     decode steps apart (from each run's engine trace, engine/trace.py): how long a step is, how much of it the
     draft's proposals take and how much the target's forward pass, and how many tokens a step emits."""
     items = held_out_items("describe", args.spec_requests, seed=args.seed)
