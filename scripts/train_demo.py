@@ -82,6 +82,8 @@ def main(argv=None) -> None:
     parser.add_argument("--number-chats", type=float, default=TrainConfig.number_chats,
                         help="in a phase asking number: the share of chats (after counting chats) about a picture "
                              "with a number (default 0)")
+    parser.add_argument("--number-close-ups", type=int, default=TrainConfig.number_close_ups,
+                        help="extra chats per batch about a small picture around a printed number (default 0)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -105,7 +107,8 @@ def main(argv=None) -> None:
                       threads=args.threads, freeze_vision=args.draft_of is not None,
                       flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
                       focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr,
-                      counting_chats=args.counting_chats, number_chats=args.number_chats)
+                      counting_chats=args.counting_chats, number_chats=args.number_chats,
+                      number_close_ups=args.number_close_ups)
     if not (args.out / "config.json").is_file():
         if args.init_from:
             # The Hub files and weights, not a training state: the new run starts at step 0.

@@ -15,7 +15,8 @@ from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_sc
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, train
 from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
-                                  learning_rate, make_batch, number_hints, pick_contrasting, stage, token_hints)
+                                  learning_rate, make_batch, number_close_up, number_hints, pick_contrasting,
+                                  stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.loader import load_model
@@ -318,6 +319,25 @@ def test_number_chats_ask_the_printed_number_among_the_phase_s_other_questions(t
     # A picture holds a number 40% of the time: without number chats, under half the chats can ask it; with all
     # chats number chats, every chat asks it.
     assert chats_asking_the_number(0.0) < 0.5 and chats_asking_the_number(1.0) == 1.0
+
+
+def test_number_close_ups_are_extra_chats_about_a_small_shrunk_picture_with_a_number(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+    rng = random.Random(3)
+    for _ in range(30):
+        scene, qas, cap = number_close_up(rng, config)
+        assert scene.number is not None and ("number", scene.number) in [(qa.task, qa.answer) for qa in qas]
+        assert {qa.task for qa in qas} <= {"number", "colour", "shape"} and len(qas) <= 3
+        assert max(scene.width, scene.height) <= 224 and config.min_pixels <= cap <= config.max_pixels
+        assert cap <= max(config.min_pixels, scene.width * scene.height)  # shown at its size or smaller
+    cfg = TrainConfig(steps=10, vision_steps=0, batch_size=3)
+    plain = make_batch(4, cfg, tokenizer, config)
+    with_close_ups = make_batch(4, TrainConfig(steps=10, vision_steps=0, batch_size=3, number_close_ups=2),
+                                tokenizer, config)
+    # The batch's own chats are unchanged (a resumed run's data is the same); the close-ups come after them.
+    assert [ex.token_ids for ex in with_close_ups[:3]] == [ex.token_ids for ex in plain]
+    assert len(with_close_ups) == 5 and all("number" in ex.tasks for ex in with_close_ups[3:])
+    assert all(ex.hints[0].shape[0] == ex.images[0].num_tokens for ex in with_close_ups[3:])
 
 
 def test_image_token_places_go_row_by_row_from_the_top_left():

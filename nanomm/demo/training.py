@@ -25,6 +25,9 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
 - number chats (`number_chat`, `TrainConfig.number_chats`): likewise, a phase that asks number can draw a share
   of its pictures with a printed number, and ask it among the phase's other questions (of the chats that are
   not counting chats, where a phase asks both).
+- number close-ups (`number_close_up`, `TrainConfig.number_close_ups`): extra chats in every batch about a small
+  picture around a printed number, often shrunk; a few visual tokens each, so they add many digits to a step
+  for little of its time.
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -83,6 +86,8 @@ class TrainConfig:
     counting_chats: float = 0.0
     # In a stage-3 phase that asks number, the share of chats about a picture that surely holds one (`number_chat`).
     number_chats: float = 0.0
+    # Extra chats appended to every batch: small pictures around a printed number (`number_close_up`).
+    number_close_ups: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -268,6 +273,37 @@ def number_chat(rng: random.Random, tasks: tuple[str, ...], max_turns: int) -> t
     return scene, rng.sample(number + others, 1 + len(others))
 
 
+CLOSE_UP_SIDES = (64, 224)  # a close-up's width and height in pixels, before the cap shrinks it
+CLOSE_UP_SCALES = (0.55, 1.0)  # the cap shrinks its sides by a factor drawn from this range
+
+
+def number_close_up(rng: random.Random, image_config: ImageProcessorConfig) -> tuple:
+    """A small picture around a printed number, beside 0..2 shapes, and the pixel cap to show it at: "What
+    number..." and up to two questions about the shapes. A digit's height is 9..48 px as drawn, at most a fifth
+    of the picture's side, so a close-up holds the smaller digits; shrinking its sides by a factor down to 0.55
+    gives the digits that a large scene shrunk to the default cap holds (down to ~4 px; half of them are under
+    about 10 px). With about 60 visual tokens on average instead of a scene's 130-250, a close-up costs the
+    tower and the text model a fraction of a chat."""
+    scene = None
+    while scene is None or scene.number is None:  # a number too wide for the picture is left out: draw again
+        width, height = (rng.randint(*CLOSE_UP_SIDES) for _ in range(2))
+        scene = random_scene(rng, num_shapes=rng.randint(0, 2), width=width, height=height, number_probability=1.0)
+    by_task = scene_questions(scene)
+    number = by_task.pop("number")
+    others = pick_questions({t: by_task[t] for t in ("colour", "shape") if t in by_task}, rng, 2)
+    scale = rng.uniform(*CLOSE_UP_SCALES)
+    cap = min(image_config.max_pixels, max(image_config.min_pixels, round(scale ** 2 * width * height)))
+    return scene, rng.sample(number + others, 1 + len(others)), cap
+
+
+def close_up_example(rng: random.Random, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> Example:
+    scene, qas, cap = number_close_up(rng, image_config)
+    image = preprocess_image(render(scene, rng), image_config, max_pixels=cap)
+    example = encode_chat(tokenizer, [image], [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas])
+    example.hints = [token_hints(scene, image)]
+    return example
+
+
 def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tokenizer,
                  image_config: ImageProcessorConfig) -> Example:
     focus = cfg.focus_tasks(step) if stage(step, cfg) == 3 else None
@@ -411,7 +447,8 @@ def _shape_hints(scene, shape) -> torch.Tensor:
 def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> list[Example]:
     """The batch of a step depends only on (seed, step): a resumed run sees the same data."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    return [make_example(rng, step, cfg, tokenizer, image_config) for _ in range(cfg.batch_size)]
+    batch = [make_example(rng, step, cfg, tokenizer, image_config) for _ in range(cfg.batch_size)]
+    return batch + [close_up_example(rng, tokenizer, image_config) for _ in range(cfg.number_close_ups)]
 
 
 # ---------------------------------------------------------------------------------------------------------
