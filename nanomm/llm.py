@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from nanomm.engine.config import EngineConfig
+from nanomm.engine.cuda_graphs import largest_bucket
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.engine.memory_profile import profile_memory
@@ -125,16 +126,20 @@ class LLM:
     def _kv_budget(self, config: EngineConfig, max_model_len: int, token_budget: int) -> int:
         """Bytes for the KV pool (planner.kv_pool_budget). On a GPU: what is free of the utilisation share once
         the weights are loaded, less the activations of the engine's largest step (token_budget tokens against
-        max_model_len), measured by a profiling pass (engine/memory_profile.py). Elsewhere: the fixed budget.
+        max_model_len) and, with CUDA graphs, what the largest graph's decode step keeps, measured by a profiling
+        pass (engine/memory_profile.py). Elsewhere: the fixed budget.
         How it was split lands in `self.memory`."""
         device = self.model.device
         profiled = {}
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
+            graphs = None if config.enforce_eager else largest_bucket(config.max_num_seqs, max_model_len,
+                                                                        config.block_size)
             profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
-                                     token_budget, config.max_num_seqs, max_model_len)
+                                     token_budget, config.max_num_seqs, max_model_len, graphs, config.block_size,
+                                     config.kv_cache_dtype)
             profiled = dict(total_bytes=profile.total_bytes, used_bytes=profile.used_bytes,
-                            reserve_bytes=profile.activation_peak_bytes)
-            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=profile.activation_peak_bytes)
+                            reserve_bytes=profile.reserve_bytes)
+            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=profile.reserve_bytes)
         budget, rule = kv_pool_budget(device.type, gpu_memory_utilization=config.gpu_memory_utilization,
                                       kv_cache_memory_gib=config.kv_cache_memory_gib, **profiled)
         self.memory.update(kv_budget_rule=rule, kv_budget_bytes=budget)

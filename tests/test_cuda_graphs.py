@@ -7,7 +7,8 @@ import torch
 from helpers import assert_no_leaks, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import attention
-from nanomm.engine.cuda_graphs import DecodeGraphs, batch_bucket, context_bucket, decode_forward
+from nanomm.engine.cuda_graphs import DecodeGraphs, batch_bucket, context_bucket, decode_forward, largest_bucket
+from nanomm.engine.memory_profile import decode_graph_step
 from nanomm.tools.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS
 
@@ -28,6 +29,10 @@ def test_buckets():
     assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 256)] == [1, 4, 8, 24, 48, 256]
     assert batch_bucket(257) is None
     assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [16, 16, 32, 64, 256]
+    # Never past max_model_len's blocks: 200 tokens are 13 blocks, so a 16-block bucket would be 3 too many.
+    assert [context_bucket(n, 16, max_tokens=200) for n in (17, 100, 200)] == [32, 128, 208]
+    assert largest_bucket(max_num_seqs=40, max_model_len=1000, block_size=16) == (48, 1008)
+    assert largest_bucket(max_num_seqs=300, max_model_len=100, block_size=16) == (256, 112)
 
 
 @pytest.mark.parametrize("setting", ["default", "block-1", "tiny-pool-preemption", "few-seqs"])
@@ -65,6 +70,49 @@ def test_padding_rows_write_only_the_scratch_slot(ckpt):
         llm.engine.step()
     llm.engine.block_manager.free([scratch])
     assert_no_leaks(llm)
+
+
+def test_every_bucket_s_logits_land_in_one_shared_buffer(ckpt, monkeypatch):
+    """Kept graphs must not each keep a (batch, vocab) output: every step's logits are rows of `graphs.logits`."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    graphs, scratch = with_static_decode(llm)
+    run, returned = graphs.run, []
+    monkeypatch.setattr(graphs, "run", lambda chunks: returned.append(run(chunks)) or returned[-1])
+    prompts = random_workload(seed=5, num_prompts=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 4, 40)]  # 3 rows, then 1
+    outputs = llm.generate(prompts, params)
+    assert len({key[0] for key in graphs.recorded}) >= 2 and len({key[1] for key in graphs.recorded}) >= 2
+    assert returned and all(out.data_ptr() == graphs.logits.data_ptr() for out in returned)
+    assert graphs.logits.shape == (batch_bucket(llm.engine.config.max_num_seqs), llm.model.config.text.vocab_size)
+    for prompt, p, out in zip(prompts, params, outputs):
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, p)
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
+class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numel = max([self.numel] + [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                         if isinstance(t, torch.Tensor)])
+        return out
+
+
+def test_the_memory_profile_s_decode_step_gathers_the_largest_bucket_s_whole_context(ckpt):
+    """The profile (CUDA only) measures `decode_graph_step`; on a CPU we check it is the step that it stands for:
+    every row attends to `context` keys, so a layer gathers batch x context keys and values, from a one-block
+    cache, with no host sync (the same region a graph records)."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=8)
+    text = llm.model.config.text
+    batch, context = 8, 64
+    with torch.inference_mode(), NoHostSync(), LargestOutput() as largest:
+        logits = decode_graph_step(llm.model, batch, context, block_size=4)
+    assert logits.shape == (batch, text.vocab_size)
+    assert largest.numel >= 2 * batch * context * text.num_key_value_heads * text.head_dim
 
 
 def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypatch):

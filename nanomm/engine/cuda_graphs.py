@@ -8,8 +8,12 @@ GPU waits for them. A CUDA graph records the kernels of one call, with their arg
 from one launch. The price is that everything must stay still between replays:
 
 - **Shapes.** A graph holds one batch size and one context length. Steps are padded up to a bucket: the batch
-  to one of `BATCH_BUCKETS`, the longest context to a power of two of blocks. One graph is recorded per
-  (batch, context) bucket the first time it is needed, and kept.
+  to one of `BATCH_BUCKETS`, the longest context to a power of two of blocks (at most max_model_len). One graph
+  is recorded per (batch, context) bucket the first time it is needed, and kept.
+- **Memory.** The graphs share one memory pool, which keeps what the largest recorded step needed (at the
+  largest bucket, each layer's gathered context: batch x context keys and values). Their logits go to one
+  static buffer of the largest batch, so that the kept graphs do not each keep a (batch, vocab) output. The
+  KV pool is sized after a profiling pass that runs the largest bucket's step (engine/memory_profile.py).
 - **Addresses.** Inputs are copied into the same static buffers before every replay (one host-to-device copy:
   they are views of one flat buffer). The KV cache never moves.
 - **Padding.** Padding rows are decodes of token 0 that write their key and value to a scratch slot, one block
@@ -43,10 +47,16 @@ def batch_bucket(batch: int) -> int | None:
     return next((b for b in BATCH_BUCKETS if b >= batch), None)
 
 
-def context_bucket(tokens: int, block_size: int) -> int:
-    """Context tokens padded to a power of two of blocks."""
+def context_bucket(tokens: int, block_size: int, max_tokens: int | None = None) -> int:
+    """Context tokens padded to a power of two of blocks, or to max_tokens' blocks if that is fewer."""
     blocks = -(-tokens // block_size)
-    return block_size * (1 << (blocks - 1).bit_length())
+    padded = 1 << (blocks - 1).bit_length()
+    return block_size * (padded if max_tokens is None else min(padded, -(-max_tokens // block_size)))
+
+
+def largest_bucket(max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[int, int]:
+    """(batch, context) of the largest graph an engine may record: what the memory profile runs."""
+    return batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1], context_bucket(max_model_len, block_size, max_model_len)
 
 
 @dataclass
@@ -104,7 +114,6 @@ def decode_forward(model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", inputs
 class _Recorded:
     inputs: StaticDecodeInputs
     graph: "torch.cuda.CUDAGraph | None"
-    logits: torch.Tensor | None  # the graph's output buffer
 
 
 class DecodeGraphs:
@@ -116,6 +125,8 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.block_size, self.scratch_slot = model, kv_cache, block_size, scratch_slot
         self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
         self.max_context, self.capture = max_context, capture
+        # Every bucket's logits land here (rows 0..batch-1), read before the next step replays (same stream).
+        self.logits = torch.empty(self.max_batch, model.config.text.vocab_size, device=kv_cache.device)
         self.recorded: dict[tuple[int, int], _Recorded] = {}
         self.pool = None  # recorded graphs share one memory pool
         self.replays = 0
@@ -128,7 +139,7 @@ class DecodeGraphs:
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits (len(chunks), vocab) of an eligible step."""
-        key = (batch_bucket(len(chunks)), context_bucket(max(c.end for c in chunks), self.block_size))
+        key = (batch_bucket(len(chunks)), context_bucket(max(c.end for c in chunks), self.block_size, self.max_context))
         with _on_device(self.kv_cache.device):  # streams and graphs belong to the current GPU: make it the model's
             recorded = self.recorded.get(key) or self._record(*key)
             values = recorded.inputs.host_values(chunks, self.block_size, self.scratch_slot)
@@ -137,27 +148,32 @@ class DecodeGraphs:
             recorded.inputs.flat.copy_(values, non_blocking=True)
             self.replays += 1
             if recorded.graph is None:
-                return decode_forward(self.model, self.kv_cache, recorded.inputs)[:len(chunks)]
-            recorded.graph.replay()
-            return recorded.logits[:len(chunks)]
+                self._step(recorded.inputs)
+            else:
+                recorded.graph.replay()
+            return self.logits[:len(chunks)]
+
+    def _step(self, inputs: StaticDecodeInputs) -> None:
+        """What a graph records: the step, its logits copied into the shared buffer."""
+        self.logits[:inputs.input_ids.shape[0]].copy_(decode_forward(self.model, self.kv_cache, inputs))
 
     def _record(self, batch: int, length: int) -> _Recorded:
         inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device)
         padding = inputs.host_values([], self.block_size, self.scratch_slot)  # every row writes the scratch slot
         inputs.flat.copy_(padding)
-        graph = logits = None
+        graph = None
         if self.capture:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the recording: lazy initialisations, allocations
                 for _ in range(2):
-                    decode_forward(self.model, self.kv_cache, inputs)
+                    self._step(inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = decode_forward(self.model, self.kv_cache, inputs)
+            with torch.cuda.graph(graph, pool=self.pool):  # the step's temporaries: freed, reusable by the next
+                self._step(inputs)
             self.pool = graph.pool()
-        self.recorded[(batch, length)] = _Recorded(inputs, graph, logits)
+        self.recorded[(batch, length)] = _Recorded(inputs, graph)
         return self.recorded[(batch, length)]
 
 

@@ -7,8 +7,10 @@ its MLP's intermediate, its attention's gathered context; the vision tower's wor
 largest picture the cap allows (encoded whole, whatever the encoder budget). The planner estimates them from
 arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens attending to a context of
 `max_model_len`, then an encode of the worst-case image, with the allocator's peak read before and after.
-The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in vLLM's profile run.
-CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
+With CUDA graphs on, a decode step at the largest graph bucket is measured apart (`decode_graph_step`): the
+graphs' memory pool keeps what that step needs for as long as the engine lives, beside the other steps' peak,
+so the two add up. The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in
+vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ import torch
 from PIL import Image
 
 from nanomm.engine.attention import causal_attention
+from nanomm.engine.cuda_graphs import StaticDecodeInputs, decode_forward
+from nanomm.engine.kv_cache import allocate_kv_cache
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import text_positions
@@ -27,10 +31,16 @@ class MemoryProfile:
     total_bytes: int  # the device's memory
     used_bytes: int  # in use after the profile, its temporaries freed: weights, CUDA context, other processes
     activation_peak_bytes: int  # the most the profiled steps held above the weights
+    decode_graph_bytes: int = 0  # the largest graph bucket's decode step and the graphs' logits buffer (0: no graphs)
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.activation_peak_bytes + self.decode_graph_bytes
 
     def as_stats(self) -> dict:
         return {"memory_total_bytes": self.total_bytes, "memory_used_bytes": self.used_bytes,
-                "memory_activation_peak_bytes": self.activation_peak_bytes}
+                "memory_activation_peak_bytes": self.activation_peak_bytes,
+                "memory_decode_graph_bytes": self.decode_graph_bytes}
 
 
 class _LongContextAttention:
@@ -52,10 +62,24 @@ def worst_case_pixels(image_config: ImageProcessorConfig, size: tuple[int, int])
     return preprocess_image(Image.new("RGB", size), image_config)
 
 
+def decode_graph_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_cache_dtype: str = "auto"):
+    """The decode step that a graph of `batch` rows and `context` slots records (cuda_graphs.decode_forward),
+    against a one-block stand-in cache: every row attends to `context` copies of slot 0, so each layer gathers
+    as many keys and values as the real step would. Returns its logits (batch, vocab)."""
+    text = model.config.text
+    cache = allocate_kv_cache(text.num_hidden_layers, 1, block_size, text.num_key_value_heads, text.head_dim,
+                              model.dtype, model.device, kv_cache_dtype)
+    inputs = StaticDecodeInputs.allocate(batch, context, model.device)  # all zeros: token 0, slot 0
+    return decode_forward(model, cache, inputs)
+
+
 @torch.inference_mode()
 def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_image: tuple[int, int],
-                   max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> MemoryProfile:
-    """Run the profile on the model's CUDA device; see the module docstring."""
+                   max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                   decode_graph_shape: tuple[int, int] | None = None, block_size: int = 16,
+                   kv_cache_dtype: str = "auto") -> MemoryProfile:
+    """Run the profile on the model's CUDA device; see the module docstring. decode_graph_shape: (batch,
+    context) of the largest CUDA-graph bucket, or None without graphs."""
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -72,6 +96,15 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
         model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
+    graph_bytes = 0
+    if decode_graph_shape is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+        logits = decode_graph_step(model, *decode_graph_shape, block_size, kv_cache_dtype)
+        torch.cuda.synchronize(device)
+        # The step's own peak (its stand-in cache included, a block: small), and the graphs' logits buffer.
+        graph_bytes = torch.cuda.max_memory_allocated(device) - before + logits.numel() * 4
+        del logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryProfile(total_bytes=total, used_bytes=total - free, activation_peak_bytes=peak)
+    return MemoryProfile(total_bytes=total, used_bytes=total - free, activation_peak_bytes=peak,
+                         decode_graph_bytes=graph_bytes)
