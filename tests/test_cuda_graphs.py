@@ -146,15 +146,25 @@ def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype):
+    """Bit for bit on the same (padded) inputs; token for token end to end in float32. An eager step runs its real
+    rows only, a graph the padded bucket: in bfloat16 a matmul of 8 rows may round differently from one of 6, so
+    whole generations are compared in float32 only."""
     prompts = random_workload(seed=4, num_prompts=6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS, enforce_eager=True) as eager:
-        expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS) as graphed:
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
-        assert graphed.engine.runner.decode_graphs.replays > 0
-        assert all(r.graph is not None for r in graphed.engine.runner.decode_graphs.recorded.values())
-    assert got == expected
+        graphs = graphed.engine.runner.decode_graphs
+        assert graphs.replays > 0 and all(r.graph is not None for r in graphs.recorded.values())
+        for recorded in graphs.recorded.values():  # its buffers still hold its last step's inputs
+            batch = recorded.inputs.input_ids.shape[0]
+            recorded.graph.replay()
+            replayed = graphs.logits[:batch].clone()
+            with torch.inference_mode():
+                eager = decode_forward(graphed.model, graphs.kv_cache, recorded.inputs)
+            assert torch.equal(replayed, eager)
+    if dtype == "float32":
+        with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS, enforce_eager=True) as eager_llm:
+            assert got == [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params)]
 
 
 def test_the_op_count_runs_the_step_eagerly_and_puts_the_graphs_back(ckpt):
