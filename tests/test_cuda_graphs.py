@@ -90,6 +90,17 @@ def test_every_bucket_s_logits_land_in_one_shared_buffer(ckpt, monkeypatch):
     assert_no_leaks(llm)
 
 
+def test_context_buckets_stop_at_max_model_len(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=44)
+    graphs, scratch = with_static_decode(llm)
+    out = llm.generate(["Count on:"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 44  # decoded up to the limit
+    contexts = {length for _, length in graphs.recorded}
+    assert max(contexts) == 44 and graphs.largest == (batch_bucket(llm.engine.config.max_num_seqs), 44)
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
 class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -155,6 +166,7 @@ def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype):
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
         graphs = graphed.engine.runner.decode_graphs
         assert graphs.replays > 0 and all(r.graph is not None for r in graphs.recorded.values())
+        assert graphs.largest in graphs.recorded  # recorded first, whatever the first step needed
         for recorded in graphs.recorded.values():  # its buffers still hold its last step's inputs
             batch = recorded.inputs.input_ids.shape[0]
             recorded.graph.replay()

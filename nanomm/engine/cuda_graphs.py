@@ -11,11 +11,13 @@ from one launch. The price is that everything must stay still between replays:
   to one of `BATCH_BUCKETS`, the longest context to a power of two of blocks (at most max_model_len). One graph
   is recorded per (batch, context) bucket the first time it is needed, and kept.
 - **Memory.** The graphs share one memory pool, which keeps what the largest recorded step needed (at the
-  largest bucket, each layer's gathered context: batch x context keys and values). Their logits go to one
-  static buffer of the largest batch, so that the kept graphs do not each keep a (batch, vocab) output. The
-  KV pool is sized after a profiling pass that runs the largest bucket's step (engine/memory_profile.py).
+  largest bucket, each layer's gathered context: batch x context keys and values). The largest bucket is
+  recorded first, so that the smaller ones fit in the memory it leaves (recorded smallest first, each larger
+  step would add its own). Their logits go to one static buffer of the largest batch, so that the kept graphs
+  do not each keep a (batch, vocab) output. The KV pool is sized after a profiling pass that runs the largest
+  bucket's step (engine/memory_profile.py).
 - **Addresses.** Inputs are copied into the same static buffers before every replay (one host-to-device copy:
-  they are views of one flat buffer). The KV cache never moves.
+  they are views of the front of one flat buffer, which every bucket shares). The KV cache never moves.
 - **Padding.** Padding rows are decodes of token 0 that write their key and value to a scratch slot, one block
   past the pool that the block manager never hands out, and attend only to it. Real rows' padded context
   positions point there too, and the mask hides them.
@@ -70,10 +72,19 @@ class StaticDecodeInputs:
     last_visible: torch.Tensor  # (B, 1) the last context position each row sees
     query_rows: torch.Tensor  # (B, 1) 0..B-1: decodes in packed order (never changes)
 
+    @staticmethod
+    def size(batch: int, length: int) -> int:
+        """Elements of the flat buffer for this bucket."""
+        return batch * (6 + length)
+
     @classmethod
-    def allocate(cls, batch: int, length: int, device) -> "StaticDecodeInputs":
+    def allocate(cls, batch: int, length: int, device, shared: torch.Tensor | None = None) -> "StaticDecodeInputs":
+        """New buffers, or views of the front of `shared` (rewritten whole before every replay: buckets may share)."""
         sizes = [batch, 3 * batch, batch, batch * length, batch, batch]
-        flat = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        if shared is None:
+            flat = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        else:
+            flat = shared[:sum(sizes)]
         ids, positions, slots, context, last, rows = flat.split(sizes)
         rows.copy_(torch.arange(batch))
         return cls(flat, ids, positions.view(3, batch), slots, context.view(batch, length), last.view(batch, 1),
@@ -125,8 +136,13 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.block_size, self.scratch_slot = model, kv_cache, block_size, scratch_slot
         self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
         self.max_context, self.capture = max_context, capture
-        # Every bucket's logits land here (rows 0..batch-1), read before the next step replays (same stream).
-        self.logits = torch.empty(self.max_batch, model.config.text.vocab_size, device=kv_cache.device)
+        self.largest = largest_bucket(max_batch, max_context, block_size)
+        # Shared by every bucket: its inputs (the front of one buffer) and its logits (rows 0..batch-1), both
+        # rewritten by each step and read before the next one replays (on the same stream).
+        self.flat_inputs = torch.zeros(StaticDecodeInputs.size(*self.largest), dtype=torch.long,
+                                       device=kv_cache.device)
+        self.logits = torch.empty(self.max_batch, model.config.text.vocab_size, dtype=torch.float32,
+                                  device=kv_cache.device)
         self.recorded: dict[tuple[int, int], _Recorded] = {}
         self.pool = None  # recorded graphs share one memory pool
         self.replays = 0
@@ -141,6 +157,8 @@ class DecodeGraphs:
         """Logits (len(chunks), vocab) of an eligible step."""
         key = (batch_bucket(len(chunks)), context_bucket(max(c.end for c in chunks), self.block_size, self.max_context))
         with _on_device(self.kv_cache.device):  # streams and graphs belong to the current GPU: make it the model's
+            if self.capture and not self.recorded and key != self.largest:
+                self._record(*self.largest)  # first, so that the pool is the largest step's (module docstring)
             recorded = self.recorded.get(key) or self._record(*key)
             values = recorded.inputs.host_values(chunks, self.block_size, self.scratch_slot)
             if recorded.inputs.flat.device.type == "cuda":
@@ -158,7 +176,7 @@ class DecodeGraphs:
         self.logits[:inputs.input_ids.shape[0]].copy_(decode_forward(self.model, self.kv_cache, inputs))
 
     def _record(self, batch: int, length: int) -> _Recorded:
-        inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device)
+        inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device, shared=self.flat_inputs)
         padding = inputs.host_values([], self.block_size, self.scratch_slot)  # every row writes the scratch slot
         inputs.flat.copy_(padding)
         graph = None

@@ -8,8 +8,8 @@ largest picture the cap allows (encoded whole, whatever the encoder budget). The
 arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens attending to a context of
 `max_model_len`, then an encode of the worst-case image, with the allocator's peak read before and after.
 With CUDA graphs on, a decode step at the largest graph bucket is measured apart (`decode_graph_step`): the
-graphs' memory pool keeps what that step needs for as long as the engine lives, beside the other steps' peak,
-so the two add up. The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in
+graphs' memory pool keeps what that step needs for as long as the engine lives, beside whatever the other
+steps need (a graph's warm-up, which runs the step eagerly, included), so the two add up. The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in
 vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
 """
 
@@ -30,8 +30,8 @@ from nanomm.model.rope import text_positions
 class MemoryProfile:
     total_bytes: int  # the device's memory
     used_bytes: int  # in use after the profile, its temporaries freed: weights, CUDA context, other processes
-    activation_peak_bytes: int  # the most the profiled steps held above the weights
-    decode_graph_bytes: int = 0  # the largest graph bucket's decode step and the graphs' logits buffer (0: no graphs)
+    activation_peak_bytes: int  # the most any profiled step held above the weights, eagerly
+    decode_graph_bytes: int = 0  # what the decode graphs keep: the largest bucket's step, its inputs and logits
 
     @property
     def reserve_bytes(self) -> int:
@@ -96,13 +96,19 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
         model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
+    del ids
     graph_bytes = 0
     if decode_graph_shape is not None:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         logits = decode_graph_step(model, *decode_graph_shape, block_size, kv_cache_dtype)
         torch.cuda.synchronize(device)
-        # The step's own peak (its stand-in cache included, a block: small), and the graphs' logits buffer.
-        graph_bytes = torch.cuda.max_memory_allocated(device) - before + logits.numel() * 4
+        # The step's peak (its inputs, the size of the graphs' shared input buffer, and a one-block stand-in cache
+        # included), and the graphs' logits buffer. A graph's warm-up runs the same step eagerly: the eager peak.
+        step_peak = torch.cuda.max_memory_allocated(device) - start
+        graph_bytes = step_peak + logits.numel() * logits.element_size()
+        peak = max(peak, step_peak)
         del logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
