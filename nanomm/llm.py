@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.cuda_graphs import largest_bucket
+from nanomm.engine.cuda_graphs import graph_context, largest_bucket
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.engine.memory_profile import profile_memory
@@ -132,8 +132,8 @@ class LLM:
         device = self.model.device
         profiled = {}
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
-            graphs = None if config.enforce_eager else largest_bucket(config.max_num_seqs, max_model_len,
-                                                                        config.block_size)
+            graphs = None if config.enforce_eager else largest_bucket(
+                config.max_num_seqs, graph_context(replace(config, max_model_len=max_model_len)), config.block_size)
             profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
                                      token_budget, config.max_num_seqs, max_model_len, graphs, config.block_size,
                                      config.kv_cache_dtype)

@@ -18,8 +18,9 @@ The arithmetic, in the order a request meets it:
    when the pool runs dry, so this is the number of requests that hold their whole length at once.
 5. **The pool** is sized by the rule `LLM` uses (`kv_pool_budget`, shared): on a GPU, utilisation x memory,
    less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
-   more when the vision tower's working set for the largest image is larger; `LLM` measures it instead, with
-   a profiling pass, engine/memory_profile.py); on a CPU, a fixed budget.
+   more when the vision tower's working set for the largest image or the worst decode step is larger, plus
+   what the CUDA graphs of decode steps keep; `LLM` measures it instead, with a profiling pass,
+   engine/memory_profile.py); on a CPU, a fixed budget.
 
 The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
 """
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from nanomm.engine.cuda_graphs import largest_bucket
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
@@ -82,6 +84,8 @@ class Plan:
     blocks_typical: int
     weights_bytes: int
     vision_peak_bytes: int  # the vision tower's working set for the worst-case image (an estimate: see below)
+    decode_peak_bytes: int  # the worst decode step's working set (an estimate: `decode_step_bytes`)
+    decode_graph_bytes: int  # what CUDA graphs of decode steps keep (an estimate; 0 without them)
     kv_budget_bytes: int
     num_kv_blocks: int
     fit_worst: int  # requests the KV pool holds at once, at their full length
@@ -189,6 +193,19 @@ def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> in
     return int(pixels + mlp)
 
 
+def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str) -> int:
+    """An estimate of a decode step's largest working set: `batch` rows, each attending to `context` keys,
+    padded to the longest (engine/attention.py, `batched_attention`). In one layer: the keys and values
+    gathered for every row, their int64 row index, the keys cast to float32 for the scores, the float32 mask
+    and scores, the probabilities in the model's dtype; then the step's float32 logits."""
+    text, b = config.text, ELEMENT_BYTES[dtype]
+    kv_elements = batch * context * text.num_key_value_heads * text.head_dim
+    score_elements = batch * context * text.num_attention_heads
+    gather = 2 * kv_elements * b + 2 * batch * context * text.num_key_value_heads * 8
+    float_keys = kv_elements * 4 if b != 4 else 0
+    return int(gather + float_keys + score_elements * (4 + 4 + b) + batch * text.vocab_size * 4)
+
+
 def kv_pool_budget(device_type: str, *, total_bytes: int = 0, used_bytes: int = 0,
                    gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float | None = None,
                    reserve_bytes: int = MIN_ACTIVATION_RESERVE) -> tuple[int, str]:
@@ -219,12 +236,14 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               device_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
               quantization: str | None = None, quantization_group_size: int = 128, num_parameters: int | None = None,
-              visual_token_compression=None, alternatives: bool = True) -> Plan:
+              visual_token_compression=None, alternatives: bool = True, cuda_graphs: bool = True,
+              max_seq_len_to_capture: int = 8192) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
     pool already decided (num_kv_blocks: a running engine's); else the CPU default.
     quantization: None, "int8" or "int4" (the weights, model_weight_bytes), int4 in groups of quantization_group_size.
     num_parameters: the model's, if already counted (parameter_count). visual_token_compression: the engine's policy
-    ({"method": .., "keep_ratio": ..}, inputs/compression.py), which every image's tokens go through."""
+    ({"method": .., "keep_ratio": ..}, inputs/compression.py), which every image's tokens go through.
+    cuda_graphs, max_seq_len_to_capture: on a GPU, as `LLM(enforce_eager=not cuda_graphs, ...)` would run."""
     workload = workload or Workload()
     compression = parse_policy(visual_token_compression)
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
@@ -238,12 +257,17 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
     peak = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
+    decode_peak = decode_step_bytes(config, max_num_seqs, max_model_len, dtype)
+    graphs = 0
+    if cuda_graphs and device_memory_gib is not None:  # the largest bucket's step and the shared logits buffer
+        batch, context = largest_bucket(max_num_seqs, min(max_model_len, max_seq_len_to_capture), block_size)
+        graphs = decode_step_bytes(config, batch, context, dtype) + batch * config.text.vocab_size * 4
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
         budget, rule = kv_pool_budget(device, total_bytes=int((device_memory_gib or 0) * GiB), used_bytes=weights,
                                       gpu_memory_utilization=gpu_memory_utilization,
                                       kv_cache_memory_gib=kv_cache_memory_gib,
-                                      reserve_bytes=max(MIN_ACTIVATION_RESERVE, peak))
+                                      reserve_bytes=max(MIN_ACTIVATION_RESERVE, peak, decode_peak) + graphs)
         num_kv_blocks = kv_pool_blocks(budget, block_size * per_token, max_num_seqs, max_model_len, block_size)
         if num_kv_blocks < budget // (block_size * per_token):
             rule += "; capped at max_num_seqs x max_model_len"
@@ -255,7 +279,8 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
                 kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
-                vision_peak_bytes=peak, kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
+                vision_peak_bytes=peak, decode_peak_bytes=decode_peak, decode_graph_bytes=graphs,
+                kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
                 fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule)
     _count_requests(plan)
     if alternatives:
@@ -285,7 +310,7 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
                 visual_token_compression=plan.compression,
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
                 workload=plan.workload, quantization_group_size=quantization_group_size, num_parameters=num_parameters,
-                alternatives=False, **pool)
+                alternatives=False, cuda_graphs=plan.decode_graph_bytes > 0, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2
@@ -342,6 +367,9 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
                                f"(block_size {plan.block_size})"),
         ("weights", _gib(plan.weights_bytes)),
         ("vision peak, largest image", f"{_gib(plan.vision_peak_bytes)} (estimate)"),
+        ("worst decode step", f"{_gib(plan.decode_peak_bytes)} (estimate: {plan.max_num_seqs} rows of "
+                              f"{plan.max_model_len:,} keys)" + (f"; CUDA graphs keep {_gib(plan.decode_graph_bytes)}"
+                                                                  if plan.decode_graph_bytes else "")),
         ("KV pool", f"{plan.num_kv_blocks:,} blocks = {_gib(plan.kv_memory_bytes)} ({plan.budget_rule})"),
         ("requests the pool holds", f"worst {plan.fit_worst:,}, typical {plan.fit_typical:,}"),
         ("concurrency", f"worst {plan.concurrency_worst:,}, typical {plan.concurrency_typical:,} "
@@ -432,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--typical-image", type=parse_size, default=(1024, 768), metavar="WxH")
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as LLM's switch)")
     p.add_argument("--revision")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -455,7 +484,7 @@ def main(argv=None) -> int:
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image),
                          device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                         kv_cache_memory_gib=args.kv_cache_memory)
+                         kv_cache_memory_gib=args.kv_cache_memory, cuda_graphs=not args.enforce_eager)
     except (CheckpointError, InvalidInputError) as exc:
         print(f"nanomm-plan: {exc}", file=sys.stderr)
         return 2

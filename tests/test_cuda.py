@@ -11,7 +11,7 @@ import torch
 
 from helpers import assert_mixed_workload_matches, assert_no_leaks, random_workload
 from nanomm import LLM, SamplingParams
-from nanomm.engine.cuda_graphs import largest_bucket
+from nanomm.engine.cuda_graphs import graph_context, largest_bucket
 from nanomm.reference import generate as reference_generate
 from test_engine import MAX_PIXELS, STRESS, record_logit_rows
 
@@ -68,10 +68,13 @@ def test_the_kv_pool_is_sized_after_a_profiling_pass(ckpt, enforce_eager):
         assert stats["memory_activation_peak_bytes"] > 0
         # With CUDA graphs, the largest bucket's decode step (4 rows, each gathering max_model_len keys and
         # values in a layer) and the logits buffer.
-        graphs, text = stats["memory_decode_graph_bytes"], llm.model.config.text
-        batch, context = largest_bucket(4, llm.engine.config.max_model_len, llm.engine.config.block_size)
+        graphs, text, config = stats["memory_decode_graph_bytes"], llm.model.config.text, llm.engine.config
+        batch, context = largest_bucket(4, graph_context(config), config.block_size)
         gathered = 2 * batch * context * text.num_key_value_heads * text.head_dim * 2  # bfloat16
         assert graphs == 0 if enforce_eager else graphs >= gathered + batch * text.vocab_size * 4
+        # Eagerly, the worst decode step: 4 rows, each gathering max_model_len keys and values in a layer.
+        eager_gather = 2 * 4 * config.max_model_len * text.num_key_value_heads * text.head_dim * 2
+        assert stats["memory_activation_peak_bytes"] >= eager_gather
         assert stats["memory_activation_reserve_bytes"] == stats["memory_activation_peak_bytes"] + graphs
         expected = int(0.5 * stats["memory_total_bytes"] - stats["memory_used_bytes"]
                        - stats["memory_activation_reserve_bytes"])

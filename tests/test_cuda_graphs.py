@@ -7,8 +7,9 @@ import torch
 from helpers import assert_no_leaks, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import attention
-from nanomm.engine.cuda_graphs import DecodeGraphs, batch_bucket, context_bucket, decode_forward, largest_bucket
-from nanomm.engine.memory_profile import decode_graph_step
+from nanomm.engine.cuda_graphs import (DecodeGraphs, batch_bucket, context_bucket, decode_forward, graph_context,
+                                       largest_bucket)
+from nanomm.engine.memory_profile import decode_step
 from nanomm.tools.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS
 
@@ -20,7 +21,7 @@ def with_static_decode(llm) -> tuple[DecodeGraphs, int]:
     scratch = engine.block_manager.allocate(1)[0]
     graphs = DecodeGraphs(llm.model, engine.runner.kv_cache, engine.config.block_size,
                           scratch * engine.config.block_size, engine.config.max_num_seqs,
-                          engine.config.max_model_len, capture=False)
+                          graph_context(engine.config), capture=False)
     engine.runner.decode_graphs = graphs
     return graphs, scratch
 
@@ -31,8 +32,8 @@ def test_buckets():
     assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [16, 16, 32, 64, 256]
     # Never past max_model_len's blocks: 200 tokens are 13 blocks, so a 16-block bucket would be 3 too many.
     assert [context_bucket(n, 16, max_tokens=200) for n in (17, 100, 200)] == [32, 128, 208]
-    assert largest_bucket(max_num_seqs=40, max_model_len=1000, block_size=16) == (48, 1008)
-    assert largest_bucket(max_num_seqs=300, max_model_len=100, block_size=16) == (256, 112)
+    assert largest_bucket(max_num_seqs=40, max_context=1000, block_size=16) == (48, 1008)
+    assert largest_bucket(max_num_seqs=300, max_context=100, block_size=16) == (256, 112)
 
 
 @pytest.mark.parametrize("setting", ["default", "block-1", "tiny-pool-preemption", "few-seqs"])
@@ -101,6 +102,20 @@ def test_context_buckets_stop_at_max_model_len(ckpt):
     assert_no_leaks(llm)
 
 
+def test_steps_past_max_seq_len_to_capture_run_eagerly(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=44,
+              max_seq_len_to_capture=24)
+    graphs, scratch = with_static_decode(llm)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate(["Count on:"], params)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 44
+    assert graphs.replays > 0 and max(length for _, length in graphs.recorded) == 24  # then eager up to 44
+    assert graphs.replays < len(out.outputs[0].token_ids) - 1
+    assert out.outputs[0].token_ids == reference_tokens(llm, "Count on:", params)
+    llm.engine.block_manager.free([scratch])
+    assert_no_leaks(llm)
+
+
 class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -114,14 +129,14 @@ class LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_the_memory_profile_s_decode_step_gathers_the_largest_bucket_s_whole_context(ckpt):
-    """The profile (CUDA only) measures `decode_graph_step`; on a CPU we check it is the step that it stands for:
+    """The profile (CUDA only) measures `decode_step`; on a CPU we check it is the step that it stands for:
     every row attends to `context` keys, so a layer gathers batch x context keys and values, from a one-block
     cache, with no host sync (the same region a graph records)."""
     llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=8)
     text = llm.model.config.text
     batch, context = 8, 64
     with torch.inference_mode(), NoHostSync(), LargestOutput() as largest:
-        logits = decode_graph_step(llm.model, batch, context, block_size=4)
+        logits = decode_step(llm.model, batch, context, block_size=4)
     assert logits.shape == (batch, text.vocab_size)
     assert largest.numel >= 2 * batch * context * text.num_key_value_heads * text.head_dim
 

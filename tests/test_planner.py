@@ -73,13 +73,34 @@ def test_the_gpu_pool_rule_by_hand():
 
 def test_the_vision_reserve_grows_with_the_pixel_cap():
     config, image_config = load_configs(QWEN2_VL_2B)
-    big = make_plan(config, image_config, device_memory_gib=24, alternatives=False)
-    small = make_plan(config, replace(image_config, max_pixels=1280 * 784), device_memory_gib=24, alternatives=False)
+    # Few sequences and no CUDA graphs: the decode step's reserve stays under the 1 GiB floor (next test).
+    quiet = dict(max_num_seqs=4, cuda_graphs=False, device_memory_gib=24, alternatives=False)
+    big = make_plan(config, image_config, **quiet)
+    small = make_plan(config, replace(image_config, max_pixels=1280 * 784), **quiet)
     # 65,536 patches: pixels (1176 floats in float32 and bfloat16) + the MLP step (2 x 1280 + 3 x 5120) in bfloat16
     assert big.vision_peak_bytes == 65_536 * 1176 * 6 + 65_536 * (2 * 1280 + 3 * 5120) * 2
     assert big.vision_peak_bytes > GiB  # so the reserve is the vision peak, and the pool is smaller
     assert big.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - big.vision_peak_bytes
     assert small.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - GiB
+
+
+def test_the_decode_reserve_is_the_padded_gather_of_max_num_seqs_rows():
+    config, image_config = load_configs(QWEN2_VL_2B)
+    # Qwen2-VL-2B: 2 KV heads of 128, 12 query heads, vocab 151,936; bfloat16. 64 rows of 32,768 keys, in a layer:
+    # keys and values (2 bytes) and their int64 row index, the keys in float32, mask and scores in float32 and
+    # the probabilities in bfloat16 (12 heads), then the float32 logits of 64 rows.
+    rows, keys = 64, 32_768
+    kv = rows * keys * 2 * 128
+    eager = 2 * kv * 2 + 2 * rows * keys * 2 * 8 + kv * 4 + rows * keys * 12 * (4 + 4 + 2) + rows * 151_936 * 4
+    # CUDA graphs cover steps up to 8,192 keys: that step, and the shared logits buffer, are kept for good.
+    kv8 = rows * 8192 * 2 * 128
+    graphs = 2 * kv8 * 2 + 2 * rows * 8192 * 2 * 8 + kv8 * 4 + rows * 8192 * 12 * 10 + 2 * rows * 151_936 * 4
+    plan = make_plan(config, image_config, device_memory_gib=24, alternatives=False)
+    assert (plan.decode_peak_bytes, plan.decode_graph_bytes) == (eager, graphs) and eager > plan.vision_peak_bytes
+    assert plan.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - eager - graphs
+    eager_only = make_plan(config, image_config, device_memory_gib=24, alternatives=False, cuda_graphs=False)
+    assert eager_only.decode_graph_bytes == 0
+    assert eager_only.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - eager
 
 
 def _engine_plan(llm, workload):

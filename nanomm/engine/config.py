@@ -52,6 +52,7 @@ class EngineConfig:
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA only)
+    max_seq_len_to_capture: int = 8192  # decode steps with a longer context run eagerly (vLLM's name and default)
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (engine/kv_fp8.py)
@@ -78,7 +79,7 @@ class EngineConfig:
         self._translate_vllm_arguments()
         self._check_single_device()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_cache_size",
-                     "limit_images_per_prompt"):
+                     "limit_images_per_prompt", "max_seq_len_to_capture"):
             check_int(getattr(self, name), name)
         for name in ("max_model_len", "num_kv_blocks", "max_num_encoder_tokens", "min_pixels", "max_pixels"):
             if getattr(self, name) is not None:

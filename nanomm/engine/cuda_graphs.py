@@ -9,7 +9,9 @@ from one launch. The price is that everything must stay still between replays:
 
 - **Shapes.** A graph holds one batch size and one context length. Steps are padded up to a bucket: the batch
   to one of `BATCH_BUCKETS`, the longest context to a power of two of blocks (at most max_model_len). One graph
-  is recorded per (batch, context) bucket the first time it is needed, and kept.
+  is recorded per (batch, context) bucket the first time it is needed, and kept. A step whose longest context
+  is past `max_seq_len_to_capture` (8,192 by default, as in vLLM) runs eagerly: its graph would keep a
+  batch x context gather per layer for good.
 - **Memory.** The graphs share one memory pool, which keeps what the largest recorded step needed (at the
   largest bucket, each layer's gathered context: batch x context keys and values). The largest bucket is
   recorded first, so that the smaller ones fit in the memory it leaves (recorded smallest first, each larger
@@ -56,9 +58,14 @@ def context_bucket(tokens: int, block_size: int, max_tokens: int | None = None) 
     return block_size * (padded if max_tokens is None else min(padded, -(-max_tokens // block_size)))
 
 
-def largest_bucket(max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[int, int]:
+def largest_bucket(max_num_seqs: int, max_context: int, block_size: int) -> tuple[int, int]:
     """(batch, context) of the largest graph an engine may record: what the memory profile runs."""
-    return batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1], context_bucket(max_model_len, block_size, max_model_len)
+    return batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1], context_bucket(max_context, block_size, max_context)
+
+
+def graph_context(config) -> int:
+    """The longest context a decode graph covers (an EngineConfig's max_model_len and max_seq_len_to_capture)."""
+    return min(config.max_model_len, config.max_seq_len_to_capture)
 
 
 @dataclass

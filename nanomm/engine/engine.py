@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.cuda_graphs import DecodeGraphs
+from nanomm.engine.cuda_graphs import DecodeGraphs, graph_context
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.intake import RequestIntake
@@ -56,7 +56,7 @@ class LLMEngine:
                                      config.kv_cache_dtype)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
         graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
-                              config.max_num_seqs, config.max_model_len) if use_graphs else None
+                              config.max_num_seqs, graph_context(config)) if use_graphs else None
         self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                   decode_graphs=graphs)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,

@@ -4,13 +4,15 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 
 Whatever the GPU holds besides the weights and the KV pool is activations: a prefill chunk's hidden states,
 its MLP's intermediate, its attention's gathered context; the vision tower's working set while it encodes the
-largest picture the cap allows (encoded whole, whatever the encoder budget). The planner estimates them from
-arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens attending to a context of
-`max_model_len`, then an encode of the worst-case image, with the allocator's peak read before and after.
-With CUDA graphs on, a decode step at the largest graph bucket is measured apart (`decode_graph_step`): the
-graphs' memory pool keeps what that step needs for as long as the engine lives, beside whatever the other
-steps need (a graph's warm-up, which runs the step eagerly, included), so the two add up. The pool then gets what is left of the utilisation share (`planner.kv_pool_budget`), as in
-vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and nothing is profiled.
+largest picture the cap allows (encoded whole, whatever the encoder budget); a decode step's gathered context,
+padded to the longest sequence in the batch (max_num_seqs rows of max_model_len keys at worst). The planner
+estimates them from arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens
+attending to a context of `max_model_len`, an encode of the worst-case image and the worst decode step, with
+the allocator's peak read before and after. With CUDA graphs on, a decode step at the largest graph bucket is
+measured apart: the graphs' memory pool keeps what that step needs for as long as the engine lives, beside
+whatever the other steps need, so the two add up. The pool then gets what is left of the utilisation share
+(`planner.kv_pool_budget`), as in vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and
+nothing is profiled.
 """
 
 from dataclasses import dataclass
@@ -62,10 +64,11 @@ def worst_case_pixels(image_config: ImageProcessorConfig, size: tuple[int, int])
     return preprocess_image(Image.new("RGB", size), image_config)
 
 
-def decode_graph_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_cache_dtype: str = "auto"):
-    """The decode step that a graph of `batch` rows and `context` slots records (cuda_graphs.decode_forward),
-    against a one-block stand-in cache: every row attends to `context` copies of slot 0, so each layer gathers
-    as many keys and values as the real step would. Returns its logits (batch, vocab)."""
+def decode_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_cache_dtype: str = "auto"):
+    """A decode step of `batch` rows attending to `context` slots each, as a graph records it and as the eager
+    batched path runs it (cuda_graphs.decode_forward), against a one-block stand-in cache: every row attends to
+    `context` copies of slot 0, so each layer gathers as many keys and values as the real step would. Returns
+    its logits (batch, vocab)."""
     text = model.config.text
     cache = allocate_kv_cache(text.num_hidden_layers, 1, block_size, text.num_key_value_heads, text.head_dim,
                               model.dtype, model.device, kv_cache_dtype)
@@ -83,34 +86,41 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
     tokens = min(max_num_batched_tokens, max_model_len)
-    ids = torch.zeros(tokens, dtype=torch.long, device=device)
-    hidden = model(ids, text_positions(tokens).to(device), _LongContextAttention(max_model_len))
-    model.compute_logits(hidden[-min(tokens, max_num_seqs):])  # the rows that sample
-    del hidden
-    if model.visual is not None:
-        image = worst_case_pixels(image_config, worst_image)
-        # With the last layer's attention weights, which the "attention" compression method (lesson 14) needs.
-        model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del ids
+
+    def prefill():
+        hidden = model(torch.zeros(tokens, dtype=torch.long, device=device), text_positions(tokens).to(device),
+                       _LongContextAttention(max_model_len))
+        model.compute_logits(hidden[-min(tokens, max_num_seqs):])  # the rows that sample
+
+    def encode():
+        if model.visual is not None:
+            image = worst_case_pixels(image_config, worst_image)
+            # With the last layer's attention weights, which the "attention" compression method (lesson 14) needs.
+            model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
+
+    context = -(-max_model_len // block_size) * block_size
+    peak = max(_peak_bytes(device, prefill), _peak_bytes(device, encode),
+               _peak_bytes(device, lambda: decode_step(model, max_num_seqs, context, block_size, kv_cache_dtype)))
     graph_bytes = 0
     if decode_graph_shape is not None:
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        logits = decode_graph_step(model, *decode_graph_shape, block_size, kv_cache_dtype)
-        torch.cuda.synchronize(device)
+        batch = decode_graph_shape[0]
+        step = _peak_bytes(device, lambda: decode_step(model, *decode_graph_shape, block_size, kv_cache_dtype))
         # The step's peak (its inputs, the size of the graphs' shared input buffer, and a one-block stand-in cache
-        # included), and the graphs' logits buffer. A graph's warm-up runs the same step eagerly: the eager peak.
-        step_peak = torch.cuda.max_memory_allocated(device) - start
-        graph_bytes = step_peak + logits.numel() * logits.element_size()
-        peak = max(peak, step_peak)
-        del logits
+        # included), and the graphs' float32 logits buffer. A graph's warm-up runs the same step eagerly.
+        graph_bytes = step + batch * model.config.text.vocab_size * 4
+        peak = max(peak, step)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return MemoryProfile(total_bytes=total, used_bytes=total - free, activation_peak_bytes=peak,
                          decode_graph_bytes=graph_bytes)
+
+
+def _peak_bytes(device, run) -> int:
+    """The most `run()` held at once above what was allocated before it (its results freed after)."""
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
