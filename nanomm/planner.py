@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from nanomm.engine.attention import MAX_BATCHED_QUERIES, SLICE_ELEMENTS
 from nanomm.engine.cuda_graphs import largest_bucket
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
@@ -86,6 +87,7 @@ class Plan:
     vision_peak_bytes: int  # the vision tower's working set for the worst-case image (an estimate: see below)
     decode_peak_bytes: int  # the worst decode step's working set (an estimate: `decode_step_bytes`)
     decode_graph_bytes: int  # what CUDA graphs of decode steps keep (an estimate; 0 without them)
+    max_seq_len_to_capture: int  # the longest context a decode graph covers (as the engine's argument)
     kv_budget_bytes: int
     num_kv_blocks: int
     fit_worst: int  # requests the KV pool holds at once, at their full length
@@ -193,17 +195,22 @@ def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> in
     return int(pixels + mlp)
 
 
-def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str) -> int:
-    """An estimate of a decode step's largest working set: `batch` rows, each attending to `context` keys,
-    padded to the longest (engine/attention.py, `batched_attention`). In one layer: the keys and values
-    gathered for every row, their int64 row index, the keys cast to float32 for the scores, the float32 mask
-    and scores, the probabilities in the model's dtype; then the step's float32 logits."""
+def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str, kv_dtype: str = "auto",
+                      queries: int = 1) -> int:
+    """An upper bound on what a step of `batch` short runs of `queries` tokens (decodes: 1), each attending to
+    `context` keys, holds at once in the batched attention (engine/attention.py, `BatchLayout`, which goes slice
+    by slice when a step is large), plus its float32 logits. For the step: the visibility mask's source and the
+    key rows. For a slice: its gathered keys and values and their int64 rows (an fp8 pool also dequantizes:
+    1-byte codes and a float32 copy), the keys cast to float32, the float32 mask, scores and softmax, the
+    probabilities in the model's dtype."""
     text, b = config.text, ELEMENT_BYTES[dtype]
-    kv_elements = batch * context * text.num_key_value_heads * text.head_dim
-    score_elements = batch * context * text.num_attention_heads
-    gather = 2 * kv_elements * b + 2 * batch * context * text.num_key_value_heads * 8
-    float_keys = kv_elements * 4 if b != 4 else 0
-    return int(gather + float_keys + score_elements * (4 + 4 + b) + batch * text.vocab_size * 4)
+    kv_heads, head_dim, heads = text.num_key_value_heads, text.head_dim, text.num_attention_heads
+    runs = max(1, min(batch, SLICE_ELEMENTS // (context * (2 * kv_heads * head_dim + heads * queries))))
+    step = batch * queries * context * 4 + batch * kv_heads * context * 8 + batch * queries * text.vocab_size * 4
+    gathered = 2 * runs * context * kv_heads * head_dim  # a slice's keys and values
+    kv = gathered * (b + (1 + 4 if kv_dtype == "fp8" else 0)) + gathered // head_dim * 8
+    float_keys = gathered // 2 * 4 if b != 4 else 0
+    return int(step + kv + float_keys + runs * queries * heads * context * (3 * 4 + b))
 
 
 def kv_pool_budget(device_type: str, *, total_bytes: int = 0, used_bytes: int = 0,
@@ -257,11 +264,12 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
     peak = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
-    decode_peak = decode_step_bytes(config, max_num_seqs, max_model_len, dtype)
+    # The worst batched step pads every running sequence to the longest context and the longest short run.
+    decode_peak = decode_step_bytes(config, max_num_seqs, max_model_len, dtype, kv_dtype, MAX_BATCHED_QUERIES)
     graphs = 0
     if cuda_graphs and device_memory_gib is not None:  # the largest bucket's step and the shared logits buffer
         batch, context = largest_bucket(max_num_seqs, min(max_model_len, max_seq_len_to_capture), block_size)
-        graphs = decode_step_bytes(config, batch, context, dtype) + batch * config.text.vocab_size * 4
+        graphs = decode_step_bytes(config, batch, context, dtype, kv_dtype) + batch * config.text.vocab_size * 4
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
         budget, rule = kv_pool_budget(device, total_bytes=int((device_memory_gib or 0) * GiB), used_bytes=weights,
@@ -280,6 +288,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
                 kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
                 vision_peak_bytes=peak, decode_peak_bytes=decode_peak, decode_graph_bytes=graphs,
+                max_seq_len_to_capture=max_seq_len_to_capture,
                 kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
                 fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule)
     _count_requests(plan)
@@ -310,7 +319,8 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
                 visual_token_compression=plan.compression,
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
                 workload=plan.workload, quantization_group_size=quantization_group_size, num_parameters=num_parameters,
-                alternatives=False, cuda_graphs=plan.decode_graph_bytes > 0, **pool)
+                alternatives=False, cuda_graphs=plan.decode_graph_bytes > 0,
+                max_seq_len_to_capture=plan.max_seq_len_to_capture, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2
@@ -367,9 +377,10 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
                                f"(block_size {plan.block_size})"),
         ("weights", _gib(plan.weights_bytes)),
         ("vision peak, largest image", f"{_gib(plan.vision_peak_bytes)} (estimate)"),
-        ("worst decode step", f"{_gib(plan.decode_peak_bytes)} (estimate: {plan.max_num_seqs} rows of "
-                              f"{plan.max_model_len:,} keys)" + (f"; CUDA graphs keep {_gib(plan.decode_graph_bytes)}"
-                                                                  if plan.decode_graph_bytes else "")),
+        ("worst batched step", f"{_gib(plan.decode_peak_bytes)} (at most: {plan.max_num_seqs} x "
+                               f"{MAX_BATCHED_QUERIES} queries, {plan.max_model_len:,} keys)"
+                               + (f"; CUDA graphs keep {_gib(plan.decode_graph_bytes)}" if plan.decode_graph_bytes
+                                  else "")),
         ("KV pool", f"{plan.num_kv_blocks:,} blocks = {_gib(plan.kv_memory_bytes)} ({plan.budget_rule})"),
         ("requests the pool holds", f"worst {plan.fit_worst:,}, typical {plan.fit_typical:,}"),
         ("concurrency", f"worst {plan.concurrency_worst:,}, typical {plan.concurrency_typical:,} "

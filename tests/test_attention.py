@@ -55,6 +55,54 @@ def test_batched_attention_equals_one_sequence_at_a_time(seed, kv_heads, group):
     torch.testing.assert_close(batched(*step), one_by_one(*step), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("slice_elements", [1, 1500])  # one run per slice; one or a few
+def test_a_step_too_large_for_one_slice_goes_slice_by_slice_and_equals_the_definition(seed, slice_elements,
+                                                                                     monkeypatch):
+    import nanomm.engine.attention as attention
+    step = random_step(seed, 2, 3)
+    cache, q, k, v, starts, query_lens, contexts, new_slots = step
+    monkeypatch.setattr(attention, "SLICE_ELEMENTS", slice_elements)
+    padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
+    short = batch_short_queries(starts, query_lens, padded, [len(c) for c in contexts])
+    attend = PagedAttention(cache.clone(), StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [], short),
+                            q.shape[1])
+    if len(contexts) > 1 and slice_elements == 1:
+        assert attend.layout.whole is None and attend.layout.runs_per_slice == 1
+    torch.testing.assert_close(attend.attend(0, q, k, v), one_by_one(*step), rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_in_packed_order_slice_by_slice(monkeypatch):
+    import nanomm.engine.attention as attention
+    monkeypatch.setattr(attention, "SLICE_ELEMENTS", 1)
+    gen = torch.Generator().manual_seed(8)
+    cache = torch.randn(1, 2, 256, 2, 16, generator=gen)
+    contexts = [token_slots([5, 9, 2], 0, 11, 4), token_slots([7], 0, 3, 4), token_slots([1, 3], 0, 6, 4)]
+    new_slots = torch.stack([c[-1] for c in contexts])
+    q, (k, v) = torch.randn(3, 6, 16, generator=gen), torch.randn(2, 3, 2, 16, generator=gen)
+    short = batch_short_queries([0, 1, 2], [1, 1, 1], torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
+                                [11, 3, 6])
+    assert short.in_order
+    meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [], short)
+    sliced = PagedAttention(cache.clone(), meta, 6)
+    assert sliced.layout.runs_per_slice == 1
+    torch.testing.assert_close(sliced.attend(0, q, k, v), one_by_one(cache, q, k, v, [0, 1, 2], [1, 1, 1], contexts,
+                                                                       new_slots), rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_gives_the_reference_s_tokens_when_every_step_is_sliced(ckpt, monkeypatch):
+    import nanomm.engine.attention as attention
+    from helpers import assert_no_leaks, random_workload, reference_tokens
+    from nanomm import LLM, SamplingParams
+    monkeypatch.setattr(attention, "SLICE_ELEMENTS", 1)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", num_kv_blocks=128)
+    prompts = random_workload(seed=3, num_prompts=4)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
+    for prompt, p, out in zip(prompts, params, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, p)
+    assert_no_leaks(llm)
+
+
 def test_batched_attention_in_bfloat16_scores_in_float32():
     step = random_step(3, 2, 3, torch.bfloat16)
     reference = one_by_one(*(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in step))

@@ -84,23 +84,29 @@ def test_the_vision_reserve_grows_with_the_pixel_cap():
     assert small.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - GiB
 
 
-def test_the_decode_reserve_is_the_padded_gather_of_max_num_seqs_rows():
+def test_the_decode_reserve_is_the_worst_batched_step_slice_by_slice():
     config, image_config = load_configs(QWEN2_VL_2B)
-    # Qwen2-VL-2B: 2 KV heads of 128, 12 query heads, vocab 151,936; bfloat16. 64 rows of 32,768 keys, in a layer:
-    # keys and values (2 bytes) and their int64 row index, the keys in float32, mask and scores in float32 and
-    # the probabilities in bfloat16 (12 heads), then the float32 logits of 64 rows.
-    rows, keys = 64, 32_768
-    kv = rows * keys * 2 * 128
-    eager = 2 * kv * 2 + 2 * rows * keys * 2 * 8 + kv * 4 + rows * keys * 12 * (4 + 4 + 2) + rows * 151_936 * 4
-    # CUDA graphs cover steps up to 8,192 keys: that step, and the shared logits buffer, are kept for good.
-    kv8 = rows * 8192 * 2 * 128
-    graphs = 2 * kv8 * 2 + 2 * rows * 8192 * 2 * 8 + kv8 * 4 + rows * 8192 * 12 * 10 + 2 * rows * 151_936 * 4
+    # Qwen2-VL-2B: 2 KV heads of 128, 12 query heads, vocab 151,936; bfloat16. The worst batched step: 64 runs of
+    # 16 queries (MAX_BATCHED_QUERIES) padded to 32,768 keys. A run gathers 32,768 x (2 x 2 x 128) elements and
+    # scores 32,768 x 12 x 16: 2**27 elements (SLICE_ELEMENTS) hold 5 runs per slice.
+    def step_bytes(rows, keys, queries, runs):
+        whole = rows * queries * keys * 4 + rows * 2 * keys * 8 + rows * queries * 151_936 * 4  # mask source, rows, logits
+        gathered = 2 * runs * keys * 2 * 128
+        one_slice = gathered * 2 + gathered // 128 * 8 + gathered // 2 * 4 + runs * queries * 12 * keys * (4 + 4 + 4 + 2)
+        return whole + one_slice
+    eager = step_bytes(64, 32_768, 16, runs=5)
+    # CUDA graphs cover decodes (1 query) up to 8,192 keys: 31 runs a slice; that step and the logits buffer stay.
+    graphs = step_bytes(64, 8192, 1, runs=31) + 64 * 151_936 * 4
     plan = make_plan(config, image_config, device_memory_gib=24, alternatives=False)
-    assert (plan.decode_peak_bytes, plan.decode_graph_bytes) == (eager, graphs) and eager > plan.vision_peak_bytes
-    assert plan.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - eager - graphs
+    assert (plan.decode_peak_bytes, plan.decode_graph_bytes) == (eager, graphs)
+    reserve = max(plan.vision_peak_bytes, eager) + graphs
+    assert plan.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - reserve
     eager_only = make_plan(config, image_config, device_memory_gib=24, alternatives=False, cuda_graphs=False)
     assert eager_only.decode_graph_bytes == 0
-    assert eager_only.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - eager
+    assert eager_only.kv_budget_bytes == int(0.9 * 24 * GiB) - 4_417_971_200 - max(plan.vision_peak_bytes, eager)
+    # An fp8 pool dequantizes what it gathers: 1-byte codes and a float32 copy more per gathered element.
+    fp8 = make_plan(config, image_config, device_memory_gib=24, alternatives=False, kv_dtype="fp8")
+    assert fp8.decode_peak_bytes == eager + 2 * 5 * 32_768 * 2 * 128 * 5
 
 
 def _engine_plan(llm, workload):

@@ -60,29 +60,53 @@ class ShortQueries:
         return keys[None, None, :] <= self.last_visible[:, :, None]
 
 
+SLICE_ELEMENTS = 1 << 27  # a slice of the batched attention gathers and scores about this many elements at most
+
+
 @dataclass
 class BatchLayout:
     """What every layer's `batched_attention` reads, derived once per step from ShortQueries (the same for
-    every layer: only the cache and q change)."""
-    kv_rows: torch.Tensor  # (2 * B * kv_heads * L,) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
-    mask: torch.Tensor  # (B * kv_heads, Q * group or 1, L) float32: 0 where a key is visible, -inf where not
+    every layer: only the cache and q change).
+
+    Runs are padded to the step's longest context and longest run, so a step with one long sequence among
+    many would gather (and score) that length for every run: 64 runs of 32k keys are gigabytes. Such a step
+    goes through the attention in slices of `runs_per_slice` runs, each gathering only its own keys; a step
+    that fits SLICE_ELEMENTS is one slice, built once (every step of the tests and benchmarks here)."""
+    key_rows: torch.Tensor  # (B, kv_heads * L) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
+    values_offset: int  # the same rows' values are this many rows further
+    visible: torch.Tensor  # (B, Q, L) float32: 0 where a key is visible, -inf where not
     kv_heads: int
+    group: int
+    runs_per_slice: int
+    whole: tuple[torch.Tensor, torch.Tensor] | None  # (kv rows, mask) of the whole step when it is one slice
 
     @classmethod
-    def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int) -> "BatchLayout":
+    def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int, head_dim: int) -> "BatchLayout":
         batch, width = short.query_rows.shape
+        length = short.context_slots.shape[1]
         heads_offset = torch.arange(kv_heads, device=short.context_slots.device)[None, :, None]  # (1, kv, 1)
-        key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).flatten()  # (B * kv * L,)
-        kv_rows = torch.cat([key_rows, key_rows + num_slots * kv_heads])  # keys, then values
-        hidden = torch.zeros(short.last_visible.shape + short.context_slots.shape[1:], dtype=torch.float32,
-                             device=short.context_slots.device)
-        hidden.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
-        # (B, Q, L) -> (B, kv, Q, group, L) -> (B * kv, Q * group, L), the layout of the queries below; a decode
-        # (Q = 1) needs one row per KV head: its query heads all see the same keys, and baddbmm broadcasts it.
-        rows = 1 if width == 1 else group
-        mask = hidden[:, None, :, None, :].expand(batch, kv_heads, width, rows, -1).reshape(
-            batch * kv_heads, width * rows, -1)
-        return cls(kv_rows, mask, kv_heads)
+        key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).view(batch, -1)  # (B, kv * L)
+        visible = torch.zeros(short.last_visible.shape + (length,), dtype=torch.float32,
+                              device=short.context_slots.device)
+        visible.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
+        per_run = length * (2 * kv_heads * head_dim + kv_heads * group * width)  # keys and values, then scores
+        runs = max(1, min(batch, SLICE_ELEMENTS // max(1, per_run)))
+        layout = cls(key_rows, num_slots * kv_heads, visible, kv_heads, group, runs, None)
+        if runs == batch:
+            layout.whole = layout.slice_rows_and_mask(slice(0, batch))
+        return layout
+
+    def slice_rows_and_mask(self, runs: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache rows (keys, then values) and the mask of these runs. The mask is (B, Q, L) -> (B, kv, Q,
+        group, L) -> (B * kv, Q * group, L), the layout of the queries in `batched_attention`; a decode (Q = 1)
+        needs one row per KV head: its query heads all see the same keys, and baddbmm broadcasts it."""
+        keys = self.key_rows[runs].flatten()
+        visible = self.visible[runs]
+        batch, width, _ = visible.shape
+        rows = 1 if width == 1 else self.group
+        mask = visible[:, None, :, None, :].expand(batch, self.kv_heads, width, rows, -1).reshape(
+            batch * self.kv_heads, width * rows, -1)
+        return torch.cat([keys, keys + self.values_offset]), mask
 
 
 @dataclass
@@ -146,28 +170,28 @@ def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return out.reshape(1, heads, head_dim)
 
 
-def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, short: ShortQueries,
-                      layout: BatchLayout) -> torch.Tensor:
-    """Attention for every short query run of the step at once, over keys and values gathered once.
+def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: torch.Tensor, in_order: bool,
+                      mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Attention for short query runs at once, over keys and values gathered once.
 
-    q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): this layer's cache rows
-    `layout.kv_rows`, the new tokens written. Returns (B * Q, heads, head_dim), one row per (run, query) slot,
-    padding included."""
+    q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): the runs' cache rows
+    (`BatchLayout.slice_rows_and_mask`), the new tokens written; query_rows (B, Q): each run's rows of q (with
+    in_order, q's rows 0..B-1 are the B runs' single queries); mask (B * kv, Q * group or 1, L). Returns
+    (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
     heads, head_dim = q.shape[1], q.shape[2]
-    batch, width = short.query_rows.shape
-    kv_heads = layout.kv_heads
+    batch, width = query_rows.shape
     group = heads // kv_heads
     keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
-    if short.in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
+    if in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
         queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
     else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
-        queries = q.index_select(0, short.query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
+        queries = q.index_select(0, query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
         queries = queries.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, width * group, head_dim)
     # Scores in float32 (as prefill's), scaled and masked in one call: mask + scale * q k^T.
-    scores = torch.baddbmm(layout.mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
+    scores = torch.baddbmm(mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B * kv, Q * group, L)
     out = torch.bmm(probs, values)  # (B * kv, Q * group, d)
-    if short.in_order:
+    if in_order:
         return out.view(batch, heads, head_dim)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
@@ -183,15 +207,32 @@ class PagedAttention:
         self.meta = metadata
         self.layout = None  # what every layer's batched call reads, derived once for the step
         if metadata.short is not None:
-            slots, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-            self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads)
+            slots, kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+            self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads, head_dim)
+
+    def _attend_short(self, layer: int, q: torch.Tensor, short: ShortQueries) -> torch.Tensor:
+        """Every short run through `batched_attention`: at once, or slice by slice (BatchLayout) -> (B * Q, ...)."""
+        layout = self.layout
+        if layout.whole is not None:
+            kv_rows, mask = layout.whole
+            return batched_attention(q, self.store.read_rows(layer, kv_rows), short.query_rows, short.in_order,
+                                     mask, layout.kv_heads)
+        outs = []
+        for start in range(0, short.query_rows.shape[0], layout.runs_per_slice):
+            runs = slice(start, start + layout.runs_per_slice)
+            kv_rows, mask = layout.slice_rows_and_mask(runs)
+            # In order, run i's query is q's row i: the slice's queries are q's rows from `start`.
+            queries = q[start:] if short.in_order else q
+            outs.append(batched_attention(queries, self.store.read_rows(layer, kv_rows), short.query_rows[runs],
+                                          short.in_order, mask, layout.kv_heads))
+        return torch.cat(outs)
 
     @torch.compiler.disable  # LLM(compile=True) compiles the layers around this call, not the call itself
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store.write(layer, self.meta.slot_mapping, k, v)
         short = self.meta.short
         if short is not None:
-            batch_out = batched_attention(q, self.store.read_rows(layer, self.layout.kv_rows), short, self.layout)
+            batch_out = self._attend_short(layer, q, short)
             if short.in_order and not self.meta.sequences:
                 return batch_out  # a pure decode step: no scatter either
         out = torch.empty_like(q)

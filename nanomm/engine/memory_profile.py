@@ -4,10 +4,11 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 
 Whatever the GPU holds besides the weights and the KV pool is activations: a prefill chunk's hidden states,
 its MLP's intermediate, its attention's gathered context; the vision tower's working set while it encodes the
-largest picture the cap allows (encoded whole, whatever the encoder budget); a decode step's gathered context,
-padded to the longest sequence in the batch (max_num_seqs rows of max_model_len keys at worst). The planner
+largest picture the cap allows (encoded whole, whatever the encoder budget); the batched attention's gathered
+context, mask and scores, padded to the longest sequence and the longest short run in the step (at worst
+max_num_seqs runs of MAX_BATCHED_QUERIES queries and max_model_len keys). The planner
 estimates them from arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens
-attending to a context of `max_model_len`, an encode of the worst-case image and the worst decode step, with
+attending to a context of `max_model_len`, an encode of the worst-case image and the worst batched step, with
 the allocator's peak read before and after. With CUDA graphs on, a decode step at the largest graph bucket is
 measured apart: the graphs' memory pool keeps what that step needs for as long as the engine lives, beside
 whatever the other steps need, so the two add up. The pool then gets what is left of the utilisation share
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from nanomm.engine.attention import causal_attention
+from nanomm.engine.attention import MAX_BATCHED_QUERIES, PagedAttention, ShortQueries, StepMetadata, causal_attention
 from nanomm.engine.cuda_graphs import StaticDecodeInputs, decode_forward
 from nanomm.engine.kv_cache import allocate_kv_cache
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
@@ -64,16 +65,26 @@ def worst_case_pixels(image_config: ImageProcessorConfig, size: tuple[int, int])
     return preprocess_image(Image.new("RGB", size), image_config)
 
 
-def decode_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_cache_dtype: str = "auto"):
-    """A decode step of `batch` rows attending to `context` slots each, as a graph records it and as the eager
-    batched path runs it (cuda_graphs.decode_forward), against a one-block stand-in cache: every row attends to
-    `context` copies of slot 0, so each layer gathers as many keys and values as the real step would. Returns
-    its logits (batch, vocab)."""
-    text = model.config.text
+def decode_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_cache_dtype: str = "auto",
+                queries: int = 1):
+    """A step of `batch` short query runs of `queries` tokens each (decodes: 1; speculative verifications and
+    short prefill chunks: more, up to MAX_BATCHED_QUERIES), every run attending to `context` slots, through
+    the batched attention (as a decode graph records it, `decode_forward`, for one query). Against a one-block
+    stand-in cache: every run attends to `context` copies of slot 0, so each layer gathers as many keys and
+    values, and masks and scores as many, as the real step would. Returns its logits (batch * queries, vocab)."""
+    text, device = model.config.text, model.device
     cache = allocate_kv_cache(text.num_hidden_layers, 1, block_size, text.num_key_value_heads, text.head_dim,
-                              model.dtype, model.device, kv_cache_dtype)
-    inputs = StaticDecodeInputs.allocate(batch, context, model.device)  # all zeros: token 0, slot 0
-    return decode_forward(model, cache, inputs)
+                              model.dtype, device, kv_cache_dtype)
+    if queries == 1:
+        return decode_forward(model, cache, StaticDecodeInputs.allocate(batch, context, device))  # token 0, slot 0
+    tokens = torch.zeros(batch * queries, dtype=torch.long, device=device)
+    rows = torch.arange(batch * queries, device=device)
+    short = ShortQueries(rows.view(batch, queries), torch.zeros(batch, context, dtype=torch.long, device=device),
+                         torch.zeros(batch, queries, dtype=torch.long, device=device), valid_index=None,
+                         dest_rows=rows, in_order=False)
+    attention = PagedAttention(cache, StepMetadata(tokens, tokens[:0], [], short), text.num_attention_heads)
+    hidden = model(tokens, torch.zeros(3, batch * queries, dtype=torch.long, device=device), attention)
+    return model.compute_logits(hidden)
 
 
 @torch.inference_mode()
@@ -99,9 +110,13 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
             # With the last layer's attention weights, which the "attention" compression method (lesson 14) needs.
             model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
 
-    context = -(-max_model_len // block_size) * block_size
-    peak = max(_peak_bytes(device, prefill), _peak_bytes(device, encode),
-               _peak_bytes(device, lambda: decode_step(model, max_num_seqs, context, block_size, kv_cache_dtype)))
+    # The worst batched step: every running sequence padded to the longest context, and to the longest short
+    # run (one 16-token prefill tail or verification pads every decode beside it).
+    def batched():
+        context = -(-max_model_len // block_size) * block_size
+        decode_step(model, max_num_seqs, context, block_size, kv_cache_dtype, MAX_BATCHED_QUERIES)
+
+    peak = max(_peak_bytes(device, prefill), _peak_bytes(device, encode), _peak_bytes(device, batched))
     graph_bytes = 0
     if decode_graph_shape is not None:
         batch = decode_graph_shape[0]
