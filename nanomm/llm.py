@@ -133,7 +133,7 @@ class LLM:
         profiled = {}
         if device.type == "cuda" and config.kv_cache_memory_gib is None:
             graphs = None if config.enforce_eager else largest_bucket(
-                config.max_num_seqs, graph_context(replace(config, max_model_len=max_model_len)), config.block_size)
+                config.max_num_seqs, graph_context(max_model_len, config.max_seq_len_to_capture), config.block_size)
             profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
                                      token_budget, config.max_num_seqs, max_model_len, graphs, config.block_size,
                                      config.kv_cache_dtype)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES, SLICE_ELEMENTS
-from nanomm.engine.cuda_graphs import largest_bucket
+from nanomm.engine.attention import MAX_BATCHED_QUERIES, runs_per_slice
+from nanomm.engine.cuda_graphs import graph_context, largest_bucket
 from nanomm.engine.kv_cache import kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
@@ -205,7 +205,7 @@ def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str,
     probabilities in the model's dtype."""
     text, b = config.text, ELEMENT_BYTES[dtype]
     kv_heads, head_dim, heads = text.num_key_value_heads, text.head_dim, text.num_attention_heads
-    runs = max(1, min(batch, SLICE_ELEMENTS // (context * (2 * kv_heads * head_dim + heads * queries))))
+    runs = runs_per_slice(batch, context, kv_heads, head_dim, heads, queries)
     step = batch * queries * context * 4 + batch * kv_heads * context * 8 + batch * queries * text.vocab_size * 4
     gathered = 2 * runs * context * kv_heads * head_dim  # a slice's keys and values
     kv = gathered * (b + (1 + 4 if kv_dtype == "fp8" else 0)) + gathered // head_dim * 8
@@ -268,7 +268,8 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     decode_peak = decode_step_bytes(config, max_num_seqs, max_model_len, dtype, kv_dtype, MAX_BATCHED_QUERIES)
     graphs = 0
     if cuda_graphs and device_memory_gib is not None:  # the largest bucket's step and the shared logits buffer
-        batch, context = largest_bucket(max_num_seqs, min(max_model_len, max_seq_len_to_capture), block_size)
+        longest = graph_context(max_model_len, max_seq_len_to_capture)
+        batch, context = largest_bucket(max_num_seqs, longest, block_size)
         graphs = decode_step_bytes(config, batch, context, dtype, kv_dtype) + batch * config.text.vocab_size * 4
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"

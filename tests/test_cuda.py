@@ -69,7 +69,8 @@ def test_the_kv_pool_is_sized_after_a_profiling_pass(ckpt, enforce_eager):
         # With CUDA graphs, the largest bucket's decode step (4 rows, each gathering max_model_len keys and
         # values in a layer) and the logits buffer.
         graphs, text, config = stats["memory_decode_graph_bytes"], llm.model.config.text, llm.engine.config
-        batch, context = largest_bucket(4, graph_context(config), config.block_size)
+        longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
+        batch, context = largest_bucket(4, longest, config.block_size)
         gathered = 2 * batch * context * text.num_key_value_heads * text.head_dim * 2  # bfloat16
         assert graphs == 0 if enforce_eager else graphs >= gathered + batch * text.vocab_size * 4
         # Eagerly, the worst decode step: 4 rows, each gathering max_model_len keys and values in a layer.

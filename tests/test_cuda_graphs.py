@@ -19,9 +19,10 @@ def with_static_decode(llm) -> tuple[DecodeGraphs, int]:
     writing to a block taken from the pool for the test (given back by `release`)."""
     engine = llm.engine
     scratch = engine.block_manager.allocate(1)[0]
-    graphs = DecodeGraphs(llm.model, engine.runner.kv_cache, engine.config.block_size,
-                          scratch * engine.config.block_size, engine.config.max_num_seqs,
-                          graph_context(engine.config), capture=False)
+    config = engine.config
+    graphs = DecodeGraphs(llm.model, engine.runner.kv_cache, config.block_size, scratch * config.block_size,
+                          config.max_num_seqs, graph_context(config.max_model_len, config.max_seq_len_to_capture),
+                          capture=False)
     engine.runner.decode_graphs = graphs
     return graphs, scratch
 

@@ -90,9 +90,11 @@ def test_the_decode_reserve_is_the_worst_batched_step_slice_by_slice():
     # 16 queries (MAX_BATCHED_QUERIES) padded to 32,768 keys. A run gathers 32,768 x (2 x 2 x 128) elements and
     # scores 32,768 x 12 x 16: 2**27 elements (SLICE_ELEMENTS) hold 5 runs per slice.
     def step_bytes(rows, keys, queries, runs):
-        whole = rows * queries * keys * 4 + rows * 2 * keys * 8 + rows * queries * 151_936 * 4  # mask source, rows, logits
+        # the mask's source, the key rows, the logits
+        whole = rows * queries * keys * 4 + rows * 2 * keys * 8 + rows * queries * 151_936 * 4
         gathered = 2 * runs * keys * 2 * 128
-        one_slice = gathered * 2 + gathered // 128 * 8 + gathered // 2 * 4 + runs * queries * 12 * keys * (4 + 4 + 4 + 2)
+        scores = runs * queries * 12 * keys * (4 + 4 + 4 + 2)  # mask, scores, softmax in float32; probabilities
+        one_slice = gathered * 2 + gathered // 128 * 8 + gathered // 2 * 4 + scores
         return whole + one_slice
     eager = step_bytes(64, 32_768, 16, runs=5)
     # CUDA graphs cover decodes (1 query) up to 8,192 keys: 31 runs a slice; that step and the logits buffer stay.

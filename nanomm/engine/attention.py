@@ -63,6 +63,13 @@ class ShortQueries:
 SLICE_ELEMENTS = 1 << 27  # a slice of the batched attention gathers and scores about this many elements at most
 
 
+def runs_per_slice(batch: int, length: int, kv_heads: int, head_dim: int, heads: int, width: int) -> int:
+    """How many of `batch` runs of `width` queries over `length` keys one slice holds: each run gathers its keys
+    and values (2 x kv_heads x head_dim per key) and scores its queries (heads x width per key)."""
+    per_run = length * (2 * kv_heads * head_dim + heads * width)
+    return max(1, min(batch, SLICE_ELEMENTS // max(1, per_run)))
+
+
 @dataclass
 class BatchLayout:
     """What every layer's `batched_attention` reads, derived once per step from ShortQueries (the same for
@@ -89,8 +96,7 @@ class BatchLayout:
         visible = torch.zeros(short.last_visible.shape + (length,), dtype=torch.float32,
                               device=short.context_slots.device)
         visible.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
-        per_run = length * (2 * kv_heads * head_dim + kv_heads * group * width)  # keys and values, then scores
-        runs = max(1, min(batch, SLICE_ELEMENTS // max(1, per_run)))
+        runs = runs_per_slice(batch, length, kv_heads, head_dim, kv_heads * group, width)
         layout = cls(key_rows, num_slots * kv_heads, visible, kv_heads, group, runs, None)
         if runs == batch:
             layout.whole = layout.slice_rows_and_mask(slice(0, batch))
@@ -212,20 +218,15 @@ class PagedAttention:
 
     def _attend_short(self, layer: int, q: torch.Tensor, short: ShortQueries) -> torch.Tensor:
         """Every short run through `batched_attention`: at once, or slice by slice (BatchLayout) -> (B * Q, ...)."""
-        layout = self.layout
-        if layout.whole is not None:
-            kv_rows, mask = layout.whole
-            return batched_attention(q, self.store.read_rows(layer, kv_rows), short.query_rows, short.in_order,
-                                     mask, layout.kv_heads)
-        outs = []
+        layout, outs = self.layout, []
         for start in range(0, short.query_rows.shape[0], layout.runs_per_slice):
             runs = slice(start, start + layout.runs_per_slice)
-            kv_rows, mask = layout.slice_rows_and_mask(runs)
+            kv_rows, mask = layout.whole or layout.slice_rows_and_mask(runs)
             # In order, run i's query is q's row i: the slice's queries are q's rows from `start`.
             queries = q[start:] if short.in_order else q
             outs.append(batched_attention(queries, self.store.read_rows(layer, kv_rows), short.query_rows[runs],
                                           short.in_order, mask, layout.kv_heads))
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.compiler.disable  # LLM(compile=True) compiles the layers around this call, not the call itself
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,9 @@ def largest_bucket(max_num_seqs: int, max_context: int, block_size: int) -> tupl
     return batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1], context_bucket(max_context, block_size, max_context)
 
 
-def graph_context(config) -> int:
-    """The longest context a decode graph covers (an EngineConfig's max_model_len and max_seq_len_to_capture)."""
-    return min(config.max_model_len, config.max_seq_len_to_capture)
+def graph_context(max_model_len: int, max_seq_len_to_capture: int) -> int:
+    """The longest context a decode graph covers (the engine arguments of the same names)."""
+    return min(max_model_len, max_seq_len_to_capture)
 
 
 @dataclass
@@ -80,14 +80,14 @@ class StaticDecodeInputs:
     query_rows: torch.Tensor  # (B, 1) 0..B-1: decodes in packed order (never changes)
 
     @staticmethod
-    def size(batch: int, length: int) -> int:
-        """Elements of the flat buffer for this bucket."""
-        return batch * (6 + length)
+    def sizes(batch: int, length: int) -> list[int]:
+        """Elements of each field, in the flat buffer's order."""
+        return [batch, 3 * batch, batch, batch * length, batch, batch]
 
     @classmethod
     def allocate(cls, batch: int, length: int, device, shared: torch.Tensor | None = None) -> "StaticDecodeInputs":
         """New buffers, or views of the front of `shared` (rewritten whole before every replay: buckets may share)."""
-        sizes = [batch, 3 * batch, batch, batch * length, batch, batch]
+        sizes = cls.sizes(batch, length)
         if shared is None:
             flat = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         else:
@@ -141,12 +141,11 @@ class DecodeGraphs:
                  max_batch: int, max_context: int, capture: bool = True):
         """capture=False runs the same static, padded path without recording (on a CPU, for tests)."""
         self.model, self.kv_cache, self.block_size, self.scratch_slot = model, kv_cache, block_size, scratch_slot
-        self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
-        self.max_context, self.capture = max_context, capture
         self.largest = largest_bucket(max_batch, max_context, block_size)
+        self.max_batch, self.max_context, self.capture = self.largest[0], max_context, capture
         # Shared by every bucket: its inputs (the front of one buffer) and its logits (rows 0..batch-1), both
         # rewritten by each step and read before the next one replays (on the same stream).
-        self.flat_inputs = torch.zeros(StaticDecodeInputs.size(*self.largest), dtype=torch.long,
+        self.flat_inputs = torch.zeros(sum(StaticDecodeInputs.sizes(*self.largest)), dtype=torch.long,
                                        device=kv_cache.device)
         self.logits = torch.empty(self.max_batch, model.config.text.vocab_size, dtype=torch.float32,
                                   device=kv_cache.device)

@@ -55,8 +55,9 @@ class LLMEngine:
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device,
                                      config.kv_cache_dtype)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
+        longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
         graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
-                              config.max_num_seqs, graph_context(config)) if use_graphs else None
+                              config.max_num_seqs, longest) if use_graphs else None
         self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                   decode_graphs=graphs)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
