@@ -4,6 +4,7 @@
     python scripts/bench_linear.py --threads 4 --repeats 50
     python scripts/bench_linear.py --head-rows 1 8 32 64 128   # the LM head alone at other batch sizes
     python scripts/bench_linear.py --layer-sweep --repeats 5   # small layers: where packing starts to pay
+    python scripts/bench_linear.py --inductor-head --repeats 5  # the 32-row head: Inductor's own GEMM kernels too
 
 Prints one line per shape: F.linear ms, PackedLinear ms and the speed-up. Results go in BENCHMARKS.md with the
 machine (`lscpu`): the answer differs between CPUs (oneDNN's packed kernel doubles the matmul rate on an AMD
@@ -53,6 +54,9 @@ def main(argv=None) -> None:
                    help="also time layers from 256 to 1,536 wide at 1, 5 and 32 rows (where packing starts to pay)")
     p.add_argument("--head-rows", type=int, nargs="*", default=[],
                    help="also time the LM head (512 x 151,936, packed as the engine packs it) at these row counts")
+    p.add_argument("--inductor-head", action="store_true",
+                   help="also time the 32-row LM head compiled by Inductor with max-autotune (its C++ GEMM template "
+                        "against ATen's kernels; it prints which it picked)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not packed_linear_available(torch.device("cpu"), torch.float32):
@@ -70,6 +74,8 @@ def main(argv=None) -> None:
         head_at_rows(args.head_rows, args.repeats)
         if args.layer_sweep:
             layer_sweep(args.repeats)
+    if args.inductor_head:
+        inductor_head(args.repeats)
 
 
 def gflops(rows: int, d_in: int, d_out: int, ms: float) -> str:
@@ -103,6 +109,26 @@ def head_at_rows(row_counts: list[int], repeats: int) -> None:
         x = torch.randn(rows, 512)
         ms = best_ms(lambda: packed(x), repeats)
         print(f"LM head at {rows} rows: packed {ms:.2f} ms, {gflops(rows, 512, 151_936, ms)}")
+
+
+def inductor_head(repeats: int) -> None:
+    """The 32-row LM head through torch.compile(mode="max-autotune") with frozen weights: Inductor benchmarks its
+    C++ micro-GEMM template against ATen's kernels and keeps the faster. Times it beside F.linear and packed."""
+    import torch._inductor.config as inductor_config
+    inductor_config.freezing = True  # the weight is a constant: Inductor may pre-pack it
+    inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
+    layer = torch.nn.Linear(512, 151_936, bias=False).eval()
+    packed = PackedLinear(layer)
+    x = torch.randn(32, 512)
+    with torch.no_grad():  # freezing applies under no_grad, not inference_mode
+        compiled = torch.compile(layer, mode="max-autotune")
+        max_diff = (compiled(x) - F.linear(x, layer.weight)).abs().max().item()
+        for _ in range(3):  # interleaved rounds: the machine's noise shows in all three columns alike
+            plain_ms, packed_ms, compiled_ms = (best_ms(lambda: f(x), repeats)
+                                                for f in (lambda v: F.linear(v, layer.weight), packed, compiled))
+            print(f"LM head at 32 rows: F.linear {plain_ms:.2f} ms, packed {packed_ms:.2f} ms, "
+                  f"Inductor max-autotune {compiled_ms:.2f} ms ({gflops(32, 512, 151_936, compiled_ms)}; "
+                  f"largest difference from F.linear {max_diff:.1e})")
 
 
 if __name__ == "__main__":
