@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
 from bench import cpu_name  # noqa: E402
-from nanomm.demo.trainer import STATE_FILE, TINY_SPEC, export, new_run, train  # noqa: E402
+from nanomm.demo.trainer import STATE_FILE, TINY_SPEC, export, new_run, set_picture_cap, train  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
 from nanomm.demo.training import TrainConfig  # noqa: E402
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
@@ -96,6 +96,9 @@ def main(argv=None) -> None:
                         help="start a new run from a trained checkpoint's weights (fresh optimizer; use with --focus)")
     parser.add_argument("--draft-of", type=Path, help="train a draft model from this trained model's folder")
     parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers the draft keeps")
+    parser.add_argument("--max-visual-tokens", type=int,
+                        help="cap the run's pictures at this many visual tokens from now on (written to its "
+                             "preprocessor_config.json; a new run starts at 144)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (for tests): 2 small layers")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -118,6 +121,8 @@ def main(argv=None) -> None:
             make_draft_checkpoint(args.draft_of, args.out, args.draft_layers)  # the target's first layers
         else:
             new_run(args.out, TINY_SPEC if args.tiny else None, seed=args.seed)
+    if args.max_visual_tokens:
+        set_picture_cap(args.out, args.max_visual_tokens)
     began = time.perf_counter()
     result = train(args.out, cfg, show_progress=not args.no_progress, stop_before=args.stop_at)
     if args.stop_at is not None and args.stop_at < cfg.total_steps:

@@ -10,10 +10,11 @@ from collections import Counter
 
 import pytest
 import torch
+from PIL import Image
 
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
-from nanomm.demo.trainer import TINY_SPEC, new_run, train
+from nanomm.demo.trainer import TINY_SPEC, new_run, set_picture_cap, train
 from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
                                   learning_rate, make_batch, number_close_up, number_hints, pick_contrasting,
                                   stage, token_hints)
@@ -192,6 +193,18 @@ def test_count_hints_count_the_shapes_of_a_kind(tiny_run):
 def tiny_run(tmp_path_factory):
     """A tiny demo-shaped model (the demo's tokenizer and pictures), untrained."""
     return new_run(tmp_path_factory.mktemp("demo-tiny") / "run", TINY_SPEC)
+
+
+def test_a_run_s_picture_cap_can_be_raised(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = ImageProcessorConfig.from_pretrained(run)
+    assert before.factor == 28  # the tiny tower's token: 14-pixel patches, merged 2x2
+    set_picture_cap(run, 100)
+    raised = ImageProcessorConfig.from_pretrained(run)
+    assert (raised.max_pixels, raised.min_pixels) == (100 * 28 * 28, before.min_pixels)  # 280x280 px; floor kept
+    assert preprocess_image(Image.new("RGB", (400, 400)), raised).num_tokens == 100  # resized to 280x280
+    assert preprocess_image(Image.new("RGB", (400, 400)), before).num_tokens < 100
 
 
 def test_a_training_chat_is_what_the_chat_template_renders(tiny_run):

@@ -54,7 +54,8 @@ TOKEN_PIXELS = DEMO_SPEC["vision_config"]["patch_size"] * DEMO_SPEC["vision_conf
 # A tiny variant with the same tokenizer and pictures, for tests: a few training steps take seconds.
 TINY_SPEC = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "mrope_section": [4, 2, 2],
              "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
-# Pictures are capped at 144 visual tokens (168x168 pixels): the demo's default, and the most it was trained on.
+# A new run caps its pictures at 144 visual tokens (168x168 pixels): the shipped model's default, and the most it
+# was trained on. Probes trained on at larger caps (`--max-visual-tokens`, set_picture_cap; BENCHMARKS.md).
 DEMO_MAX_PIXELS = 144 * TOKEN_PIXELS ** 2
 DEMO_MIN_PIXELS = 16 * TOKEN_PIXELS ** 2
 VOCAB_SIZE = 768
@@ -84,6 +85,13 @@ def new_run(folder: Path, spec_overrides: dict | None = None, seed: int = 0) -> 
     write_json(folder / "preprocessor_config.json", preprocessor)
     save_safetensors(local_attention_init(random_weights(spec, seed), spec), folder / "model.safetensors")
     return folder
+
+
+def set_picture_cap(folder: Path, visual_tokens: int) -> None:
+    """Cap a run's pictures at this many visual tokens: its preprocessor_config.json's max_pixels, which training
+    (`training_cap`) and serving both read."""
+    path, token_pixels = folder / "preprocessor_config.json", ImageProcessorConfig.from_pretrained(folder).factor
+    write_json(path, json.loads(path.read_text()) | {"max_pixels": visual_tokens * token_pixels ** 2})
 
 
 # Where each vision head looks first, by block: (rows, columns) from the patch itself. A tap per head, like a
