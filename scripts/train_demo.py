@@ -11,6 +11,8 @@
         --focus 600:number --focus 300:all --counting-chats 0 --focus-lr 1e-4   # more of the printed number
     python scripts/train_demo.py --out runs/nh1 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 3000:all --number-chats 0.5 --focus-lr 2e-4   # numbers among every task (BENCHMARKS.md probe)
+    python scripts/train_demo.py --out runs/p256 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 1400:all --number-chats 0.5 --counting-chats 0.2 --focus-lr 2e-4 --max-visual-tokens 256  # a larger cap
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
 (*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head
