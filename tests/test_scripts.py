@@ -8,8 +8,10 @@ cwd) and no network (HF_HUB_OFFLINE=1, an empty HF_HOME, --no-hf where the scrip
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,42 @@ def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
     assert set(combined["bench-quant"]["rows"]) == {"float32", "bfloat16", "int8", "int4"}
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "batch 32:" in summary and "bench-quant, batch-1 decode tok/s: float32" in summary
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu_check.json", "stages", "summary.txt"]
+
+
+def test_gpu_check_out_of_time_skips_stages_and_says_so(tmp_path):
+    """GPU_CHECK_SECONDS bounds the whole run: a stage with no time left is skipped, recorded as skipped, and
+    the script fails, so a cut-short check is never read as a passing one."""
+    env = offline_env(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_SECONDS="0", OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert all(stage["skipped"] and stage["exit"] == 125 for stage in combined["stages"].values())
+    assert len(combined["stages"]) == 4 and combined["bench-small"] is None
+    assert "tests skipped (out of time)" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_gpu_check_killed_part_way_leaves_the_finished_stages(tmp_path):
+    """The record is rewritten after every stage: kill the run once the tests stage is in gpu_check.json (as a
+    remote call's time limit would), and what finished is there, in a JSON file that parses."""
+    env = offline_env(tmp_path, GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path / "out"))
+    record = tmp_path / "out" / "gpu_check.json"
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            if record.exists() and "tests" in json.loads(record.read_text() or "{}").get("stages", {}):
+                break
+            time.sleep(0.2)
+        still_running = proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert still_running, "the run ended before it could be killed part way"
+    combined = json.loads(record.read_text())
+    assert combined["stages"]["tests"]["exit"] == 0 and "passed" in combined["stages"]["tests"]["output"]
 
 
 @pytest.mark.parametrize("what", ["capacity", "agreement"])

@@ -1,0 +1,81 @@
+"""gpu_check.sh's record: gpu_check.json (everything) and, on stdout, the summary of the numbers issue 12 asks
+for. It reads what the stages have left in WORK so far, so it runs after every stage.
+
+    python scripts/gpu_check_summary.py WORK OUT     # writes OUT/gpu_check.json, prints the summary
+"""
+
+import json
+import sys
+from pathlib import Path
+
+BENCHES = ("bench-small", "bench-2b", "bench-quant")
+OUTPUT_CHARS = 20_000  # the end of each stage's output kept in the JSON
+
+
+def read_stages(work: Path) -> dict:
+    tsv = work / "stages.tsv"
+    lines = tsv.read_text().splitlines() if tsv.exists() else []
+    stages = {}
+    for name, rc, seconds in (line.split() for line in lines):
+        output = work / f"{name}.txt"
+        stages[name] = {"exit": int(rc), "seconds": int(seconds), "skipped": int(rc) == 125,
+                        "output": output.read_text(errors="replace")[-OUTPUT_CHARS:] if output.exists() else None}
+    return stages
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not written (yet), or cut off by a killed stage
+
+
+def summary_lines(combined: dict) -> list[str]:
+    stages = combined["stages"]
+    done = ", ".join(f"{name} {stage_outcome(stage)} in {stage['seconds']}s" for name, stage in stages.items())
+    lines = [f"stages: {done or 'none finished yet'}"]
+    for name in ("bench-small", "bench-2b"):
+        lines += bench_lines(name, combined[name])
+    quant = combined["bench-quant"]
+    if quant:
+        rows = quant["rows"]
+        lines.append("bench-quant, batch-1 decode tok/s: " + ", ".join(
+            f"{k} {v['tok_s']:.0f} ({v['tok_s'] / rows['float32']['tok_s']:.2f}x, "
+            f"{v['tok_s'] / v['roofline_tok_s']:.0%} of roofline)" for k, v in rows.items()))
+    return lines
+
+
+def stage_outcome(stage: dict) -> str:
+    return "skipped (out of time)" if stage["skipped"] else f"exit {stage['exit']}"
+
+
+def bench_lines(name: str, result: dict | None) -> list[str]:
+    if not result:
+        return [f"{name}: no result"]
+    decode = result["workloads"]["decode"]
+    hf = decode.get("hf", {}).get("best_tokens_per_s", float("nan"))
+    batch1 = decode["batch1_roofline"]
+    return [f"{name}: {result['machine'].get('gpu')}, {result['dtype']}; read {result['roofline']['read_gbps']:.0f} "
+            f"GB/s, matmul {result['roofline']['matmul_gflops'] / 1e3:.0f} TFLOP/s",
+            f"  batch 32: nanomm {decode['nanomm']['tokens_per_s']:.0f} tok/s, transformers best {hf:.0f} tok/s, "
+            f"ratio {decode.get('speedup', float('nan')):.2f}x (target >= 3x), "
+            f"identical {decode.get('agreement', {}).get('identical')}/{decode['num_requests']}",
+            f"  batch 1: decode step {batch1['measured_step_s_median'] * 1e3:.2f} ms against a roofline of "
+            f"{batch1['roofline_step_s_mean'] * 1e3:.2f} ms: {batch1['fraction_of_roofline']:.0%} "
+            f"(target >= 50% on 2b)",
+            f"  batch 32 decode step: {decode['decode_roofline']['fraction_of_roofline']:.0%} of the roofline"]
+
+
+def main(work: Path, out: Path) -> None:
+    env = work / "env.txt"
+    combined = {"env": env.read_text() if env.exists() else None, "stages": read_stages(work)}
+    for name in BENCHES:
+        combined[name] = read_json(work / f"{name}.json")
+    partial = out / "gpu_check.json.partial"  # written whole, then renamed: a reader never sees half a file
+    partial.write_text(json.dumps(combined, indent=1, default=str))
+    partial.replace(out / "gpu_check.json")
+    print("\n".join(summary_lines(combined)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
