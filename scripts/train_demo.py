@@ -13,6 +13,9 @@
         --focus 3000:all --number-chats 0.5 --focus-lr 2e-4   # numbers among every task (BENCHMARKS.md probe)
     python scripts/train_demo.py --out runs/p256 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 1400:all --number-chats 0.5 --counting-chats 0.2 --focus-lr 2e-4 --max-visual-tokens 256  # a larger cap
+    python scripts/train_demo.py --out runs/fonts --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 300:number --number-chats 0.5 --number-close-ups 16 --focus-lr 2e-4 --max-visual-tokens 400 \
+        --number-fonts matplotlib   # digits in more fonts (BENCHMARKS.md, the font probe)
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
 (*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head
@@ -64,6 +67,30 @@ def focus_phase(text: str) -> tuple[int, tuple[str, ...]]:
     return int(steps), tasks
 
 
+# matplotlib's own fonts with digits, DejaVu left out: the independent test pictures (other_renderer.py) use it.
+MATPLOTLIB_FONTS = ("STIXGeneral.ttf", "STIXGeneralBol.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf",
+                    "cmr10.ttf", "cmss10.ttf", "cmtt10.ttf", "cmb10.ttf", "cmti10.ttf")
+
+
+def number_fonts(names: list[str]) -> tuple[str, ...]:
+    """--number-fonts as absolute font files: 'matplotlib' stands for MATPLOTLIB_FONTS; a missing file is an error."""
+    files = []
+    for name in names:
+        if name == "matplotlib":
+            try:
+                import matplotlib
+            except ImportError:
+                raise SystemExit("--number-fonts matplotlib needs matplotlib: pip install -e '.[lessons]'")
+            folder = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+            files += [str(folder / font) for font in MATPLOTLIB_FONTS]
+        else:
+            files.append(str(Path(name).resolve()))
+    for file in files:
+        if not Path(file).is_file() or not file.endswith((".ttf", ".otf")):
+            raise SystemExit(f"--number-fonts: {file} is not a .ttf or .otf file")
+    return tuple(files)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="run folder (created, or resumed if it has a state)")
@@ -86,6 +113,9 @@ def main(argv=None) -> None:
                              "with a number (default 0)")
     parser.add_argument("--number-close-ups", type=int, default=TrainConfig.number_close_ups,
                         help="extra chats per batch about a small picture around a printed number (default 0)")
+    parser.add_argument("--number-fonts", nargs="+", default=[], metavar="FONT",
+                        help="font files (.ttf/.otf) that half the printed numbers are drawn in; 'matplotlib': "
+                             "its STIX and Computer Modern fonts (the lessons extra), not its DejaVu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -113,7 +143,7 @@ def main(argv=None) -> None:
                       flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
                       focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr,
                       counting_chats=args.counting_chats, number_chats=args.number_chats,
-                      number_close_ups=args.number_close_ups)
+                      number_close_ups=args.number_close_ups, number_fonts=number_fonts(args.number_fonts))
     if not (args.out / "config.json").is_file():
         if args.init_from:
             # The Hub files and weights, not a training state: the new run starts at step 0.

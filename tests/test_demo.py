@@ -4,15 +4,18 @@ The expected answers here are written by hand from scenes built by hand, never c
 tests/test_demo_model.py tests the trained model itself.
 """
 
+import importlib.util
 import random
 import shutil
 from collections import Counter
+from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 from PIL import Image
 
-from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, random_scene, render
+from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, other_font, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, set_picture_cap, train
 from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
@@ -351,6 +354,64 @@ def test_number_close_ups_are_extra_chats_about_a_small_shrunk_picture_with_a_nu
     assert [ex.token_ids for ex in with_close_ups[:3]] == [ex.token_ids for ex in plain]
     assert len(with_close_ups) == 5 and all("number" in ex.tasks for ex in with_close_ups[3:])
     assert all(ex.hints[0].shape[0] == ex.images[0].num_tokens for ex in with_close_ups[3:])
+
+
+STIX = str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "STIXGeneral.ttf")  # matplotlib: the dev extra
+
+
+def ink_box(before: Image.Image, after: Image.Image):
+    """The bounding box (left, top, right, bottom) of the pixels that differ."""
+    diff = [(x, y) for y in range(before.height) for x in range(before.width)
+            if before.getpixel((x, y)) != after.getpixel((x, y))]
+    xs, ys = [x for x, _ in diff], [y for _, y in diff]
+    return (min(xs), min(ys), max(xs) + 1, max(ys) + 1) if diff else None
+
+
+@pytest.mark.parametrize("digits", ["7", "42", "509"])
+def test_a_number_in_another_font_is_drawn_inside_its_box(digits):
+    without = render(plain_scene([]))
+    scene = plain_scene([], number=digits)  # its box: (150, 10) to (180, 30), black on white
+    scene.style["number_font"] = STIX
+    drawn = ink_box(without, render(scene))
+    left, top, right, bottom = drawn
+    assert 150 <= left and 10 <= top and right <= 181 and bottom <= 31  # inside, 1 px for anti-aliasing
+    assert bottom - top >= 15 or right - left >= 27  # and as large as fits: its height or its width fills the box
+    assert render(scene) != render(plain_scene([], number=digits))  # not the scene's own font
+
+
+def test_other_font_redraws_half_the_numbers_and_leaves_runs_without_fonts_as_they_were():
+    rng = random.Random(5)
+    state = rng.getstate()
+    other_font(plain_scene([], number="12"), rng, ())
+    assert rng.getstate() == state  # no font files: no draw from rng, so the old runs' pictures are unchanged
+    fonts = [plain_scene([], number="12") for _ in range(400)]
+    for scene in fonts:
+        other_font(scene, rng, (STIX, "other.ttf"))
+    counts = Counter(scene.style["number_font"] for scene in fonts)
+    assert set(counts) == {"aileron", STIX, "other.ttf"} and 160 <= counts["aileron"] <= 240
+    no_number = plain_scene([])
+    other_font(no_number, random.Random(0), (STIX,), share=1.0)
+    assert "number_font" not in no_number.style
+
+
+def test_number_fonts_from_the_command_line():
+    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).parents[1] / "scripts" / "train_demo.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    number_fonts = script.number_fonts
+    files = number_fonts(["matplotlib"])
+    assert len(files) == 9 and all(Path(f).is_file() for f in files)
+    assert not any("DejaVu" in f for f in files)  # the independent test pictures' font stays unseen
+    with pytest.raises(SystemExit, match="not a .ttf or .otf file"):
+        number_fonts(["/no/such/font.ttf"])
+
+
+def test_a_batch_with_number_fonts_keeps_its_shape(tiny_run):
+    tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+    cfg = TrainConfig(steps=10, vision_steps=0, batch_size=4, number_close_ups=2, number_fonts=(STIX,))
+    batch = make_batch(4, cfg, tokenizer, config)
+    assert len(batch) == 6 and all(ex.hints[0].shape[0] == ex.images[0].num_tokens for ex in batch)
+    assert make_batch(4, cfg, tokenizer, config)[5].token_ids == batch[5].token_ids  # still (seed, step) alone
 
 
 def test_image_token_places_go_row_by_row_from_the_top_left():

@@ -255,11 +255,32 @@ def _draw_number(img: Image.Image, scene: Scene, scale: int) -> None:
         mask = mask.resize((max(1, round(mask.width * factor)), max(1, round(mask.height * factor))),
                            Image.Resampling.NEAREST)
         img.paste(Image.new("RGB", mask.size, rgb), (round(left), round(top)), mask)
+    elif style["number_font"].endswith((".ttf", ".otf")):  # a font file of the training run's own (`other_font`)
+        _draw_fitted(draw, scene.number, (left, top, right, bottom), style["number_font"], rgb)
     else:
         font = ImageFont.load_default(max(1, round(height * 1.35)))
         bold = max(1, round(height / 14)) if style["number_bold"] else 0
         ink_left, ink_top, _, _ = font.getbbox(scene.number)  # the digits' ink starts below the text origin
         draw.text((left - ink_left, top - ink_top), scene.number, fill=rgb, font=font, stroke_width=bold)
+
+
+def other_font(scene: Scene, rng: random.Random, font_files: tuple[str, ...], share: float = 0.5) -> None:
+    """Augmentation for training: with probability `share`, the scene's number is drawn in one of these font
+    files instead, fitted into the box its own font reserved (so nothing it was placed around is covered).
+    Nothing is drawn from rng when font_files is empty: runs without extra fonts see the same pictures."""
+    if font_files and scene.number is not None and rng.random() < share:
+        scene.style["number_font"] = rng.choice(font_files)
+
+
+def _draw_fitted(draw: ImageDraw.ImageDraw, digits: str, box: tuple, font_file: str, rgb) -> None:
+    """The digits in font_file, as large as fits the box (their ink, not the font's line), at its top left."""
+    left, top, right, bottom = box
+    probe = ImageFont.truetype(font_file, 100)
+    ink_left, ink_top, ink_right, ink_bottom = probe.getbbox(digits)
+    size = 100 * min((right - left) / max(1, ink_right - ink_left), (bottom - top) / max(1, ink_bottom - ink_top))
+    font = ImageFont.truetype(font_file, max(1, round(size)))
+    ink_left, ink_top, _, _ = font.getbbox(digits)
+    draw.text((left - ink_left, top - ink_top), digits, fill=rgb, font=font)
 
 
 # Which of the 7 segments (a top, b top-right, c bottom-right, d bottom, e bottom-left, f top-left, g middle) light up.

@@ -28,6 +28,8 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
 - number close-ups (`number_close_up`, `TrainConfig.number_close_ups`): extra chats in every batch about a small
   picture around a printed number, often shrunk; a few visual tokens each, so they add many digits to a step
   for little of its time.
+- number fonts (`TrainConfig.number_fonts`, `scenes.other_font`): font files that half the printed numbers are
+  drawn in, so that digits are not learned in one renderer's fonts alone.
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
 (`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
@@ -42,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanomm.demo.scenes import COLOURS, SHAPES, random_scene, render, shape_mask
+from nanomm.demo.scenes import COLOURS, SHAPES, other_font, random_scene, render, shape_mask
 from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, count_question,
                                scene_questions, vary)
 from nanomm.engine.attention import causal_attention
@@ -88,6 +90,8 @@ class TrainConfig:
     number_chats: float = 0.0
     # Extra chats appended to every batch: small pictures around a printed number (`number_close_up`).
     number_close_ups: int = 0
+    # Font files (.ttf/.otf) that half the printed numbers are drawn in instead (`scenes.other_font`); () = none.
+    number_fonts: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -296,8 +300,10 @@ def number_close_up(rng: random.Random, image_config: ImageProcessorConfig) -> t
     return scene, rng.sample(number + others, 1 + len(others)), cap
 
 
-def close_up_example(rng: random.Random, tokenizer: Tokenizer, image_config: ImageProcessorConfig) -> Example:
+def close_up_example(rng: random.Random, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
+                     number_fonts: tuple[str, ...] = ()) -> Example:
     scene, qas, cap = number_close_up(rng, image_config)
+    other_font(scene, rng, number_fonts)
     image = preprocess_image(render(scene, rng), image_config, max_pixels=cap)
     example = encode_chat(tokenizer, [image], [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas])
     example.hints = [token_hints(scene, image)]
@@ -327,6 +333,8 @@ def make_example(rng: random.Random, step: int, cfg: TrainConfig, tokenizer: Tok
                else pick_questions(by_task, rng, cfg.max_turns))
         if not qas:
             return make_example(rng, step, cfg, tokenizer, image_config)
+    for scene in scenes:
+        other_font(scene, rng, cfg.number_fonts)
     images = [preprocess_image(render(scene, rng), image_config, max_pixels=training_cap(rng, image_config))
               for scene in scenes]
     qas = [QA(qa.task, vary(qa.question, rng), qa.answer) for qa in qas]
@@ -448,7 +456,8 @@ def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: 
     """The batch of a step depends only on (seed, step): a resumed run sees the same data."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     batch = [make_example(rng, step, cfg, tokenizer, image_config) for _ in range(cfg.batch_size)]
-    return batch + [close_up_example(rng, tokenizer, image_config) for _ in range(cfg.number_close_ups)]
+    return batch + [close_up_example(rng, tokenizer, image_config, cfg.number_fonts)
+                    for _ in range(cfg.number_close_ups)]
 
 
 # ---------------------------------------------------------------------------------------------------------
