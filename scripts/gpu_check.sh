@@ -6,10 +6,10 @@
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
 # have no network. The whole run ends within GPU_CHECK_SECONDS (default 450 s, inside 8 minutes): each stage has
-# its own limit (150 + 110 + 110 + 45 s) and is cut to the time left; a stage with under 10 s left is skipped.
+# its own limit (150 + 110 + 110 + 45 s) and is cut to the time left; a stage is skipped when under 20 s remain.
 # A stage that fails, times out or is skipped is reported, and the next one still runs. Two files under $OUT hold
 # everything, and both are rewritten after every stage, so a run that is killed part way (a remote call's time
-# limit, say) still leaves a record of every stage that finished:
+# limit, say) still leaves a record of every stage that finished; a TERM to the script stops the running stage:
 #   gpu_check.json   the machine, each stage's exit status, time and output, the bench results
 #   summary.txt      the numbers issue 12 asks for, in words
 # Each stage's own files (its output, its bench JSON, generated checkpoints of the dry run) go to
@@ -40,48 +40,70 @@ if [ "$DRY_RUN" = 1 ]; then
     QUANT=(--device cpu --quick --cache-dir "$WORK/ckpt-tiny")
 fi
 mkdir -p "$OUT" "$WORK"
-rm -f "$WORK/stages.tsv"
+rm -f "$WORK"/*.txt "$WORK"/*.json "$WORK/stages.tsv"  # an earlier run's results must not pass for this one's
 status=0
+running=""  # the process group of the stage now running (its `timeout` leads one of its own)
 
 write_results() {  # gpu_check.json and summary.txt from what $WORK holds now
-    "$PYTHON" scripts/gpu_check_summary.py "$WORK" "$OUT" > "$OUT/summary.txt" 2>&1 || status=1
+    timeout -k 5 30 "$PYTHON" scripts/gpu_check_summary.py "$WORK" "$OUT" > "$OUT/summary.txt.partial" 2>&1 \
+        || status=1
+    mv "$OUT/summary.txt.partial" "$OUT/summary.txt"
 }
 
+stopped() {  # killed from outside: stop the running stage too (it is in a process group of its own), record, exit
+    [ -n "$running" ] && kill -TERM -- "-$running" 2>/dev/null
+    echo "stopped from outside" >> "$WORK/stopped.txt"
+    write_results
+    exit 143
+}
+trap stopped TERM INT HUP
+
 stage() {  # stage NAME SECONDS COMMAND...: run one stage, cut to the time left, into $WORK/NAME.txt
-    local name=$1 limit=$2 start=$SECONDS rc
+    local name=$1 limit=$2 start=$SECONDS rc outcome
     shift 2
     local left=$((DEADLINE - SECONDS - 10))  # 10 s kept for the last write of the results
     [ "$left" -lt "$limit" ] && limit=$left
-    if [ "$limit" -lt 10 ]; then
+    if [ "$limit" -lt 10 ]; then  # under 20 s to the deadline
         echo "== $name: skipped, out of time"
-        echo "skipped: under 10 s left of GPU_CHECK_SECONDS" > "$WORK/$name.txt"
-        rc=125
+        echo "skipped: under 20 s left of GPU_CHECK_SECONDS" > "$WORK/$name.txt"
+        rc=1 outcome=skipped
     else
         echo "== $name (limit ${limit}s): $*"
         # -k: a stage that ignores the polite signal (stuck in a driver call, say) is killed 5 s later.
-        timeout -k 5 "$limit" "$@" > "$WORK/$name.txt" 2>&1
-        rc=$?
+        # In the background and waited for, so that a TERM to this script reaches `stopped` at once.
+        timeout -k 5 "$limit" "$@" > "$WORK/$name.txt" 2>&1 &
+        running=$!
+        wait "$running"
+        rc=$? running=""
+        case $rc in 0) outcome=passed ;; 124 | 137) outcome=timed-out ;; *) outcome=failed ;; esac
         tail -n 25 "$WORK/$name.txt"
-        echo "== $name: exit $rc after $((SECONDS - start))s"
+        echo "== $name: $outcome (exit $rc) after $((SECONDS - start))s"
     fi
-    echo "$name $rc $((SECONDS - start))" >> "$WORK/stages.tsv"
+    echo "$name $rc $((SECONDS - start)) $outcome" >> "$WORK/stages.tsv"
     [ "$rc" -eq 0 ] || status=1
     write_results
 }
 
+no_torch() {  # the reason, in summary.txt and gpu_check.json, then exit
+    echo "$1 (set PYTHON to the interpreter that has a CUDA torch)" | tee "$WORK/stopped.txt"
+    write_results
+    exit 1
+}
+
 {
-    nvidia-smi || echo "nvidia-smi: not found"
+    timeout -k 5 30 nvidia-smi || echo "nvidia-smi: not found or no answer"
     echo "python: $(command -v "$PYTHON")"
     "$PYTHON" --version
-    "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available',
-torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-    "$PYTHON" -c "import transformers; print('transformers', transformers.__version__)" || echo "transformers: missing"
+    timeout -k 5 60 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    timeout -k 5 60 "$PYTHON" -c "import transformers; print('transformers', transformers.__version__)" \
+        || echo "transformers: missing"
 } > "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt"
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if $([ "$DRY_RUN" = 1 ] && echo True || echo False) or torch.cuda.is_available() else 1)"; then
-    echo "no CUDA device visible to the torch of $PYTHON (set PYTHON to the interpreter that has a CUDA torch)" \
-        | tee "$OUT/summary.txt"
-    exit 1
+timeout -k 5 60 "$PYTHON" -c "import torch" 2>/dev/null || no_torch "$PYTHON cannot import torch"
+if [ "$DRY_RUN" != 1 ]; then
+    timeout -k 5 60 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+        || no_torch "no CUDA device visible to the torch of $PYTHON"
 fi
 write_results
 

@@ -13,12 +13,13 @@ OUTPUT_CHARS = 20_000  # the end of each stage's output kept in the JSON
 
 
 def read_stages(work: Path) -> dict:
+    """stages.tsv's lines, "NAME EXIT SECONDS OUTCOME" (passed, failed, timed-out or skipped), with each output."""
     tsv = work / "stages.tsv"
     lines = tsv.read_text().splitlines() if tsv.exists() else []
     stages = {}
-    for name, rc, seconds in (line.split() for line in lines):
+    for name, rc, seconds, outcome in (line.split() for line in lines):
         output = work / f"{name}.txt"
-        stages[name] = {"exit": int(rc), "seconds": int(seconds), "skipped": int(rc) == 125,
+        stages[name] = {"exit": int(rc), "seconds": int(seconds), "outcome": outcome,
                         "output": output.read_text(errors="replace")[-OUTPUT_CHARS:] if output.exists() else None}
     return stages
 
@@ -32,21 +33,24 @@ def read_json(path: Path):
 
 def summary_lines(combined: dict) -> list[str]:
     stages = combined["stages"]
-    done = ", ".join(f"{name} {stage_outcome(stage)} in {stage['seconds']}s" for name, stage in stages.items())
-    lines = [f"stages: {done or 'none finished yet'}"]
-    for name in ("bench-small", "bench-2b"):
-        lines += bench_lines(name, combined[name])
-    quant = combined["bench-quant"]
-    if quant:
-        rows = quant["rows"]
-        lines.append("bench-quant, batch-1 decode tok/s: " + ", ".join(
-            f"{k} {v['tok_s']:.0f} ({v['tok_s'] / rows['float32']['tok_s']:.2f}x, "
-            f"{v['tok_s'] / v['roofline_tok_s']:.0%} of roofline)" for k, v in rows.items()))
+    done = ", ".join(f"{name} {stage['outcome']} (exit {stage['exit']}) in {stage['seconds']}s"
+                     for name, stage in stages.items())
+    lines = [f"stages: {done or 'none finished yet'}"] + ([combined["stopped"]] if combined["stopped"] else [])
+    for name in BENCHES:
+        try:  # one result that lacks a field (an older bench's JSON, say) must not hide the others
+            lines += (quant_lines if name == "bench-quant" else bench_lines)(name, combined[name])
+        except (KeyError, TypeError, ZeroDivisionError) as error:
+            lines.append(f"{name}: unreadable result ({type(error).__name__}: {error})")
     return lines
 
 
-def stage_outcome(stage: dict) -> str:
-    return "skipped (out of time)" if stage["skipped"] else f"exit {stage['exit']}"
+def quant_lines(name: str, result: dict | None) -> list[str]:
+    if not result:
+        return [f"{name}: no result"]
+    rows = result["rows"]
+    return [f"{name}, batch-1 decode tok/s: " + ", ".join(
+        f"{k} {v['tok_s']:.0f} ({v['tok_s'] / rows['float32']['tok_s']:.2f}x, "
+        f"{v['tok_s'] / v['roofline_tok_s']:.0%} of roofline)" for k, v in rows.items())]
 
 
 def bench_lines(name: str, result: dict | None) -> list[str]:
@@ -67,8 +71,9 @@ def bench_lines(name: str, result: dict | None) -> list[str]:
 
 
 def main(work: Path, out: Path) -> None:
-    env = work / "env.txt"
-    combined = {"env": env.read_text() if env.exists() else None, "stages": read_stages(work)}
+    env, stopped = work / "env.txt", work / "stopped.txt"
+    combined = {"env": env.read_text() if env.exists() else None, "stages": read_stages(work),
+                "stopped": stopped.read_text().strip() if stopped.exists() else None}
     for name in BENCHES:
         combined[name] = read_json(work / f"{name}.json")
     partial = out / "gpu_check.json.partial"  # written whole, then renamed: a reader never sees half a file

@@ -86,7 +86,7 @@ def number_fonts(names: list[str]) -> tuple[str, ...]:
         else:
             files.append(str(Path(name).resolve()))
     for file in files:
-        if not Path(file).is_file() or not file.endswith((".ttf", ".otf")):
+        if not Path(file).is_file() or not file.lower().endswith((".ttf", ".otf")):
             raise SystemExit(f"--number-fonts: {file} is not a .ttf or .otf file")
     return tuple(files)
 

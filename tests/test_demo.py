@@ -10,7 +10,6 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import matplotlib
 import pytest
 import torch
 from PIL import Image
@@ -356,7 +355,11 @@ def test_number_close_ups_are_extra_chats_about_a_small_shrunk_picture_with_a_nu
     assert all(ex.hints[0].shape[0] == ex.images[0].num_tokens for ex in with_close_ups[3:])
 
 
-STIX = str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "STIXGeneral.ttf")  # matplotlib: the dev extra
+@pytest.fixture(scope="module")
+def stix():
+    """A font file that is not the training renderer's own: matplotlib's (the lessons extra, in the dev extra)."""
+    import matplotlib
+    return str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "STIXGeneral.ttf")
 
 
 def ink_box(before: Image.Image, after: Image.Image):
@@ -368,10 +371,10 @@ def ink_box(before: Image.Image, after: Image.Image):
 
 
 @pytest.mark.parametrize("digits", ["7", "42", "509"])
-def test_a_number_in_another_font_is_drawn_inside_its_box(digits):
+def test_a_number_in_another_font_is_drawn_inside_its_box(digits, stix):
     without = render(plain_scene([]))
     scene = plain_scene([], number=digits)  # its box: (150, 10) to (180, 30), black on white
-    scene.style["number_font"] = STIX
+    scene.style["number_font"] = stix
     drawn = ink_box(without, render(scene))
     left, top, right, bottom = drawn
     assert 150 <= left and 10 <= top and right <= 181 and bottom <= 31  # inside, 1 px for anti-aliasing
@@ -379,18 +382,18 @@ def test_a_number_in_another_font_is_drawn_inside_its_box(digits):
     assert render(scene) != render(plain_scene([], number=digits))  # not the scene's own font
 
 
-def test_other_font_redraws_half_the_numbers_and_leaves_runs_without_fonts_as_they_were():
+def test_other_font_redraws_half_the_numbers_and_leaves_runs_without_fonts_as_they_were(stix):
     rng = random.Random(5)
     state = rng.getstate()
     other_font(plain_scene([], number="12"), rng, ())
     assert rng.getstate() == state  # no font files: no draw from rng, so the old runs' pictures are unchanged
     fonts = [plain_scene([], number="12") for _ in range(400)]
     for scene in fonts:
-        other_font(scene, rng, (STIX, "other.ttf"))
+        other_font(scene, rng, (stix, "other.ttf"))
     counts = Counter(scene.style["number_font"] for scene in fonts)
-    assert set(counts) == {"aileron", STIX, "other.ttf"} and 160 <= counts["aileron"] <= 240
+    assert set(counts) == {"aileron", stix, "other.ttf"} and 160 <= counts["aileron"] <= 240
     no_number = plain_scene([])
-    other_font(no_number, random.Random(0), (STIX,), share=1.0)
+    other_font(no_number, random.Random(0), (stix,), share=1.0)
     assert "number_font" not in no_number.style
 
 
@@ -406,12 +409,21 @@ def test_number_fonts_from_the_command_line():
         number_fonts(["/no/such/font.ttf"])
 
 
-def test_a_batch_with_number_fonts_keeps_its_shape(tiny_run):
+def test_number_fonts_change_the_pictures_of_a_batch_and_only_with_the_seed_and_step(tiny_run, stix):
     tokenizer, config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
-    cfg = TrainConfig(steps=10, vision_steps=0, batch_size=4, number_close_ups=2, number_fonts=(STIX,))
-    batch = make_batch(4, cfg, tokenizer, config)
-    assert len(batch) == 6 and all(ex.hints[0].shape[0] == ex.images[0].num_tokens for ex in batch)
-    assert make_batch(4, cfg, tokenizer, config)[5].token_ids == batch[5].token_ids  # still (seed, step) alone
+    plain = TrainConfig(steps=10, vision_steps=0, batch_size=2, number_close_ups=3)
+    fonts = TrainConfig(steps=10, vision_steps=0, batch_size=2, number_close_ups=3, number_fonts=(stix,))
+
+    def close_up_pixels(cfg, step):  # the close-ups (the batch's last 3 chats) always hold a number
+        return [ex.images[0].pixel_values for ex in make_batch(step, cfg, tokenizer, config)[2:]]
+
+    differ = 0
+    for step in range(4):
+        with_fonts = close_up_pixels(fonts, step)
+        assert all(torch.equal(a, b) for a, b in zip(with_fonts, close_up_pixels(fonts, step)))  # (seed, step)
+        differ += sum(a.shape != b.shape or not torch.equal(a, b)
+                      for a, b in zip(with_fonts, close_up_pixels(plain, step)))
+    assert differ >= 3  # about half of the 12 close-ups are drawn in STIX (and later draws of rng shift too)
 
 
 def test_image_token_places_go_row_by_row_from_the_top_left():

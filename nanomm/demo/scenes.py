@@ -11,6 +11,7 @@ renderer's edges. Everything is seeded: the same `random.Random` state gives the
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import random
@@ -255,7 +256,7 @@ def _draw_number(img: Image.Image, scene: Scene, scale: int) -> None:
         mask = mask.resize((max(1, round(mask.width * factor)), max(1, round(mask.height * factor))),
                            Image.Resampling.NEAREST)
         img.paste(Image.new("RGB", mask.size, rgb), (round(left), round(top)), mask)
-    elif style["number_font"].endswith((".ttf", ".otf")):  # a font file of the training run's own (`other_font`)
+    elif style["number_font"].lower().endswith((".ttf", ".otf")):  # a run's own font file (`other_font`)
         _draw_fitted(draw, scene.number, (left, top, right, bottom), style["number_font"], rgb)
     else:
         font = ImageFont.load_default(max(1, round(height * 1.35)))
@@ -273,14 +274,19 @@ def other_font(scene: Scene, rng: random.Random, font_files: tuple[str, ...], sh
 
 
 def _draw_fitted(draw: ImageDraw.ImageDraw, digits: str, box: tuple, font_file: str, rgb) -> None:
-    """The digits in font_file, as large as fits the box (their ink, not the font's line), at its top left."""
+    """The digits in font_file, as large as fits the box (their text box: ink top to bottom, advance across),
+    at its top left."""
     left, top, right, bottom = box
-    probe = ImageFont.truetype(font_file, 100)
-    ink_left, ink_top, ink_right, ink_bottom = probe.getbbox(digits)
+    ink_left, ink_top, ink_right, ink_bottom = _truetype(font_file, 100).getbbox(digits)
     size = 100 * min((right - left) / max(1, ink_right - ink_left), (bottom - top) / max(1, ink_bottom - ink_top))
-    font = ImageFont.truetype(font_file, max(1, round(size)))
+    font = _truetype(font_file, max(1, round(size)))
     ink_left, ink_top, _, _ = font.getbbox(digits)
     draw.text((left - ink_left, top - ink_top), digits, fill=rgb, font=font)
+
+
+@functools.lru_cache(maxsize=256)
+def _truetype(font_file: str, size: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.truetype(font_file, size)  # read once per (file, size): fonts are read-only once loaded
 
 
 # Which of the 7 segments (a top, b top-right, c bottom-right, d bottom, e bottom-left, f top-left, g middle) light up.
