@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 
 from bench import cpu_name  # noqa: E402
 from nanomm.demo.trainer import STATE_FILE, TINY_SPEC, export, new_run, set_picture_cap, train  # noqa: E402
+from nanomm.demo.scenes import FONT_FILE_SUFFIXES  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
 from nanomm.demo.training import TrainConfig  # noqa: E402
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
@@ -86,7 +87,7 @@ def number_fonts(names: list[str]) -> tuple[str, ...]:
         else:
             files.append(str(Path(name).resolve()))
     for file in files:
-        if not Path(file).is_file() or not file.lower().endswith((".ttf", ".otf")):
+        if not Path(file).is_file() or not file.lower().endswith(FONT_FILE_SUFFIXES):
             raise SystemExit(f"--number-fonts: {file} is not a .ttf or .otf file")
     return tuple(files)
 

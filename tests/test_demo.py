@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageChops
 
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, other_font, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
@@ -364,10 +364,7 @@ def stix():
 
 def ink_box(before: Image.Image, after: Image.Image):
     """The bounding box (left, top, right, bottom) of the pixels that differ."""
-    diff = [(x, y) for y in range(before.height) for x in range(before.width)
-            if before.getpixel((x, y)) != after.getpixel((x, y))]
-    xs, ys = [x for x, _ in diff], [y for _, y in diff]
-    return (min(xs), min(ys), max(xs) + 1, max(ys) + 1) if diff else None
+    return ImageChops.difference(before, after).getbbox()
 
 
 @pytest.mark.parametrize("digits", ["7", "42", "509"])

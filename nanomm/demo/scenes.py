@@ -213,6 +213,7 @@ def _mix(a, b):
 # ---------------------------------------------------------------------------------------------------------
 # The printed number
 
+FONT_FILE_SUFFIXES = (".ttf", ".otf")  # a number_font that names a font file (`other_font`), not a built-in style
 NUMBER_FONTS = ("aileron", "aileron", "bitmap", "segments")  # Pillow's scalable font, its 6x11 bitmap, LED digits
 
 
@@ -256,7 +257,7 @@ def _draw_number(img: Image.Image, scene: Scene, scale: int) -> None:
         mask = mask.resize((max(1, round(mask.width * factor)), max(1, round(mask.height * factor))),
                            Image.Resampling.NEAREST)
         img.paste(Image.new("RGB", mask.size, rgb), (round(left), round(top)), mask)
-    elif style["number_font"].lower().endswith((".ttf", ".otf")):  # a run's own font file (`other_font`)
+    elif style["number_font"].lower().endswith(FONT_FILE_SUFFIXES):  # a run's own font file (`other_font`)
         _draw_fitted(draw, scene.number, (left, top, right, bottom), style["number_font"], rgb)
     else:
         font = ImageFont.load_default(max(1, round(height * 1.35)))
