@@ -7,8 +7,8 @@ import torch
 from helpers import assert_no_leaks, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import attention
-from nanomm.engine.cuda_graphs import (DecodeGraphs, batch_bucket, context_bucket, decode_forward, graph_context,
-                                       largest_bucket)
+from nanomm.engine.cuda_graphs import (DecodeGraphs, StaticDecodeInputs, batch_bucket, context_bucket, decode_forward,
+                                       graph_context, largest_bucket)
 from nanomm.engine.memory_profile import decode_step
 from nanomm.tools.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS
@@ -172,18 +172,27 @@ def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype):
+def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype, monkeypatch):
     """Bit for bit on the same (padded) inputs; token for token end to end in float32. An eager step runs its real
     rows only, a graph the padded bucket: in bfloat16 a matmul of 8 rows may round differently from one of 6, so
     whole generations are compared in float32 only."""
     prompts = random_workload(seed=4, num_prompts=6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # Every bucket's inputs are views of the front of one shared buffer, which holds only the last step's: keep
+    # each bucket's last inputs (its recording's padding, or its last real step) to put back before its replay.
+    last_inputs, host_values = {}, StaticDecodeInputs.host_values
+    def keep(inputs, *args):
+        last_inputs[id(inputs)] = host_values(inputs, *args)
+        return last_inputs[id(inputs)]
+    monkeypatch.setattr(StaticDecodeInputs, "host_values", keep)
     with LLM(str(ckpt), device="cuda", dtype=dtype, max_pixels=MAX_PIXELS) as graphed:
         got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
         graphs = graphed.engine.runner.decode_graphs
         assert graphs.replays > 0 and all(r.graph is not None for r in graphs.recorded.values())
         assert graphs.largest in graphs.recorded  # recorded first, whatever the first step needed
-        for recorded in graphs.recorded.values():  # its buffers still hold its last step's inputs
+        assert len(graphs.recorded) > 1  # so that the buffer was shared, and put back below
+        for recorded in graphs.recorded.values():
+            recorded.inputs.flat.copy_(last_inputs[id(recorded.inputs)])
             batch = recorded.inputs.input_ids.shape[0]
             recorded.graph.replay()
             replayed = graphs.logits[:batch].clone()

@@ -126,6 +126,22 @@ def test_a_quantized_layer_is_its_definition(method, shape):
     assert torch.equal(quantized(x.t().contiguous().t()), quantized(x))  # a strided input is made contiguous
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_no_rows_never_reach_the_kernel(method, monkeypatch):
+    """A step with nothing to sample hands the head no rows: the answer is (0, out) without a kernel call (torch's
+    CUDA int8 kernel fails on an empty grid, and the error surfaces at the next, unrelated CUDA call)."""
+    layer = linear_with(torch.randn(64, 128, generator=torch.Generator().manual_seed(2)))
+    quantized = Int8Linear(layer) if method == "int8" else Int4Linear(layer, group_size=32)
+    assert quantized.uses_kernel
+    def refuse(x):
+        raise AssertionError(f"the kernel was called with {x.shape[0]} rows")
+    monkeypatch.setattr(quantized, "kernel_matmul", refuse)
+    out = quantized(torch.zeros(0, 128))
+    assert out.shape == (0, 64) and out.dtype == torch.float32
+    with pytest.raises(AssertionError, match="called with 3 rows"):  # the refusal has teeth
+        quantized(torch.zeros(3, 128))
+
+
 def test_this_cpu_build_runs_torch_s_kernels():
     """The fast path is in use here (torch 2.13 CPU ships both kernels): otherwise the speed-ups recorded in
     BENCHMARKS.md would not be what a user gets."""

@@ -112,7 +112,11 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, in) -> (rows, out): bfloat16 by the kernel, float32 by the definition."""
+        """x (rows, in) -> (rows, out): bfloat16 by the kernel, float32 by the definition. No rows, no kernel: a
+        step with no token to sample gives the head none, and torch's CUDA int8 kernel launches an empty grid
+        for them, an "invalid argument" that breaks the next CUDA call (seen on an H200, torch 2.11)."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
         if self.uses_kernel:
             return self.kernel_matmul(x.to(COMPUTE_DTYPE))
         return linear_definition(x, self.dequantized_weight())
