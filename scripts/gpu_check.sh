@@ -20,6 +20,8 @@
 # bench.py in bf16 against transformers at batch 32, on `small` and on the 2b-shaped preset (the real
 # Qwen2-VL-2B widths, 1 text layer); bench_quant.py's batch-1 decode of float32, bfloat16, int8 and int4 weights.
 #
+# GPU_CHECK_ONLY="bench-2b bench-quant" runs only the stages named (tests, bench-small, bench-2b, bench-quant).
+#
 # GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
 # suite checks this script (tests/test_scripts.py) without a GPU.
 set -uo pipefail
@@ -29,6 +31,7 @@ WORK="${GPU_CHECK_WORK:-$OUT/stages}"
 PYTHON="${PYTHON:-python}"
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-450}))
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
+ONLY="${GPU_CHECK_ONLY:-}"  # stage names, space-separated: run only these (a rerun of what a first run skipped)
 DEVICE=(--device cuda --dtype bfloat16)
 SMALL=(--preset small --cache-dir checkpoints/bench-small)
 TWO_B=(--preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped)
@@ -61,6 +64,7 @@ trap stopped TERM INT HUP
 stage() {  # stage NAME SECONDS COMMAND...: run one stage, cut to the time left, into $WORK/NAME.txt
     local name=$1 limit=$2 start=$SECONDS rc outcome
     shift 2
+    [[ -z "$ONLY" || " $ONLY " == *" $name "* ]] || return 0  # GPU_CHECK_ONLY names other stages
     local left=$((DEADLINE - SECONDS - 10))  # 10 s kept for the last write of the results
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 10 ]; then  # under 20 s to the deadline

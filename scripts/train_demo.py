@@ -16,6 +16,10 @@
     python scripts/train_demo.py --out runs/fonts --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 300:number --number-chats 0.5 --number-close-ups 16 --focus-lr 2e-4 --max-visual-tokens 400 \
         --number-fonts matplotlib   # digits in more fonts (BENCHMARKS.md, the font probe)
+    python scripts/train_demo.py --out runs/gpu --init-from nanomm/demo/checkpoints/model --focus-start 0 \
+        --focus 50000:all --number-chats 0.5 --counting-chats 0.45 --batch-size 32 --number-close-ups 32 \
+        --focus-lr 2e-4 --max-visual-tokens 400 --number-fonts matplotlib --device cuda --batch-workers 13 \
+        --time-limit 300      # on a GPU for five minutes: the H200 probe in BENCHMARKS.md
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
 (*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head
@@ -31,6 +35,9 @@ it on pictures with several shapes, a few tasks at a time, each asked about seve
 Reproducible from --seed: each step's batch depends only on (seed, step). The result is
 runs/demo/model.safetensors (float16) beside its config and tokenizer, loadable by nanomm and transformers;
 nanomm/demo/checkpoints/ holds the shipped one.
+
+On a GPU (--device cuda) the batches are still drawn on CPUs, by --batch-workers processes; --time-limit ends a run
+after that many seconds with its state saved and its weights exported (a lent machine's minutes are counted).
 
 Keep it alone on the machine: a second busy process on a 2-core VM slows every step. On the 2-core Intel Xeon
 VM that trained the 6ad4f33 model (AMX, so --bf16 is on by default there), stage 1 ran at about 0.75 s per step
@@ -92,6 +99,14 @@ def number_fonts(names: list[str]) -> tuple[str, ...]:
     return tuple(files)
 
 
+def default_bf16(device: str) -> bool:
+    """bfloat16 autocast by default on a GPU, and on a CPU with AMX tiles (where its matmuls are several times
+    faster); elsewhere float32."""
+    if device.startswith("cuda"):
+        return True
+    return torch.cpu._is_amx_tile_supported()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="run folder (created, or resumed if it has a state)")
@@ -118,7 +133,14 @@ def main(argv=None) -> None:
                         help="font files (.ttf/.otf) that half the printed numbers are drawn in; 'matplotlib': "
                              "its STIX and Computer Modern fonts (the lessons extra), not its DejaVu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bfloat16 autocast (default: on where the CPU has AMX tiles, where it is several times faster)")
+                        help="bfloat16 autocast (default: on a GPU, and where the CPU has AMX tiles, where it is "
+                             "several times faster)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: train on a GPU (default cpu)")
+    parser.add_argument("--batch-workers", type=int, default=1,
+                        help="processes drawing batches ahead (default 1; a GPU step needs about one per 0.1 s of "
+                             "drawing a batch takes, so several)")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="end the run at the first step after this many seconds, save its state and export it")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
     parser.add_argument("--stop-at", type=int, help="end the run (unexported) before this step; resume it later")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -139,7 +161,8 @@ def main(argv=None) -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       curriculum_steps=args.curriculum_steps, save_every=args.save_every, seed=args.seed,
                       vision_steps=0 if args.draft_of else args.vision_steps, vision_lr=args.vision_lr,
-                      bf16=torch.cpu._is_amx_tile_supported() if args.bf16 is None else args.bf16,
+                      bf16=default_bf16(args.device) if args.bf16 is None else args.bf16,
+                      device=args.device, batch_workers=args.batch_workers, time_limit=args.time_limit,
                       threads=args.threads, freeze_vision=args.draft_of is not None,
                       flush_denormal=not args.no_flush_denormal, focus_start=args.focus_start,
                       focus_phases=tuple(focus_phase(p) for p in args.focus), focus_lr=args.focus_lr,
@@ -161,11 +184,12 @@ def main(argv=None) -> None:
     if args.stop_at is not None and args.stop_at < cfg.total_steps:
         return  # the last saved state (every --save-every steps) is where the next run resumes
     export(result["model"], args.out)
-    summary = {"steps": cfg.total_steps, "resumed_at": result["first_step"],
+    gpu = f", {torch.cuda.get_device_name(cfg.device)}" if cfg.device.startswith("cuda") else ""
+    summary = {"steps": result["steps"], "resumed_at": result["first_step"],
                "seconds": round(time.perf_counter() - began, 1),
                "final_loss": sum(result["losses"][-50:]) / max(1, len(result["losses"][-50:])),
                "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                          f"{torch.get_num_threads()} threads", "config": cfg.to_dict()}
+                          f"{torch.get_num_threads()} threads{gpu}", "config": cfg.to_dict()}
     (args.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
 

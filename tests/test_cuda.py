@@ -117,3 +117,22 @@ def test_compressed_visual_tokens_on_cuda_match_the_dense_reference(ckpt, method
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS,
               visual_token_compression={"method": method, "keep_ratio": 0.5}, **STRESS["tiny-pool-preemption"])
     assert_mixed_workload_matches(llm, llm.model)
+
+
+def test_the_demo_model_trains_on_cuda_as_on_the_cpu(tmp_path):
+    """scripts/train_demo.py --device cuda: the same batches give the same losses as on the CPU (float32, TF32
+    convolutions apart), with batches drawn by two workers, and the exported weights load on the CPU."""
+    from nanomm.demo.trainer import TINY_SPEC, export, new_run, train
+    from nanomm.demo.training import TrainConfig
+    from nanomm.model.loader import load_model
+    losses = {}
+    for device in ("cpu", "cuda"):
+        folder = new_run(tmp_path / device, TINY_SPEC)
+        cfg = TrainConfig(steps=3, batch_size=4, warmup_steps=1, curriculum_steps=0, max_turns=4, vision_steps=1,
+                          device=device, batch_workers=2)
+        result = train(folder, cfg, show_progress=False, log=lambda _: None)
+        losses[device] = result["losses"]
+    assert result["model"].device.type == "cuda" and len(losses["cuda"]) == 3
+    assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-2)
+    export(result["model"], folder)
+    assert load_model(folder).device.type == "cpu"

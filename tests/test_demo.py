@@ -461,6 +461,29 @@ def test_a_run_with_stage_three_ends_at_its_total_steps(tiny_run, tmp_path):
     assert torch.load(folder / "train_state.pt", weights_only=False)["step"] == 4
 
 
+def test_more_batch_workers_draw_the_same_batches(tiny_run, tmp_path):
+    """Workers draw batches ahead in any order; each batch depends only on (seed, step), so the run is the same."""
+    runs = {}
+    for workers in (1, 3):
+        folder = tmp_path / f"workers-{workers}"
+        shutil.copytree(tiny_run, folder)
+        runs[workers] = train(folder, tiny_config(4, batch_workers=workers), show_progress=False,
+                              log=lambda _: None)["losses"]
+    assert len(runs[1]) == 4 and runs[3] == runs[1]
+
+
+def test_a_time_limit_stops_the_run_with_a_state_to_resume_from(tiny_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run, folder)
+    quiet, said = dict(show_progress=False), []
+    done = train(folder, tiny_config(3, save_every=1), **quiet, log=lambda _: None)
+    assert done["steps"] == 3
+    out_of_time = train(folder, tiny_config(6, save_every=100, time_limit=0.0), **quiet, log=said.append)
+    assert out_of_time["steps"] == 3 and out_of_time["losses"] == []  # no time for even one more step
+    assert torch.load(folder / "train_state.pt", weights_only=False)["step"] == 3 and "out of time" in said[-1]
+    assert train(folder, tiny_config(6), **quiet, log=lambda _: None)["first_step"] == 3
+
+
 def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     shutil.copytree(tiny_run, straight)

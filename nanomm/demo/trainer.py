@@ -16,6 +16,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -135,7 +136,7 @@ def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> 
             continue
         hub_name = "model." + name.removeprefix("language_model.") if name.startswith("language_model.") else name
         assert canonical_name(hub_name) == name, (hub_name, name)
-        state[hub_name] = tensor.detach().to(dtype).contiguous()
+        state[hub_name] = tensor.detach().to("cpu", dtype).contiguous()
     save_safetensors(state, folder / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -151,35 +152,46 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
         torch.set_num_threads(cfg.threads)
     torch.set_flush_denormal(cfg.flush_denormal)  # measured: 1.4 instead of 2.2 s per step once training warms up
     torch.manual_seed(cfg.seed)
-    model = load_model(folder).float().train()
-    heads = None if cfg.freeze_vision or not cfg.hint_weight else new_heads(model, cfg.seed)
+    model = load_model(folder, device=cfg.device).float().train()
+    heads = None if cfg.freeze_vision or not cfg.hint_weight else new_heads(model, cfg.seed).to(cfg.device)
     trainable = _trainable_parameters(model, cfg) + (list(heads.parameters()) if heads else [])
     vision = {id(p) for p in model.visual.parameters()}  # the tower and its hint head: their own learning rate
     vision |= {id(p) for p in heads["hints"].parameters()} if heads else set()
     optimizer = torch.optim.AdamW(_param_groups(trainable, cfg.weight_decay, vision), lr=cfg.lr, betas=(0.9, 0.98))
     start = _resume(folder, model, optimizer, heads)
     history, window, began = [], {}, time.perf_counter()
-    # Batches are drawn in a second process, one step ahead, while this one computes.
-    # A spawned worker, not a forked one: a fork after torch has started its OpenMP threads can hang the child.
-    worker = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_init_batch_worker)
-    with _progress(show_progress) as progress, worker as pool:
+    # Batches are drawn in other processes (cfg.batch_workers), as many steps ahead, while this one computes.
+    # Spawned workers, not forked ones: a fork after torch has started its OpenMP threads can hang the child.
+    workers = ProcessPoolExecutor(cfg.batch_workers, mp_context=get_context("spawn"), initializer=_init_batch_worker)
+    step = start
+    with _progress(show_progress) as progress, workers as pool:
         end = cfg.total_steps if stop_before is None else min(stop_before, cfg.total_steps)
         bar = progress.add_task("training", total=cfg.total_steps, completed=start, loss=float("nan"))
-        next_batch = pool.submit(_make_batch_in_worker, str(folder), start, cfg)
+        ahead = deque(pool.submit(_make_batch_in_worker, str(folder), s, cfg)
+                      for s in range(start, min(end, start + cfg.batch_workers)))
         for step in range(start, end):
-            batch = next_batch.result()
-            if step + 1 < end:
-                next_batch = pool.submit(_make_batch_in_worker, str(folder), step + 1, cfg)
+            if cfg.time_limit is not None and time.perf_counter() - began > cfg.time_limit:
+                _save_state(folder, model, optimizer, heads, step, cfg)  # out of time: resumable from here
+                log(f"step {step}: out of time ({cfg.time_limit:.0f} s), stopping")
+                for batch in ahead:
+                    batch.cancel()
+                break
+            batch = ahead.popleft().result()
+            if step + cfg.batch_workers < end:
+                ahead.append(pool.submit(_make_batch_in_worker, str(folder), step + cfg.batch_workers, cfg))
             loss, accuracy = _train_step(model, heads, optimizer, trainable, step, cfg, batch)
             history.append(loss)
             _accumulate(window, accuracy)
             progress.update(bar, advance=1, loss=sum(history[-50:]) / len(history[-50:]))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.total_steps:
                 _save_state(folder, model, optimizer, heads, step + 1, cfg)
-                log(f"step {step + 1}: loss {sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
+                log(f"step {step + 1} ({time.perf_counter() - began:.0f} s): loss "
+                    f"{sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
                     + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items() if n))
                 window = {}
-    return {"steps": cfg.total_steps, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
+        else:
+            step = end
+    return {"steps": step, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
             "model": model}
 
 
@@ -211,7 +223,7 @@ def _train_step(model, heads, optimizer, trainable, step, cfg, batch):
     for group in optimizer.param_groups:
         scale = cfg.vision_lr_scale if group["vision"] and stage(step, cfg) == 2 else 1.0
         group["lr"] = scale * learning_rate(step, cfg)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+    with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
         loss, accuracy = batch_loss(model, batch, heads, cfg.hint_weight, vision_only=stage(step, cfg) == 1,
                                     position_weight=cfg.position_weight)
     optimizer.zero_grad(set_to_none=True)
@@ -248,7 +260,7 @@ def _resume(folder: Path, model, optimizer, heads) -> int:
     path = folder / STATE_FILE
     if not path.is_file():
         return 0
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves it to the model
     model.load_state_dict(state["model"])
     if heads is not None:
         saved = state["heads"]["hints.weight"].shape[0]

@@ -71,6 +71,9 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     threads: int = 0  # torch threads; 0 = leave torch's default
+    device: str = "cpu"  # where the model trains: "cpu", or "cuda" (a GPU; the batches are still drawn on CPUs)
+    batch_workers: int = 1  # processes drawing batches ahead of the step (a GPU step needs several to keep up)
+    time_limit: float | None = None  # seconds: end the run at the first step after this, and export what it has
     freeze_vision: bool = False  # train the text model only (the draft)
     flush_denormal: bool = True  # tiny floats as zero: CPU arithmetic on denormals is many times slower
     hint_weight: float = 0.5  # weight of the vision hints' loss (0: answers only)
@@ -486,19 +489,19 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     loss, and each hint's accuracy on the tokens it labels.
 
     vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model)."""
-    cfg = model.config
+    cfg, device = model.config, model.device
     grids = [[tuple(im.grid_thw) for im in ex.images] for ex in batch]
-    pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images])
+    pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images]).to(device)
     image_embeds = torch.cat(model.encode_images(pixels, [g for chat in grids for g in chat]))  # (vis. tokens, hidden)
     with_hints = heads is not None and (vision_only or hint_weight)
-    hints = torch.cat([h for ex in batch for h in ex.hints]) if with_hints else None  # (visual tokens, HINT_COLUMNS)
+    hints = torch.cat([h for ex in batch for h in ex.hints]).to(device) if with_hints else None  # (vis. tokens, HINT_COLUMNS)
     if vision_only:
         return hint_loss(heads["hints"](image_embeds).float(), hints)
-    ids = torch.tensor([t for ex in batch for t in ex.token_ids])  # (total tokens,): the chats end to end
+    ids = torch.tensor([t for ex in batch for t in ex.token_ids], device=device)  # (total tokens,): chats end to end
     # Position t predicts token t+1: each chat's labels shifted left by one, its last position predicts nothing.
-    targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]])
+    targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]], device=device)
     positions = torch.cat([mrope_positions(ex.token_ids, g, cfg.image_token_id, cfg.vision.spatial_merge_size)[0]
-                           for ex, g in zip(batch, grids)], dim=1)  # (3, total tokens)
+                           for ex, g in zip(batch, grids)], dim=1).to(device)  # (3, total tokens)
     attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
     middle, layers = {}, model.language_model.layers  # the output of layer POSITION_LAYER, for the position loss
     hook = layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out)) if heads else None
@@ -511,8 +514,8 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     accuracy = _first_token_accuracy(batch, rows, logits.argmax(-1) == targets[rows])
     if heads is not None and position_weight:
         position = heads["position"](middle["x"][ids == cfg.image_token_id]).float()  # (visual tokens, 2)
-        loss = loss + position_weight * F.mse_loss(position, image_token_places([g for chat in grids for g in chat],
-                                                                                cfg.vision.spatial_merge_size))
+        places = image_token_places([g for chat in grids for g in chat], cfg.vision.spatial_merge_size)
+        loss = loss + position_weight * F.mse_loss(position, places.to(device))
     if with_hints:
         hints_loss, hint_accuracy = hint_loss(heads["hints"](image_embeds).float(), hints)
         loss = loss + hint_weight * hints_loss
@@ -546,7 +549,7 @@ def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, 
     names = ("colour", "kind") + tuple(f"digit {i}" for i in range(DIGIT_SLOTS))
     total, accuracy = 0.0, {}
     for i, (name, part) in enumerate(zip(names, classes)):
-        weight = torch.ones(part.shape[1])
+        weight = torch.ones(part.shape[1], device=part.device)
         weight[0] = BACKGROUND_WEIGHT
         total = total + F.cross_entropy(part, hints[:, i], weight=weight)
         right = (part.argmax(1) == hints[:, i])[hints[:, i] != 0]
@@ -559,7 +562,8 @@ def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, 
     # name: (scores, labels, class weights, the tokens its accuracy is measured on)
     named = {"relation": (relations, relation_labels, None, relation_labels != IGNORE),
              "count": (count, count_labels, None, count_labels != IGNORE),
-             "centre": (centre, centre_labels, torch.tensor([NOT_CENTRE_WEIGHT, 1.0]), centre_labels == 1)}
+             "centre": (centre, centre_labels, torch.tensor([NOT_CENTRE_WEIGHT, 1.0], device=centre.device),
+                        centre_labels == 1)}
     for name, (part, labels, weight, scored) in named.items():
         if (labels != IGNORE).any():
             total = total + F.cross_entropy(part, labels, weight=weight, ignore_index=IGNORE)
