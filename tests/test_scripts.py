@@ -174,6 +174,16 @@ def test_gpu_check_out_of_time_skips_stages_and_says_so(tmp_path):
     assert "tests skipped (exit 1)" in (tmp_path / "out" / "summary.txt").read_text()
 
 
+def test_gpu_check_only_runs_the_stages_it_names(tmp_path):
+    """GPU_CHECK_ONLY: a second call that reruns what a first one skipped, and nothing else."""
+    env = offline_env(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_ONLY="bench-quant", OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert list(combined["stages"]) == ["bench-quant"] and combined["stages"]["bench-quant"]["outcome"] == "passed"
+
+
 def test_gpu_check_killed_part_way_leaves_the_finished_stages(tmp_path):
     """The record is rewritten after every stage: stop the run once the tests stage is in gpu_check.json (as a
     remote call's time limit would), and what finished is there, in a JSON file that parses, with the stop."""
