@@ -6,7 +6,7 @@
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
 # have no network. The whole run ends within GPU_CHECK_SECONDS (default 450 s, inside 8 minutes): each stage has
-# its own limit (150 + 110 + 110 + 45 s) and is cut to the time left; a stage is skipped when under 20 s remain.
+# its own limit (150 + 110 + 110 + 45 + 90 s) and is cut to the time left; a stage is skipped when under 20 s remain.
 # A stage that fails, times out or is skipped is reported, and the next one still runs. Two files under $OUT hold
 # everything, and both are rewritten after every stage, so a run that is killed part way (a remote call's time
 # limit, say) still leaves a record of every stage that finished; a TERM to the script stops the running stage:
@@ -19,8 +19,10 @@
 # transformers parity, a graph replay against eager (float32 and bf16), the profiled KV pool. The benches:
 # bench.py in bf16 against transformers at batch 32, on `small` and on the 2b-shaped preset (the real
 # Qwen2-VL-2B widths, 1 text layer); bench_quant.py's batch-1 decode of float32, bfloat16, int8 and int4 weights.
+# Then profile_steps.py: where the engine's prefill and decode steps and a demo training step spend their time.
 #
-# GPU_CHECK_ONLY="bench-2b bench-quant" runs only the stages named (tests, bench-small, bench-2b, bench-quant).
+# GPU_CHECK_ONLY="bench-2b bench-quant" runs only the stages named (tests, bench-small, bench-2b, bench-quant,
+# profile).
 #
 # GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
 # suite checks this script (tests/test_scripts.py) without a GPU.
@@ -121,6 +123,8 @@ stage bench-2b 110 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --wor
     --json "$WORK/bench-2b.json"
 
 stage bench-quant 45 "$PYTHON" scripts/bench_quant.py speed "${QUANT[@]}" --json "$WORK/bench-quant.json"
+
+stage profile 90 "$PYTHON" scripts/profile_steps.py "${DEVICE[@]}" "${SMALL[@]}" --json "$WORK/profile.json"
 
 cat "$OUT/summary.txt"
 exit $status

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = ("bench-small", "bench-2b", "bench-quant")
+BENCHES = ("bench-small", "bench-2b", "bench-quant", "profile")
 OUTPUT_CHARS = 20_000  # the end of each stage's output kept in the JSON
 
 
@@ -38,7 +38,8 @@ def summary_lines(combined: dict) -> list[str]:
     lines = [f"stages: {done or 'none finished yet'}"] + ([combined["stopped"]] if combined["stopped"] else [])
     for name in BENCHES:
         try:  # one result that lacks a field (an older bench's JSON, say) must not hide the others
-            lines += (quant_lines if name == "bench-quant" else bench_lines)(name, combined[name])
+            describe = {"bench-quant": quant_lines, "profile": profile_lines}.get(name, bench_lines)
+            lines += describe(name, combined[name])
         except (KeyError, TypeError, ZeroDivisionError) as error:
             lines.append(f"{name}: unreadable result ({type(error).__name__}: {error})")
     return lines
@@ -51,6 +52,23 @@ def quant_lines(name: str, result: dict | None) -> list[str]:
     return [f"{name}, batch-1 decode tok/s: " + ", ".join(
         f"{k} {v['tok_s']:.0f} ({v['tok_s'] / rows['float32']['tok_s']:.2f}x, "
         f"{v['tok_s'] / v['roofline_tok_s']:.0%} of roofline)" for k, v in rows.items())]
+
+
+def profile_lines(name: str, result: dict | None) -> list[str]:
+    """profile_steps.py: each kind of engine step's total and phases, and the training step's parts."""
+    if not result:
+        return [f"{name}: no result"]
+    serving, training = result["serving"], result["training"]
+    lines = [f"{name}: serving {serving['requests']} requests, TTFT p50 {serving['ttft_p50_s'] * 1e3:.0f} ms"]
+    for kind, entry in serving["steps"].items():
+        phases = ", ".join(f"{phase} {ms:.0f}" for phase, ms in entry["phases_ms"].items() if ms >= 0.5)
+        lines.append(f"  {entry['steps']} {kind} steps, {entry['total_ms']:.0f} ms ({phases} ms)")
+    lines.append(f"  prefill host waits {serving['prefill_host_waits']}; top ops " + ", ".join(
+        f"{op['op']} {op['self_ms']:.1f} ms x{op['calls']}" for op in serving["prefill_top_ops"][:4]))
+    step = ", ".join(f"{part} {ms:.0f} ms" for part, ms in training["step_ms"].items())
+    lines.append(f"  training step of {training['chats_per_step']} chats: {step}; drawing its batch "
+                 f"{training['draw_batch_ms']:.0f} ms on one core")
+    return lines
 
 
 def bench_lines(name: str, result: dict | None) -> list[str]:

@@ -149,15 +149,20 @@ def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
                           timeout=2 * TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b", "bench-quant"}
+    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b", "bench-quant", "profile"}
     assert all(stage["exit"] == 0 for stage in combined["stages"].values())
     for name in ("bench-small", "bench-2b"):
         decode = combined[name]["workloads"]["decode"]
         assert decode["agreement"]["identical"] == decode["num_requests"]  # against transformers, token for token
         assert decode["batch1_roofline"]["steps"] > 0 and decode["decode_probe"]["ops"]["kernels_per_layer"] <= 25
     assert set(combined["bench-quant"]["rows"]) == {"float32", "bfloat16", "int8", "int4"}
+    steps = combined["profile"]["serving"]["steps"]
+    assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
+    assert steps["decode"]["phases_ms"]["forward"] > 0 and steps["prefill"]["phases_ms"]["encode"] > 0
+    assert combined["profile"]["training"]["step_ms"]["backward"] > 0
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "batch 32:" in summary and "bench-quant, batch-1 decode tok/s: float32" in summary
+    assert "decode steps" in summary and "training step of 4 chats" in summary
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu_check.json", "stages", "summary.txt"]
 
 
@@ -170,7 +175,7 @@ def test_gpu_check_out_of_time_skips_stages_and_says_so(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert all(stage["outcome"] == "skipped" and stage["exit"] != 0 for stage in combined["stages"].values())
-    assert len(combined["stages"]) == 4 and combined["bench-small"] is None
+    assert len(combined["stages"]) == 5 and combined["bench-small"] is None
     assert "tests skipped (exit 1)" in (tmp_path / "out" / "summary.txt").read_text()
 
 

@@ -1,0 +1,207 @@
+"""Where a step's time goes: the engine's prefill and decode steps, and a demo-model training step.
+
+    python scripts/profile_steps.py --device cuda --dtype bfloat16 --preset small --cache-dir checkpoints/bench-small
+    python scripts/profile_steps.py --quick        # the tiny preset and a tiny training model: a smoke run
+
+The question the first GPU numbers left open (BENCHMARKS.md, "The first GPU numbers"): on an H200 the engine's
+batch-32 TTFT was 2.7 s and a demo training step 0.46 s, far from what the GPU's roofline allows. Three parts:
+
+- steps: bench.py's decode workload (32 requests, every other one with a picture) through an `LLM` that records
+  its step trace (nanomm/engine/trace.py). Each engine step is a prefill step (a chunk in it reads prompt tokens)
+  or a decode step; the table sums each kind's phases: schedule, encode, forward, sample, commit.
+- prefill ops: torch.profiler over the prefill of 32 new requests (one output token each): the ops with the
+  most self time, and how often the host waited for the device (`aten::item`, `aten::nonzero`, syncs).
+- training: the demo model's training step (nanomm/demo/training.py) on the batches of the one-session recipe:
+  drawing one batch (on one CPU core), then forward, backward and the optimizer, each timed after a device sync.
+
+gpu_check.sh runs it as its `profile` stage. The phase spans are host times: on a GPU, work launched in one phase
+may finish in a later one (the sample phase waits for the forward's kernels), so compare step totals, and read the
+phases as where the host spent its time.
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's workload and machine
+
+from bench import greedy, load_checkpoint, machine_info, make_workload, warm_up, workloads  # noqa: E402
+from bench import parse_args as bench_args  # noqa: E402
+from nanomm import LLM, demo_checkpoint  # noqa: E402
+from nanomm.demo.tasks import TASKS  # noqa: E402
+from nanomm.demo.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap  # noqa: E402
+from nanomm.demo.training import TrainConfig, batch_loss, make_batch  # noqa: E402
+from nanomm.engine.trace import ENGINE_PID, STEP_LANE  # noqa: E402
+from nanomm.model.loader import load_model  # noqa: E402
+
+PHASES = ("schedule", "propose", "encode", "forward", "sample", "commit")
+# Profiler events where the host waits for the device (or reads a value back from it).
+HOST_WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_kinds(events: list[dict], first_step: int) -> dict:
+    """The trace's engine steps from `first_step` on, by kind ("prefill" or "decode"): how many, their total
+    milliseconds, and each phase's total milliseconds."""
+    lane = [e for e in events if e.get("ph") == "X" and e.get("pid") == ENGINE_PID and e.get("tid") == STEP_LANE]
+    chunks = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == "prefill chunk")
+    kinds: dict[str, dict] = {}
+    for step in (e for e in lane if e["name"] == "step" and e["args"]["step"] >= first_step):
+        start, end = step["ts"], step["ts"] + step["dur"]
+        kind = "prefill" if any(start <= ts <= end for ts in chunks) else "decode"
+        entry = kinds.setdefault(kind, {"steps": 0, "total_ms": 0.0, "phases_ms": dict.fromkeys(PHASES, 0.0)})
+        entry["steps"] += 1
+        entry["total_ms"] += step["dur"] / 1e3
+        for phase in (e for e in lane if e["name"] in PHASES and start <= e["ts"] <= end):
+            entry["phases_ms"][phase["name"]] += phase["dur"] / 1e3
+    return kinds
+
+
+def top_ops(profile, device: torch.device, rows: int = 12) -> list[dict]:
+    """The ops with the most self time (the device's on a GPU, the host's on a CPU), and their call counts."""
+    on_gpu = device.type == "cuda"
+    averages = [a for a in profile.key_averages() if not a.key.startswith("ProfilerStep")]
+    self_us = (lambda a: a.self_device_time_total) if on_gpu else (lambda a: a.self_cpu_time_total)
+    ranked = sorted(averages, key=self_us, reverse=True)[:rows]
+    return [{"op": a.key, "calls": a.count, "self_ms": round(self_us(a) / 1e3, 3),
+             "host_self_ms": round(a.self_cpu_time_total / 1e3, 3)} for a in ranked]
+
+
+def host_waits(profile) -> dict[str, int]:
+    counts = {a.key: a.count for a in profile.key_averages() if a.key in HOST_WAITS}
+    return dict(sorted(counts.items()))
+
+
+def activities(device: torch.device) -> list:
+    kinds = [torch.profiler.ProfilerActivity.CPU]
+    return kinds + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def profile_serving(args, device: torch.device) -> dict:
+    """The decode workload's steps by kind, then the profiler over one batch of prefills."""
+    options = ["--workload", "decode", "--preset", args.preset, "--cache-dir", args.cache_dir, "--no-hf"]
+    options += ["--quick"] if args.quick else []
+    workload_args = bench_args(options)
+    folder = load_checkpoint(workload_args, print)
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    workload = workloads(workload_args)["decode"]
+    with LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=workload_args.max_pixels,
+             trace_path=str(trace)) as llm:
+        warm_up(llm)
+        first_step = llm.engine.num_steps
+        began = time.perf_counter()
+        outputs = llm.generate(workload["prompts"], greedy(workload["max_tokens"]), use_tqdm=False)
+        wall_s = time.perf_counter() - began
+        fresh = make_workload(workload_args.seed + 7, len(workload["prompts"]), (0, 1), (56, 224),
+                              workload_args.decode_words, alternate=True,
+                              mm_kwargs={"max_pixels": workload_args.max_pixels})  # new prompts: no prefix hits
+        with torch.profiler.profile(activities=activities(device)) as profile:
+            llm.generate(fresh, greedy(1), use_tqdm=False)
+            synchronize(device)
+    ttfts = [o.metrics.ttft_s for o in outputs]
+    return {"requests": len(outputs), "wall_s": round(wall_s, 3), "ttft_p50_s": round(statistics.median(ttfts), 4),
+            "steps": step_kinds(json.loads(trace.read_text())["traceEvents"], first_step),
+            "prefill_top_ops": top_ops(profile, device), "prefill_host_waits": host_waits(profile)}
+
+
+def training_folder(quick: bool) -> Path:
+    """A copy of the shipped demo model at a 400-token cap (the one-session recipe's), or a tiny new model."""
+    folder = Path(tempfile.mkdtemp()) / "run"
+    if quick:
+        return new_run(folder, TINY_SPEC)
+    shutil.copytree(demo_checkpoint(), folder)
+    set_picture_cap(folder, 400)
+    return folder
+
+
+def profile_training(args, device: torch.device) -> dict:
+    folder = training_folder(args.quick)
+    cfg = TrainConfig(focus_start=0, focus_phases=((1000, TASKS),), number_chats=0.5, counting_chats=0.45,
+                      batch_size=args.train_batch, number_close_ups=args.train_batch, device=args.device)
+    tokenizer, image_config = _processors(str(folder))
+    began = time.perf_counter()
+    batches = [make_batch(step, cfg, tokenizer, image_config) for step in range(2)]
+    draw_s = (time.perf_counter() - began) / len(batches)
+    model = load_model(folder, device=args.device).float().train().requires_grad_(True)
+    heads = new_heads(model, 0).to(device)
+    optimizer = torch.optim.AdamW(list(model.parameters()) + list(heads.parameters()), lr=1e-6)
+    times = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(batch) -> None:
+        marks = [time.perf_counter()]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = batch_loss(model, batch, heads, cfg.hint_weight, position_weight=cfg.position_weight)
+        synchronize(device)
+        marks.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        synchronize(device)
+        marks.append(time.perf_counter())
+        optimizer.step()
+        synchronize(device)
+        marks.append(time.perf_counter())
+        for name, start, end in zip(times, marks, marks[1:]):
+            times[name].append(end - start)
+
+    for i in range(args.train_steps):  # the first is a warm-up, dropped below
+        step(batches[i % len(batches)])
+    with torch.profiler.profile(activities=activities(device)) as profile:
+        step(batches[0])
+        synchronize(device)
+    median_ms = {name: round(statistics.median(values[1:] or values) * 1e3, 2) for name, values in times.items()}
+    return {"chats_per_step": 2 * args.train_batch, "draw_batch_ms": round(draw_s * 1e3, 1), "step_ms": median_ms,
+            "top_ops": top_ops(profile, device), "host_waits": host_waits(profile)}
+
+
+def print_summary(result: dict) -> None:
+    serving, training = result["serving"], result["training"]
+    print(f"serving: {serving['requests']} requests in {serving['wall_s']} s, TTFT p50 {serving['ttft_p50_s']} s")
+    for kind, entry in serving["steps"].items():
+        phases = ", ".join(f"{name} {ms:.0f}" for name, ms in entry["phases_ms"].items() if ms)
+        print(f"  {kind} steps: {entry['steps']}, {entry['total_ms']:.0f} ms in all ({phases} ms)")
+    print(f"  prefill host waits: {serving['prefill_host_waits']}")
+    print("  prefill top ops: " + ", ".join(f"{o['op']} {o['self_ms']} ms x{o['calls']}"
+                                            for o in serving["prefill_top_ops"][:6]))
+    print(f"training, {training['chats_per_step']} chats a step: drawing a batch {training['draw_batch_ms']} ms "
+          f"(one core); " + ", ".join(f"{k} {v} ms" for k, v in training["step_ms"].items()))
+    print(f"  host waits in one step: {training['host_waits']}")
+    print("  top ops: " + ", ".join(f"{o['op']} {o['self_ms']} ms x{o['calls']}" for o in training["top_ops"][:6]))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", help="bench.py's random checkpoint for the serving part")
+    parser.add_argument("--cache-dir", default="checkpoints/bench-small")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--train-batch", type=int, default=32, help="chats a training batch draws (and as many "
+                        "close-ups)")
+    parser.add_argument("--train-steps", type=int, default=4, help="timed training steps (the first is a warm-up)")
+    parser.add_argument("--quick", action="store_true", help="tiny preset, tiny training model, small batches")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.preset, args.train_batch, args.train_steps = "tiny", 2, 2
+    device = torch.device(args.device)
+    result = {"machine": machine_info(), "device": args.device, "dtype": args.dtype, "preset": args.preset,
+              "serving": profile_serving(args, device), "training": profile_training(args, device)}
+    print_summary(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
