@@ -17,7 +17,7 @@ from PIL import Image, ImageChops
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, other_font, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
 from nanomm.demo.trainer import TINY_SPEC, new_run, set_picture_cap, train
-from nanomm.demo.training import (IGNORE, TrainConfig, counting_chat, encode_chat, image_token_places,
+from nanomm.demo.training import (IGNORE, TrainConfig, batch_loss, counting_chat, encode_chat, image_token_places,
                                   learning_rate, make_batch, number_close_up, number_hints, pick_contrasting,
                                   stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
@@ -459,6 +459,26 @@ def test_a_run_with_stage_three_ends_at_its_total_steps(tiny_run, tmp_path):
     result = train(folder, cfg, show_progress=False, log=lambda _: None)
     assert len(result["losses"]) == 4 and result["steps"] == 4
     assert torch.load(folder / "train_state.pt", weights_only=False)["step"] == 4
+
+
+def test_one_masked_attention_call_for_all_chats_is_one_call_per_chat(tiny_run):
+    """The GPU's fused attention (a block-diagonal causal mask over the packed chats) gives the per-chat calls'
+    loss and gradients: no chat sees another's tokens, nor its own later ones."""
+    tokenizer, image_config = Tokenizer.from_pretrained(tiny_run), ImageProcessorConfig.from_pretrained(tiny_run)
+    batch = make_batch(3, tiny_config(10, batch_size=5, number_close_ups=2), tokenizer, image_config)
+    model = load_model(tiny_run).float().train().requires_grad_(True)
+    results = []
+    for fused in (False, True):
+        model.zero_grad()
+        loss, _ = batch_loss(model, batch, fused_attention=fused)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss, grads), (fused_loss, fused_grads) = results
+    assert len({len(ex.token_ids) for ex in batch}) > 1  # chats of several lengths, packed
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(fused_grads) > 10
+    for grad, fused_grad in zip(grads, fused_grads):
+        torch.testing.assert_close(fused_grad, grad, rtol=1e-4, atol=1e-6)
 
 
 def test_more_batch_workers_draw_the_same_batches(tiny_run, tmp_path):

@@ -32,11 +32,13 @@ time, several questions of one task per chat (`pick_contrasting`). The recipe's 
   drawn in, so that digits are not learned in one renderer's fonts alone.
 
 A batch is `batch_size` chats packed end to end with no padding; attention is causal per chat
-(`PackedCausalAttention`), and the vision tower runs all the batch's pictures in one call.
+(`PackedCausalAttention`: one call per chat on a CPU, one masked call for them all on a GPU), and the vision
+tower runs all the batch's pictures in one call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -470,25 +472,44 @@ def make_batch(step: int, cfg: TrainConfig, tokenizer: Tokenizer, image_config: 
 class PackedCausalAttention:
     """Attention backend for training: several chats packed end to end, causal within each, no cache.
 
-    Like the vision tower's per-image attention: one attention call per chat (the engine's own
-    `causal_attention`, which the dense reference uses too), so no chat pays for another's length."""
+    On a CPU, like the vision tower's per-image attention: one attention call per chat (the engine's own
+    `causal_attention`, which the dense reference uses too), so no chat pays for another's length.
+    fused=True (the default on a GPU) attends every chat in one call with a block-diagonal causal mask instead:
+    more arithmetic, since every token is scored against every other and masked, but one call per layer instead
+    of one per chat. A GPU step of small kernels is bound by launching them, not by their arithmetic."""
 
-    def __init__(self, lengths: list[int]):
-        self.lengths = lengths
+    def __init__(self, lengths: list[int], fused: bool = False):
+        self.lengths, self.fused = lengths, fused
+        self.mask: torch.Tensor | None = None  # the fused call's (tokens, tokens) mask, made once per batch
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self._attend_together(q, k, v)
         chats = zip(*(x.split(self.lengths) for x in (q, k, v)))  # per chat: (n, heads or kv_heads, head_dim)
         return torch.cat([causal_attention(*chat) for chat in chats])
 
+    def _attend_together(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim) -> (tokens, heads, head_dim)."""
+        if self.mask is None:
+            lengths = torch.tensor(self.lengths, device=q.device)
+            chat = torch.repeat_interleave(torch.arange(len(self.lengths), device=q.device), lengths)  # (tokens,)
+            place = torch.arange(chat.numel(), device=q.device)
+            self.mask = (chat[:, None] == chat[None, :]) & (place[:, None] >= place[None, :])  # own chat, not later
+        group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, tokens, head_dim)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)[0].transpose(0, 1)
+
 
 def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict | None = None,
-               hint_weight: float = 0.0, vision_only: bool = False,
-               position_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+               hint_weight: float = 0.0, vision_only: bool = False, position_weight: float = 0.0,
+               fused_attention: bool | None = None) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
     """Mean cross-entropy over answer tokens, and per task (first answer tokens right, answers). With the
     training heads (trainer.new_heads): plus hint_weight x the hints' loss and position_weight x the position
     loss, and each hint's accuracy on the tokens it labels.
 
-    vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model)."""
+    vision_only: stage 1, the tower and the hint head alone (the hints' loss, no language model).
+    fused_attention: the chats' attention in one call per layer (`PackedCausalAttention`); default on a GPU."""
     cfg, device = model.config, model.device
     grids = [[tuple(im.grid_thw) for im in ex.images] for ex in batch]
     pixels = torch.cat([im.pixel_values for ex in batch for im in ex.images]).to(device)
@@ -502,7 +523,8 @@ def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict 
     targets = torch.tensor([t for ex in batch for t in ex.labels[1:] + [IGNORE]], device=device)
     positions = torch.cat([mrope_positions(ex.token_ids, g, cfg.image_token_id, cfg.vision.spatial_merge_size)[0]
                            for ex, g in zip(batch, grids)], dim=1).to(device)  # (3, total tokens)
-    attention = PackedCausalAttention([len(ex.token_ids) for ex in batch])
+    attention = PackedCausalAttention([len(ex.token_ids) for ex in batch],
+                                      fused=device.type == "cuda" if fused_attention is None else fused_attention)
     middle, layers = {}, model.language_model.layers  # the output of layer POSITION_LAYER, for the position loss
     hook = layers[POSITION_LAYER].register_forward_hook(lambda m, i, out: middle.update(x=out)) if heads else None
     hidden = model(ids, positions, attention, image_embeds, ids == cfg.image_token_id)  # (total tokens, hidden)
@@ -534,12 +556,14 @@ def image_token_places(grids: list[tuple[int, int, int]], merge_size: int) -> to
     tower cannot say (its attention sees only offsets between patches, so on a plain background every place
     looks the same); the language model can, from M-RoPE: an image token at (row, column) sits (row + 1,
     column + 1) positions after <|vision_start|>. Then "left of" is a comparison of two places."""
-    places = []
-    for _, h, w in grids:
-        rows, cols = h // merge_size, w // merge_size
-        row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")  # (rows, cols) each
-        places.append(torch.stack([(col.flatten() + 0.5) / cols, (row.flatten() + 0.5) / rows], dim=1) - 0.5)
-    return torch.cat(places)
+    return torch.cat([_token_places(h // merge_size, w // merge_size) for _, h, w in grids])
+
+
+@functools.lru_cache(maxsize=1024)
+def _token_places(rows: int, cols: int) -> torch.Tensor:
+    """(rows * cols, 2) for one picture's token grid (kept: a batch's pictures share a few grid sizes). Read only."""
+    row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")  # (rows, cols) each
+    return torch.stack([(col.flatten() + 0.5) / cols, (row.flatten() + 0.5) / rows], dim=1) - 0.5
 
 
 def hint_loss(scores: torch.Tensor, hints: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
