@@ -100,11 +100,12 @@ def number_fonts(names: list[str]) -> tuple[str, ...]:
 
 
 def default_bf16(device: str) -> bool:
-    """bfloat16 autocast by default on a GPU, and on a CPU with AMX tiles (where its matmuls are several times
-    faster); elsewhere float32."""
+    """bfloat16 autocast by default on a GPU, and on a CPU with AMX tiles or AVX512-BF16 (a step of the demo model
+    at batch 16 with 16 close-ups: 2.9 s against 5.0 s in float32 on a 2-core AMD EPYC with AVX512-BF16);
+    elsewhere float32."""
     if device.startswith("cuda"):
         return True
-    return torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def main(argv=None) -> None:
@@ -133,8 +134,8 @@ def main(argv=None) -> None:
                         help="font files (.ttf/.otf) that half the printed numbers are drawn in; 'matplotlib': "
                              "its STIX and Computer Modern fonts (the lessons extra), not its DejaVu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bfloat16 autocast (default: on a GPU, and where the CPU has AMX tiles, where it is "
-                             "several times faster)")
+                        help="bfloat16 autocast (default: on a GPU, and where the CPU has AMX tiles or AVX512-BF16, "
+                             "where it is faster)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: train on a GPU (default cpu)")
     parser.add_argument("--batch-workers", type=int, default=1,
                         help="processes drawing batches ahead (default 1; a GPU step needs about one per 0.1 s of "
