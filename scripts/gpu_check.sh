@@ -7,6 +7,8 @@
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
 # have no network. The whole run ends within GPU_CHECK_SECONDS (default 450 s, inside 8 minutes): each stage has
 # its own limit (150 + 110 + 110 + 45 + 90 s) and is cut to the time left; a stage is skipped when under 20 s remain.
+# The limits add up to more than the deadline: the last stage, profile, gets what is left (on an H200 the four
+# before it took 154 s in all).
 # A stage that fails, times out or is skipped is reported, and the next one still runs. Two files under $OUT hold
 # everything, and both are rewritten after every stage, so a run that is killed part way (a remote call's time
 # limit, say) still leaves a record of every stage that finished; a TERM to the script stops the running stage:
@@ -34,6 +36,13 @@ PYTHON="${PYTHON:-python}"
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-450}))
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 ONLY="${GPU_CHECK_ONLY:-}"  # stage names, space-separated: run only these (a rerun of what a first run skipped)
+for name in $ONLY; do
+    case $name in
+        tests | bench-small | bench-2b | bench-quant | profile) ;;
+        *) echo "GPU_CHECK_ONLY: no stage is called '$name' (tests, bench-small, bench-2b, bench-quant, profile)"
+           exit 2 ;;
+    esac
+done
 DEVICE=(--device cuda --dtype bfloat16)
 SMALL=(--preset small --cache-dir checkpoints/bench-small)
 TWO_B=(--preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped)

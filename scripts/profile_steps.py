@@ -7,8 +7,9 @@ The question the first GPU numbers left open (BENCHMARKS.md, "The first GPU numb
 batch-32 TTFT was 2.7 s and a demo training step 0.46 s, far from what the GPU's roofline allows. Three parts:
 
 - steps: bench.py's decode workload (32 requests, every other one with a picture) through an `LLM` that records
-  its step trace (nanomm/engine/trace.py). Each engine step is a prefill step (a chunk in it reads prompt tokens)
-  or a decode step; the table sums each kind's phases: schedule, encode, forward, sample, commit.
+  its step trace (nanomm/engine/trace.py). Each engine step is a prefill step (a chunk in it reads prompt tokens),
+  a decode step, or an idle one (nothing ready); the table sums each kind's phases: schedule, encode, forward,
+  sample, commit.
 - prefill ops: torch.profiler over the prefill of 32 new requests (one output token each): the ops with the
   most self time, and how often the host waited for the device (`aten::item`, `aten::nonzero`, syncs).
 - training: the demo model's training step (nanomm/demo/training.py) on the batches of the one-session recipe:
@@ -41,7 +42,7 @@ from nanomm.demo.training import TrainConfig, batch_loss, make_batch  # noqa: E4
 from nanomm.engine.trace import ENGINE_PID, STEP_LANE  # noqa: E402
 from nanomm.model.loader import load_model  # noqa: E402
 
-PHASES = ("schedule", "propose", "encode", "forward", "sample", "commit")
+PHASES = ("schedule", "encode", "forward", "sample", "commit")  # a step's spans ("propose" lies inside schedule)
 # Profiler events where the host waits for the device (or reads a value back from it).
 HOST_WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
               "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
@@ -52,15 +53,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_kinds(events: list[dict], first_step: int) -> dict:
-    """The trace's engine steps from `first_step` on, by kind ("prefill" or "decode"): how many, their total
-    milliseconds, and each phase's total milliseconds."""
+def step_kinds(events: list[dict], steps: range) -> dict:
+    """The trace's engine steps numbered in `steps`, by kind: "prefill" (a chunk reads prompt tokens), "decode",
+    or "idle" (no forward pass: nothing was ready to run); how many, their total milliseconds, and each phase's."""
     lane = [e for e in events if e.get("ph") == "X" and e.get("pid") == ENGINE_PID and e.get("tid") == STEP_LANE]
     chunks = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == "prefill chunk")
     kinds: dict[str, dict] = {}
-    for step in (e for e in lane if e["name"] == "step" and e["args"]["step"] >= first_step):
+    forwards = [e["ts"] for e in lane if e["name"] == "forward"]
+    for step in (e for e in lane if e["name"] == "step" and e["args"]["step"] in steps):
         start, end = step["ts"], step["ts"] + step["dur"]
-        kind = "prefill" if any(start <= ts <= end for ts in chunks) else "decode"
+        if not any(start <= ts <= end for ts in forwards):
+            kind = "idle"
+        else:
+            kind = "prefill" if any(start <= ts <= end for ts in chunks) else "decode"
         entry = kinds.setdefault(kind, {"steps": 0, "total_ms": 0.0, "phases_ms": dict.fromkeys(PHASES, 0.0)})
         entry["steps"] += 1
         entry["total_ms"] += step["dur"] / 1e3
@@ -104,6 +109,7 @@ def profile_serving(args, device: torch.device) -> dict:
         began = time.perf_counter()
         outputs = llm.generate(workload["prompts"], greedy(workload["max_tokens"]), use_tqdm=False)
         wall_s = time.perf_counter() - began
+        timed_steps = range(first_step, llm.engine.num_steps)  # not the warm-up's, nor the profiled ones below
         fresh = make_workload(workload_args.seed + 7, len(workload["prompts"]), (0, 1), (56, 224),
                               workload_args.decode_words, alternate=True,
                               mm_kwargs={"max_pixels": workload_args.max_pixels})  # new prompts: no prefix hits
@@ -112,7 +118,7 @@ def profile_serving(args, device: torch.device) -> dict:
             synchronize(device)
     ttfts = [o.metrics.ttft_s for o in outputs]
     return {"requests": len(outputs), "wall_s": round(wall_s, 3), "ttft_p50_s": round(statistics.median(ttfts), 4),
-            "steps": step_kinds(json.loads(trace.read_text())["traceEvents"], first_step),
+            "steps": step_kinds(json.loads(trace.read_text())["traceEvents"], timed_steps),
             "prefill_top_ops": top_ops(profile, device), "prefill_host_waits": host_waits(profile)}
 
 

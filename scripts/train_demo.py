@@ -99,6 +99,12 @@ def number_fonts(names: list[str]) -> tuple[str, ...]:
     return tuple(files)
 
 
+def at_least_one(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return int(text)
+
+
 def default_bf16(device: str) -> bool:
     """bfloat16 autocast by default on a GPU, and on a CPU with AMX tiles or AVX512-BF16 (a step of the demo model
     at batch 16 with 16 close-ups: 2.9 s against 5.0 s in float32 on a 2-core AMD EPYC with AVX512-BF16);
@@ -137,9 +143,9 @@ def main(argv=None) -> None:
                         help="bfloat16 autocast (default: on a GPU, and where the CPU has AMX tiles or AVX512-BF16, "
                              "where it is faster)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: train on a GPU (default cpu)")
-    parser.add_argument("--batch-workers", type=int, default=1,
-                        help="processes drawing batches ahead (default 1; a GPU step needs about one per 0.1 s of "
-                             "drawing a batch takes, so several)")
+    parser.add_argument("--batch-workers", type=at_least_one, default=1,
+                        help="processes drawing batches ahead (default 1; on a GPU, whose step is shorter than "
+                             "drawing a batch, several)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="end the run at the first step after this many seconds, save its state and export it")
     parser.add_argument("--save-every", type=int, default=TrainConfig.save_every)
@@ -186,9 +192,10 @@ def main(argv=None) -> None:
         return  # the last saved state (every --save-every steps) is where the next run resumes
     export(result["model"], args.out)
     gpu = f", {torch.cuda.get_device_name(cfg.device)}" if cfg.device.startswith("cuda") else ""
+    last_losses = result["losses"][-50:]
     summary = {"steps": result["steps"], "resumed_at": result["first_step"],
                "seconds": round(time.perf_counter() - began, 1),
-               "final_loss": sum(result["losses"][-50:]) / max(1, len(result["losses"][-50:])),
+               "final_loss": sum(last_losses) / len(last_losses) if last_losses else None,  # None: no step ran
                "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                           f"{torch.get_num_threads()} threads{gpu}", "config": cfg.to_dict()}
     (args.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -16,6 +16,7 @@ from PIL import Image, ImageChops
 
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, other_font, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
+from nanomm.demo import trainer
 from nanomm.demo.trainer import TINY_SPEC, new_run, set_picture_cap, train
 from nanomm.demo.training import (IGNORE, TrainConfig, batch_loss, counting_chat, encode_chat, image_token_places,
                                   learning_rate, make_batch, number_close_up, number_hints, pick_contrasting,
@@ -502,6 +503,27 @@ def test_a_time_limit_stops_the_run_with_a_state_to_resume_from(tiny_run, tmp_pa
     assert out_of_time["steps"] == 3 and out_of_time["losses"] == []  # no time for even one more step
     assert torch.load(folder / "train_state.pt", weights_only=False)["step"] == 3 and "out of time" in said[-1]
     assert train(folder, tiny_config(6), **quiet, log=lambda _: None)["first_step"] == 3
+
+
+def test_a_run_out_of_time_part_way_resumes_as_if_never_stopped(tiny_run, tmp_path, monkeypatch):
+    """A clock that moves one second a step: with 2.5 s the run does steps 0-2, saves its state at step 3 (not
+    at a save point), and the rest of the run gives the uninterrupted run's losses."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    shutil.copytree(tiny_run, straight)
+    shutil.copytree(tiny_run, stopped)
+    quiet = dict(show_progress=False, log=lambda _: None)
+    whole = train(straight, tiny_config(5), **quiet)["losses"]
+    clock, real_step = [0.0], trainer._train_step
+    def step_and_tick(*args):
+        clock[0] += 1.0
+        return real_step(*args)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.time, "perf_counter", lambda: clock[0])
+        patch.setattr(trainer, "_train_step", step_and_tick)
+        cut = train(stopped, tiny_config(5, save_every=100, time_limit=2.5), **quiet)
+    assert cut["steps"] == 3 and cut["losses"] == whole[:3]
+    rest = train(stopped, tiny_config(5), **quiet)
+    assert rest["first_step"] == 3 and rest["losses"] == whole[3:]
 
 
 def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tmp_path):

@@ -187,6 +187,10 @@ def test_gpu_check_only_runs_the_stages_it_names(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert list(combined["stages"]) == ["bench-quant"] and combined["stages"]["bench-quant"]["outcome"] == "passed"
+    env["GPU_CHECK_ONLY"] = "bench-quant bench_2b"  # a misspelt name is an error, not a run of nothing
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "no stage is called 'bench_2b'" in proc.stdout
 
 
 def test_gpu_check_killed_part_way_leaves_the_finished_stages(tmp_path):

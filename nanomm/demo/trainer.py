@@ -145,7 +145,9 @@ def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> 
 
 def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=functools.partial(print, flush=True),
           stop_before: int | None = None) -> dict:
-    """Train the model in folder to step cfg.total_steps (resuming from train_state.pt if present). Returns a summary.
+    """Train the model in folder to step cfg.total_steps (resuming from train_state.pt if present), or until
+    cfg.time_limit seconds have passed (then its state is saved where it stopped). Returns a summary: "steps" is
+    the step it reached.
 
     stop_before: end the run before that step without saving, as if it were killed (tests of resuming)."""
     if cfg.threads:
@@ -167,19 +169,14 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     with _progress(show_progress) as progress, workers as pool:
         end = cfg.total_steps if stop_before is None else min(stop_before, cfg.total_steps)
         bar = progress.add_task("training", total=cfg.total_steps, completed=start, loss=float("nan"))
-        ahead = deque(pool.submit(_make_batch_in_worker, str(folder), s, cfg)
-                      for s in range(start, min(end, start + cfg.batch_workers)))
+        batches = BatchesAhead(pool, folder, cfg, start, end)
         for step in range(start, end):
             if cfg.time_limit is not None and time.perf_counter() - began > cfg.time_limit:
                 _save_state(folder, model, optimizer, heads, step, cfg)  # out of time: resumable from here
                 log(f"step {step}: out of time ({cfg.time_limit:.0f} s), stopping")
-                for batch in ahead:
-                    batch.cancel()
+                batches.cancel()
                 break
-            batch = ahead.popleft().result()
-            if step + cfg.batch_workers < end:
-                ahead.append(pool.submit(_make_batch_in_worker, str(folder), step + cfg.batch_workers, cfg))
-            loss, accuracy = _train_step(model, heads, optimizer, trainable, step, cfg, batch)
+            loss, accuracy = _train_step(model, heads, optimizer, trainable, step, cfg, batches.take())
             history.append(loss)
             _accumulate(window, accuracy)
             progress.update(bar, advance=1, loss=sum(history[-50:]) / len(history[-50:]))
@@ -193,6 +190,30 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
             step = end
     return {"steps": step, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
             "model": model}
+
+
+class BatchesAhead:
+    """The batches of steps start..end-1, in order, each drawn by the worker pool cfg.batch_workers steps ahead."""
+
+    def __init__(self, pool: ProcessPoolExecutor, folder: Path, cfg: TrainConfig, start: int, end: int):
+        self.pool, self.folder, self.cfg, self.end = pool, str(folder), cfg, end
+        self.next_step = min(end, start + cfg.batch_workers)  # the first step not yet sent to a worker
+        self.pending = deque(self._draw(step) for step in range(start, self.next_step))
+
+    def _draw(self, step: int):
+        return self.pool.submit(_make_batch_in_worker, self.folder, step, self.cfg)
+
+    def take(self) -> list:
+        """The next step's batch (waiting for it if need be); one more step is sent off in its place."""
+        future = self.pending.popleft()
+        if self.next_step < self.end:
+            self.pending.append(self._draw(self.next_step))
+            self.next_step += 1
+        return future.result()
+
+    def cancel(self) -> None:
+        for future in self.pending:
+            future.cancel()
 
 
 @functools.lru_cache(maxsize=2)
