@@ -526,6 +526,19 @@ def test_a_run_out_of_time_part_way_resumes_as_if_never_stopped(tiny_run, tmp_pa
     assert rest["first_step"] == 3 and rest["losses"] == whole[3:]
 
 
+def test_resuming_with_another_recipe_says_what_changed(tiny_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(tiny_run, folder)
+    train(folder, tiny_config(2), show_progress=False, log=lambda _: None)
+    said = []
+    train(folder, tiny_config(3, lr=1e-3, batch_workers=2, save_every=50), show_progress=False, log=said.append)
+    assert said[0].startswith("resuming") and "lr: 0.003 -> 0.001" in said[0]
+    assert "batch_workers" not in said[0] and "save_every" not in said[0]  # how it runs, not what it learns
+    said.clear()
+    train(folder, tiny_config(3, lr=1e-3), show_progress=False, log=said.append)
+    assert not any(line.startswith("resuming") for line in said)  # the same recipe: nothing to say
+
+
 def test_a_resumed_run_ends_exactly_where_an_uninterrupted_one_does(tiny_run, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     shutil.copytree(tiny_run, straight)

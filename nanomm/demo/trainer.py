@@ -160,7 +160,7 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     vision = {id(p) for p in model.visual.parameters()}  # the tower and its hint head: their own learning rate
     vision |= {id(p) for p in heads["hints"].parameters()} if heads else set()
     optimizer = torch.optim.AdamW(_param_groups(trainable, cfg.weight_decay, vision), lr=cfg.lr, betas=(0.9, 0.98))
-    start = _resume(folder, model, optimizer, heads)
+    start = _resume(folder, model, optimizer, heads, cfg, log)
     history, window, began = [], {}, time.perf_counter()
     # Batches are drawn in other processes (cfg.batch_workers), as many steps ahead, while this one computes.
     # Spawned workers, not forked ones: a fork after torch has started its OpenMP threads can hang the child.
@@ -277,11 +277,25 @@ def _accumulate(window: dict, accuracy: dict) -> None:
         window[task] = (r + right, n + total)
 
 
-def _resume(folder: Path, model, optimizer, heads) -> int:
+# How a run runs, not what it learns: these may change from one resume to the next without a word.
+RUN_SETTINGS = ("threads", "save_every", "device", "batch_workers", "time_limit")
+
+
+def recipe_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The recipe's settings that differ between a saved state's config and this run's, as "name: saved -> now"."""
+    now = cfg.to_dict()
+    return [f"{name}: {saved[name]!r} -> {now[name]!r}" for name in now
+            if name not in RUN_SETTINGS and name in saved and saved[name] != now[name]]
+
+
+def _resume(folder: Path, model, optimizer, heads, cfg: TrainConfig, log) -> int:
     path = folder / STATE_FILE
     if not path.is_file():
         return 0
     state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves it to the model
+    changes = recipe_changes(state.get("config") or {}, cfg)
+    if changes:  # allowed (adding a --focus phase is how a run is extended), but said: the run is no longer one recipe
+        log(f"resuming {path} at step {state['step']} with a different recipe: " + "; ".join(changes))
     model.load_state_dict(state["model"])
     if heads is not None:
         saved = state["heads"]["hints.weight"].shape[0]
