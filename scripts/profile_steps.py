@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's workload and machine
 
-from bench import greedy, load_checkpoint, machine_info, make_workload, warm_up, workloads  # noqa: E402
+from bench import greedy, load_checkpoint, machine_info, make_workload, synchronize, warm_up, workloads  # noqa: E402
 from bench import parse_args as bench_args  # noqa: E402
 from nanomm import LLM, demo_checkpoint  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
@@ -46,11 +46,6 @@ PHASES = ("schedule", "encode", "forward", "sample", "commit")  # a step's spans
 # Profiler events where the host waits for the device (or reads a value back from it).
 HOST_WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
               "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def step_kinds(events: list[dict], steps: range) -> dict:

@@ -165,7 +165,6 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
     # Batches are drawn in other processes (cfg.batch_workers), as many steps ahead, while this one computes.
     # Spawned workers, not forked ones: a fork after torch has started its OpenMP threads can hang the child.
     workers = ProcessPoolExecutor(cfg.batch_workers, mp_context=get_context("spawn"), initializer=_init_batch_worker)
-    step = start
     with _progress(show_progress) as progress, workers as pool:
         end = cfg.total_steps if stop_before is None else min(stop_before, cfg.total_steps)
         bar = progress.add_task("training", total=cfg.total_steps, completed=start, loss=float("nan"))
@@ -186,10 +185,8 @@ def train(folder: Path, cfg: TrainConfig, *, show_progress: bool = True, log=fun
                     f"{sum(history[-50:]) / len(history[-50:]):.3f}  first-token accuracy "
                     + " ".join(f"{t} {r / n:.2f}" for t, (r, n) in window.items() if n))
                 window = {}
-        else:
-            step = end
-    return {"steps": step, "first_step": start, "seconds": time.perf_counter() - began, "losses": history,
-            "model": model}
+    return {"steps": start + len(history), "first_step": start, "seconds": time.perf_counter() - began,
+            "losses": history, "model": model}
 
 
 class BatchesAhead:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from nanomm.demo.scenes import COLOURS, SHAPES, other_font, random_scene, render, shape_mask
 from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, count_question,
                                scene_questions, vary)
-from nanomm.engine.attention import causal_attention
+from nanomm.engine.attention import causal_attention, masked_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -495,10 +495,7 @@ class PackedCausalAttention:
             chat = torch.repeat_interleave(torch.arange(len(self.lengths), device=q.device), lengths)  # (tokens,)
             place = torch.arange(chat.numel(), device=q.device)
             self.mask = (chat[:, None] == chat[None, :]) & (place[:, None] >= place[None, :])  # own chat, not later
-        group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, tokens, head_dim)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)[0].transpose(0, 1)
+        return masked_attention(q, k, v, self.mask)
 
 
 def batch_loss(model: Qwen2VL, batch: list[Example], heads: torch.nn.ModuleDict | None = None,

@@ -150,15 +150,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if q.shape[0] == 1:
         return _single_query_attention(q, k, v)
     new, total = q.shape[0], k.shape[0]
+    if new == total:  # the whole sequence at once: plain causal
+        return masked_attention(q, k, v, None)
+    # A chunk after cached tokens: query i sees keys up to total - new + i.
+    return masked_attention(q, k, v, torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Queries against keys where `allowed` (new, total) bool says which key each query may see; None: causal
+    over one whole sequence (new == total). Also the training's packed chats, in one call (PackedCausalAttention).
+
+    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
+    """
     group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     # (1, heads, tokens, head_dim): with a batch dimension PyTorch picks its fused (flash) CPU kernel; 3-D
     # inputs fall back to the unfused math path, ~3x slower at prefill sizes.
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-    if new == total:  # the whole sequence at once: plain causal
+    if allowed is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:  # a chunk after cached tokens: query i sees keys up to total - new + i
-        allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+    else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     return out[0].transpose(0, 1)
 
