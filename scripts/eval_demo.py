@@ -9,7 +9,7 @@
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
 default cap on pictures from nanomm/demo/other_renderer.py, with --draft, speculative decoding at batch 1, and
-with --number-by-size, number reading by digit height and number length.
+with --number-by-size, number reading by digit height and number length, and its mistakes by kind.
 Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-time requests.
 """
 
@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 
 from bench import cpu_name  # noqa: E402
 from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.demo.evaluation import (CAPS, EvalItem, accuracy, answer_items, conversation,  # noqa: E402
-                                    digit_height, held_out_items, median_ttft, tasks_with_follow_up)
+from nanomm.demo.evaluation import (CAPS, MISREADINGS, EvalItem, accuracy, answer_items,  # noqa: E402
+                                    conversation, digit_height, held_out_items, median_ttft, misreading,
+                                    tasks_with_follow_up)
 from nanomm.demo.tasks import QA, grade  # noqa: E402
 from nanomm.engine.trace import ENGINE_PID  # noqa: E402
 from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
@@ -63,7 +65,7 @@ def main(argv=None) -> None:
     if args.draft:
         results["speculative"] = speculative_table(model, args.draft, args)
     if args.number_by_size:
-        results["number_by_size"] = number_by_size_table(model, args)
+        results["number_by_size"], results["number_misreadings"] = number_by_size_table(model, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -115,9 +117,9 @@ HEIGHT_GROUPS = tuple(f"digits {low}-{high} px tall" for low, high in zip((0,) +
 HEIGHT_GROUPS += (f"digits {HEIGHT_EDGES[-1]}+ px tall",)
 
 
-def number_by_size_table(model: str, args) -> dict:
+def number_by_size_table(model: str, args) -> tuple[dict, dict]:
     """Number reading at the default cap, split by how tall the digits are once the picture is resized to the
-    cap, and by how many digits the number has."""
+    cap, and by how many digits the number has; then the wrong readings by kind of mistake (`misreading`)."""
     items = held_out_items("number", args.per_task, args.seed)
     image_config = ImageProcessorConfig.from_pretrained(model)
     with LLM(model, **args.engine) as llm:
@@ -129,11 +131,18 @@ def number_by_size_table(model: str, args) -> dict:
             groups[key][0] += grade(item.turns[-1], reply)
             groups[key][1] += 1
     groups = {key: tally for key, tally in groups.items() if tally[1]}
+    mistakes = Counter(misreading(item.scenes[0].number, reply) for item, reply in zip(items, replies)
+                       if not grade(item.turns[-1], reply))
+    mistakes = {kind: mistakes[kind] for kind in MISREADINGS if mistakes[kind]}
     print(f"\nnumber reading at the default cap, {args.per_task} questions (seed {args.seed})\n")
     print("| group | questions | accuracy |\n|---|---:|---:|")
     for key, (right, total) in groups.items():
         print(f"| {key} | {total} | {_percent(right, total)} |")
-    return groups
+    print(f"\nthe {sum(mistakes.values())} wrong readings, by kind of mistake\n")
+    print("| mistake | readings |\n|---|---:|")
+    for kind, n in mistakes.items():
+        print(f"| {kind} | {n} |")
+    return groups, mistakes
 
 
 def speculative_table(model: str, draft: str, args, k: int = 4) -> dict:

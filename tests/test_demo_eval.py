@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from nanomm import LLM
 from nanomm.demo import other_renderer
-from nanomm.demo.evaluation import (FOLLOW_UP, EvalItem, accuracy, conversation, digit_height, held_out_items,
-                                    tasks_with_follow_up)
+from nanomm.demo.evaluation import (FOLLOW_UP, MISREADINGS, EvalItem, accuracy, conversation, digit_height,
+                                    held_out_items, misreading, tasks_with_follow_up)
 from nanomm.demo.tasks import TASKS, QA, grade
 from nanomm.inputs.image import ImageProcessorConfig
 
@@ -72,6 +72,22 @@ def test_number_items_carry_their_scene_and_its_digits_height_at_a_cap():
     config = ImageProcessorConfig(min_pixels=3136, max_pixels=144 * 14 * 14, patch_size=7, merge_size=2)
     assert digit_height(square, config) == pytest.approx(8.4)
     assert digit_height(square, config, max_pixels=400 * 14 * 14) == pytest.approx(14.0)
+
+
+@pytest.mark.parametrize("truth, reply, kind", [
+    ("865", "863", "wrong digits, right length"),
+    ("865", "It is 36.", "digits missing"),
+    ("5", "55", "a digit read twice"),
+    ("39", "399", "a digit read twice"),
+    ("39", "339", "a digit read twice"),
+    ("47", "417", "other extra digits"),
+    ("5", "56", "other extra digits"),
+    ("12", "red", "no digits"),
+    ("12", "12 and 12", "other extra digits"),
+    ("12", "twelve 12 circles", "right digits, other words"),
+])
+def test_a_wrong_number_reading_is_named_by_its_mistake(truth, reply, kind):
+    assert misreading(truth, reply) == kind and kind in MISREADINGS
 
 
 def test_count_items_ask_every_count_from_zero_to_six_equally():
@@ -185,4 +201,7 @@ def test_train_then_evaluate_a_tiny_demo_model_and_its_draft(tmp_path):
     assert results["speculative"]["exact"] is True  # a draft never changes a greedy token
     by_length = {k: v for k, v in results["number_by_size"].items() if k.endswith("-digit numbers")}
     assert sum(total for _, total in by_length.values()) == 2  # each of the 2 number questions counted once
+    wrong = 2 - sum(right for right, _ in by_length.values())
+    assert sum(results["number_misreadings"].values()) == wrong and set(results["number_misreadings"]) <= set(MISREADINGS)
+    assert "wrong readings, by kind of mistake" in printed
     assert "| colour |" in printed and "decode speedup" in printed
