@@ -14,6 +14,7 @@ Everything runs through the serving engine (`nanomm.LLM`, greedy), the same path
 from __future__ import annotations
 
 import random
+import re
 import statistics
 from dataclasses import dataclass
 
@@ -130,25 +131,28 @@ def digit_height(item: EvalItem, image_config: ImageProcessorConfig, max_pixels:
 
 
 # How a wrong number reading goes wrong (`misreading`): the kinds eval_demo.py --number-by-size counts.
-MISREADINGS = ("wrong digits, right length", "digits missing", "a digit read twice", "other extra digits",
-               "no digits", "right digits, other words")
+MISREADINGS = ("wrong digits, right length", "too few digits", "a digit read twice", "too many digits",
+               "several numbers", "no digits", "right digits, other words")
 
 
 def misreading(truth: str, reply: str) -> str:
-    """The kind of mistake in a wrong reply to "What number is written?", from its digits alone. "a digit read
+    """The kind of mistake in a wrong reply to "What number is written?", from the numbers in it. "a digit read
     twice" is the truth with one digit doubled ("5" -> "55", "39" -> "399"): what a digit that spans two visual
-    tokens can cause. The reply must be one graded wrong; its digits are all the digits it contains."""
-    read = "".join(ch for ch in reply if ch.isdigit())
-    if not read:
+    tokens can cause. The reply must be one graded wrong (tasks.grade)."""
+    numbers = re.findall(r"\d+", reply)
+    if not numbers:
         return "no digits"
+    if len(numbers) > 1:
+        return "right digits, other words" if set(numbers) == {truth} else "several numbers"
+    read = numbers[0]
     if read == truth:
         return "right digits, other words"
     if len(read) == len(truth):
         return "wrong digits, right length"
     if len(read) < len(truth):
-        return "digits missing"
+        return "too few digits"
     doubled = any(read[i] == read[i + 1] and read[:i] + read[i + 1:] == truth for i in range(len(read) - 1))
-    return "a digit read twice" if doubled else "other extra digits"
+    return "a digit read twice" if doubled else "too many digits"
 
 
 def tasks_with_follow_up() -> tuple[str, ...]:
