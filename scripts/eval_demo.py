@@ -125,14 +125,16 @@ def number_by_size_table(model: str, args) -> tuple[dict, dict]:
     with LLM(model, **args.engine) as llm:
         replies = answer_items(llm, items)
     groups = {key: [0, 0] for key in HEIGHT_GROUPS + tuple(f"{n}-digit numbers" for n in (1, 2, 3))}  # right, total
+    mistakes = Counter()
     for item, reply in zip(items, replies):
+        right, number = grade(item.turns[-1], reply), item.scenes[0].number
         height_group = HEIGHT_GROUPS[bisect.bisect_right(HEIGHT_EDGES, digit_height(item, image_config))]
-        for key in (height_group, f"{len(item.scenes[0].number)}-digit numbers"):
-            groups[key][0] += grade(item.turns[-1], reply)
+        for key in (height_group, f"{len(number)}-digit numbers"):
+            groups[key][0] += right
             groups[key][1] += 1
+        if not right:
+            mistakes[misreading(number, reply)] += 1
     groups = {key: tally for key, tally in groups.items() if tally[1]}
-    mistakes = Counter(misreading(item.scenes[0].number, reply) for item, reply in zip(items, replies)
-                       if not grade(item.turns[-1], reply))
     mistakes = {kind: mistakes[kind] for kind in MISREADINGS if mistakes[kind]}
     print(f"\nnumber reading at the default cap, {args.per_task} questions (seed {args.seed})\n")
     print("| group | questions | accuracy |\n|---|---:|---:|")

@@ -204,6 +204,7 @@ def test_train_then_evaluate_a_tiny_demo_model_and_its_draft(tmp_path):
     by_length = {k: v for k, v in results["number_by_size"].items() if k.endswith("-digit numbers")}
     assert sum(total for _, total in by_length.values()) == 2  # each of the 2 number questions counted once
     misread = 2 - sum(right for right, _ in by_length.values())
-    assert sum(results["number_misreadings"].values()) == misread and set(results["number_misreadings"]) <= set(MISREADINGS)
+    assert sum(results["number_misreadings"].values()) == misread
+    assert set(results["number_misreadings"]) <= set(MISREADINGS)
     assert "wrong readings, by kind of mistake" in printed
     assert "| colour |" in printed and "decode speedup" in printed

@@ -142,11 +142,11 @@ def misreading(truth: str, reply: str) -> str:
     numbers = re.findall(r"\d+", reply)
     if not numbers:
         return "no digits"
-    if len(numbers) > 1:
-        return "right digits, other words" if set(numbers) == {truth} else "several numbers"
-    read = numbers[0]
-    if read == truth:
+    if set(numbers) == {truth}:
         return "right digits, other words"
+    if len(numbers) > 1:
+        return "several numbers"
+    read = numbers[0]
     if len(read) == len(truth):
         return "wrong digits, right length"
     if len(read) < len(truth):
