@@ -48,7 +48,7 @@ from rich.table import Table
 
 from nanomm import LLM, SamplingParams
 from nanomm.tools.random_checkpoint import make_checkpoint
-from nanomm.tools.op_count import decode_step_ops
+from workshop.op_count import decode_step_ops
 from nanomm.tools.weights import PRESETS
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 from nanomm.model.fast_linear import PackedLinear, packed_linear_available

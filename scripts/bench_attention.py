@@ -7,7 +7,7 @@ Both ways run the same engine on the same requests (nanomm/engine/attention.py: 
 decodes, `causal_attention` per sequence as the definition); the engine's runner is switched between them, and
 the runs alternate so that a machine whose speed drifts affects both. Each run is bench.py's decode probe:
 it prefills `--batch` text requests, then times their pure decode steps. Kernels are counted with
-nanomm/tools/op_count.py. Timings are wall-clock on whatever else runs: nothing asserts them.
+scripts/workshop/op_count.py. Timings are wall-clock on whatever else runs: nothing asserts them.
 """
 
 import argparse

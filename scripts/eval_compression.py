@@ -31,8 +31,8 @@ from bench import cpu_name  # noqa: E402
 import nanomm  # noqa: E402
 from nanomm import LLM, SamplingParams  # noqa: E402
 from nanomm.demo.evaluation import EvalItem, accuracy, conversation, held_out_items, median_ttft  # noqa: E402
-from nanomm.demo.other_renderer import TASKS as EXTERNAL_TASKS  # noqa: E402
-from nanomm.demo.other_renderer import external_items  # noqa: E402
+from workshop.other_renderer import TASKS as EXTERNAL_TASKS  # noqa: E402
+from workshop.other_renderer import external_items  # noqa: E402
 from nanomm.demo.tasks import QA, TASKS  # noqa: E402
 from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
 
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=TASKS)
     parser.add_argument("--per-task", type=int, default=500)
     parser.add_argument("--external", action="store_true", help="accuracy on pictures drawn by independent code "
-                        "(nanomm/demo/other_renderer.py), into NAME.external.json")
+                        "(scripts/workshop/other_renderer.py), into NAME.external.json")
     parser.add_argument("--timing-only", action="store_true", help="TTFT and throughput only, into NAME.timing.json "
                         "(which --report prefers), after one discarded warm-up: run it alone on a quiet machine")
     parser.add_argument("--ttft-repeats", type=int, default=12, help="requests in each TTFT median")

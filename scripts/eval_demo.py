@@ -8,7 +8,7 @@
     python scripts/eval_demo.py --model runs/demo --caps --no-external --number-by-size --seed 9  # why numbers fail
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
-default cap on pictures from nanomm/demo/other_renderer.py, with --draft, speculative decoding at batch 1, and
+default cap on pictures from scripts/workshop/other_renderer.py, with --draft, speculative decoding at batch 1, and
 with --number-by-size, number reading by digit height and number length, and its mistakes by kind.
 Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-time requests.
 """
@@ -96,8 +96,8 @@ def held_out_table(model: str, args) -> dict:
 
 
 def external_table(model: str, args) -> dict:
-    from nanomm.demo.other_renderer import TASKS as EXTERNAL_TASKS
-    from nanomm.demo.other_renderer import external_items
+    from workshop.other_renderer import TASKS as EXTERNAL_TASKS
+    from workshop.other_renderer import external_items
 
     table = {}
     with LLM(model, **args.engine) as llm:
@@ -105,7 +105,7 @@ def external_table(model: str, args) -> dict:
             items = [EvalItem(e.task, e.images, (QA(e.task, e.question, e.answer),))
                      for e in external_items(task, args.per_task, args.seed)]
             table[task] = accuracy(llm, items)[:2]
-    print(f"\npictures drawn by nanomm/demo/other_renderer.py, {args.per_task} per task, default cap\n")
+    print(f"\npictures drawn by scripts/workshop/other_renderer.py, {args.per_task} per task, default cap\n")
     print("| task | accuracy |\n|---|---|")
     for task, (right, total) in table.items():
         print(f"| {task} | {_percent(right, total)} |")

@@ -12,7 +12,7 @@ batch-32 TTFT was 2.7 s and a demo training step 0.46 s, far from what the GPU's
   sample, commit.
 - prefill ops: torch.profiler over the prefill of 32 new requests (one output token each): the ops with the
   most self time, and how often the host waited for the device (`aten::item`, `aten::nonzero`, syncs).
-- training: the demo model's training step (nanomm/demo/training.py) on the batches of the one-session recipe:
+- training: the demo model's training step (scripts/workshop/training.py) on the batches of the one-session recipe:
   drawing one batch (on one CPU core), then forward, backward and the optimizer, each timed after a device sync.
 
 gpu_check.sh runs it as its `profile` stage. The phase spans are host times: on a GPU, work launched in one phase
@@ -37,8 +37,8 @@ from bench import greedy, load_checkpoint, machine_info, make_workload, synchron
 from bench import parse_args as bench_args  # noqa: E402
 from nanomm import LLM, demo_checkpoint  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
-from nanomm.demo.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap  # noqa: E402
-from nanomm.demo.training import TrainConfig, batch_loss, make_batch  # noqa: E402
+from workshop.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap  # noqa: E402
+from workshop.training import TrainConfig, batch_loss, make_batch  # noqa: E402
 from nanomm.engine.trace import ENGINE_PID, STEP_LANE  # noqa: E402
 from nanomm.model.loader import load_model  # noqa: E402
 

@@ -1,10 +1,10 @@
 """A decode step's kernels per layer do not grow with the batch, and the decoder layers never sync with the
-host (nanomm/tools/op_count.py counts them; issue 12's measure)."""
+host (scripts/workshop/op_count.py counts them; issue 12's measure)."""
 
 import torch
 
 from nanomm import LLM, SamplingParams
-from nanomm.tools.op_count import OpCounter, decode_step_ops
+from workshop.op_count import OpCounter, decode_step_ops
 
 
 def decode_ops(ckpt, batch: int, batched_attention: bool = True) -> dict:

@@ -1,15 +1,15 @@
-"""The demo model's workshop: pictures, questions, training and evaluation for a small Qwen2-VL that sees.
+"""The demo model: `demo_checkpoint()` and the shipped weights, and the quality harness that scores a lever.
 
-Not on the request path: the recipe here trains and measures the demo model, and the engine serves the
-checkpoint it writes, unchanged. `demo_checkpoint()` finds the trained model (and its draft) shipped with the
-package. Reading order:
+A few-million-parameter Qwen2-VL, trained to answer questions about generated scenes, ships with the package so
+that every lever (the pixel cap, compression, quantization, speculation) has an accuracy number next to its
+speed-up. `demo_checkpoint()` finds it (and its draft). The harness that lessons and users call:
 
 - scenes.py: the picture generator (what is in a scene, and how it is drawn);
 - tasks.py: the questions and answers, and how a reply is graded;
-- training.py, trainer.py: chats as training sequences, the loss, the loop (scripts/train_demo.py runs them);
-- evaluation.py: the held-out set and the accuracy tables (scripts/eval_demo.py);
-- other_renderer.py: pictures drawn by independent code, to check that a model did not learn one renderer.
+- evaluation.py: the held-out set and the accuracy tables (scripts/eval_demo.py).
 
+Training the model, and the independent second renderer that checks it off its training pictures, are workshop
+code outside the package: scripts/workshop/ (scripts/train_demo.py runs the training).
 lessons/11-what-pixels-buy.md measures the model; lessons/12-how-the-demo-model-was-made.md tells how it was made.
 """
 

@@ -4,7 +4,7 @@ Lesson: lessons/11-what-pixels-buy.md. scripts/eval_demo.py prints the tables.
 
 The held-out set is drawn by the same scene generator as training but from its own seeds (strings, which
 `random.Random` hashes into a stream the integer training seeds never produce), and at 224-400 px, large enough
-that the smallest caps must shrink every picture. `nanomm.demo.other_renderer` draws a second set with
+that the smallest caps must shrink every picture. `workshop.other_renderer` draws a second set with
 independent code (its own shapes, fonts, colours and sizes), to check that the model learned shapes and
 colours rather than one renderer's pixels.
 
@@ -22,7 +22,7 @@ from PIL import Image
 
 from nanomm.demo.scenes import SHAPES, Scene, random_scene, render
 from nanomm.demo.tasks import QA, TASKS, compare_questions, grade, question, scene_questions
-from nanomm.demo.training import counting_scene
+from nanomm.demo.scenes import counting_scene
 from nanomm.inputs.image import ImageProcessorConfig, smart_resize
 from nanomm.sampling import SamplingParams
 

@@ -374,3 +374,12 @@ def render(scene: Scene, rng: random.Random | None = None) -> Image.Image:
         img.save(buffer, format="JPEG", quality=style["jpeg"])
         img = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
     return img
+
+
+def counting_scene(rng: random.Random, kind: str | None = None, count: int | None = None, **kwargs):
+    """A scene with `count` (0..6) shapes of one kind among 0..3 others: what "How many" needs to be learned."""
+    kind = kind or rng.choice(SHAPES)
+    count = rng.randint(0, 6) if count is None else count
+    others = [k for k in SHAPES if k != kind]
+    kinds = [kind] * count + [rng.choice(others) for _ in range(rng.randint(0 if count else 1, 3))]
+    return random_scene(rng, kinds=rng.sample(kinds, len(kinds)), **kwargs)

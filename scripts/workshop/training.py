@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanomm.demo.scenes import COLOURS, SHAPES, other_font, random_scene, render, shape_mask
+from nanomm.demo.scenes import COLOURS, SHAPES, counting_scene, other_font, random_scene, render, shape_mask
 from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, count_question,
                                scene_questions, vary)
 from nanomm.engine.attention import causal_attention, masked_attention
@@ -214,15 +214,6 @@ def training_cap(rng: random.Random, image_config: ImageProcessorConfig) -> int:
     if rng.random() < 0.7:
         return image_config.max_pixels
     return rng.randint(image_config.min_pixels, image_config.max_pixels)
-
-
-def counting_scene(rng: random.Random, kind: str | None = None, count: int | None = None, **kwargs):
-    """A scene with `count` (0..6) shapes of one kind among 0..3 others: what "How many" needs to be learned."""
-    kind = kind or rng.choice(SHAPES)
-    count = rng.randint(0, 6) if count is None else count
-    others = [k for k in SHAPES if k != kind]
-    kinds = [kind] * count + [rng.choice(others) for _ in range(rng.randint(0 if count else 1, 3))]
-    return random_scene(rng, kinds=rng.sample(kinds, len(kinds)), **kwargs)
 
 
 SAME_TASK_TURNS = 4  # stage 3 asks up to this many questions of one task in a chat, each about another shape

@@ -22,7 +22,7 @@ Everything is deterministic from ``(task, n, seed)``.  Used by ``scripts/eval_de
     items = external_items("colour", n=30, seed=0)
     items[0].images, items[0].question, items[0].answer
 
-Run ``python -m nanomm.demo.other_renderer OUTDIR`` to write a few example PNGs.
+Run ``python -m workshop.other_renderer OUTDIR`` from scripts/ to write a few example PNGs.
 """
 
 from __future__ import annotations
@@ -549,5 +549,5 @@ def write_examples(out_dir: Path, per_task: int = 3, seed: int = 0) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m nanomm.demo.other_renderer OUT_DIR")
+        sys.exit("usage: python -m workshop.other_renderer OUT_DIR")
     write_examples(Path(sys.argv[1]))
