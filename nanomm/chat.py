@@ -18,10 +18,8 @@ loop, and the request metrics are all the library's.
 """
 
 import argparse
-import os
 import sys
 import traceback
-from pathlib import Path
 
 from rich.console import Console
 
@@ -34,30 +32,10 @@ HELP = """commands:
   /quit         leave (Ctrl-D works too)"""
 
 
-def demo_folder(choice: str, console: Console) -> Path:
-    """--demo: the trained demo model shipped with the package; --demo random: a tiny random-weight one."""
-    if choice == "random":
-        return random_demo_checkpoint(console)
-    from nanomm.demo import demo_checkpoint
-
-    return demo_checkpoint()
-
-
-def random_demo_checkpoint(console: Console) -> Path:
-    """A tiny random-weight Qwen2-VL checkpoint, generated once into a cache folder (no network needed)."""
-    from nanomm.tools.random_checkpoint import make_checkpoint
-
-    cache = Path(os.environ.get("NANOMM_CACHE", Path.home() / ".cache" / "nanomm"))
-    folder = cache / "demo-tiny"
-    if not (folder / "model.safetensors").is_file():
-        with console.status(f"generating the demo model in {folder} ..."):
-            make_checkpoint(folder, preset="tiny")
-    return folder
-
-
 def load_llm(args, console: Console):
     """The LLM the user asked for; the demo model when asked, or when there is no --model and no network."""
     from nanomm import LLM
+    from nanomm.demo import demo_folder
     from nanomm.errors import CheckpointError
 
     kwargs = dict(device=args.device, dtype=args.dtype, max_pixels=args.max_pixels, trace_path=args.trace,
@@ -154,7 +132,7 @@ def summary(out) -> str:
     encode = "cached" if m.num_visual_tokens and m.encode_s == 0 else ms(m.encode_s)
     decode_tps = 1 / m.tpot_s if m.tpot_s else 0.0
     visual = f"{m.num_visual_tokens} visual tokens"
-    if m.num_encoded_visual_tokens > m.num_visual_tokens:  # compressed (lessons/14-visual-token-compression.md)
+    if m.num_encoded_visual_tokens > m.num_visual_tokens:  # compressed (lessons/10-visual-token-compression.md)
         visual += f" (of {m.num_encoded_visual_tokens} encoded)"
     line = (f"TTFT {ms(m.ttft_s)} (preprocess {ms(m.preprocess_s)}, encode {encode}, prefill {ms(m.prefill_s)}) | "
             f"{decode_tps:.1f} tok/s | {visual} | {m.num_cached_tokens} prefix-cached tokens")
@@ -215,11 +193,11 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="proposals per step (default 4)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bf16 on cuda, f32 on cpu")
-    p.add_argument("--quantization", choices=["int8", "int4"], help="weight-only, at load (lesson 13)")
+    p.add_argument("--quantization", choices=["int8", "int4"], help="weight-only, at load (lesson 09)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: a KV cache of 1 byte "
-                   "per value (lesson 13)")
+                   "per value (lesson 09)")
     p.add_argument("--compression", type=_compression, metavar="METHOD:RATIO", help="keep fewer visual tokens: "
-                   "pool, random, prune or attention, e.g. prune:0.5 (lesson 14)")
+                   "pool, random, prune or attention, e.g. prune:0.5 (lesson 10)")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto timeline of every engine step to FILE "
                    "on exit (open it in ui.perfetto.dev)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -247,14 +225,14 @@ def main(argv=None) -> int:
             elif demo:
                 console.print("[yellow]demo model: a 5M-parameter Qwen2-VL trained on pictures of shapes. Ask what "
                               "shape the red object is, what colour the circle is, how many stars there are "
-                              "(lesson 11 measures how often it is right).[/yellow]")
+                              "(appendix A1 measures how often it is right).[/yellow]")
             if args.quantization or args.kv_cache_dtype != "auto":
                 stats = llm.stats()
                 console.print(f"[dim]weights: {args.quantization or 'as stored'}; KV cache: {stats['kv_cache_dtype']}, "
-                              f"{stats['kv_bytes_per_token']:,} bytes per token (lesson 13)[/dim]")
+                              f"{stats['kv_bytes_per_token']:,} bytes per token (lesson 09)[/dim]")
             if args.compression:
                 console.print(f"[dim]visual tokens: {args.compression['method']} keeps "
-                              f"{args.compression['keep_ratio']:.0%} of each picture's (lesson 14)[/dim]")
+                              f"{args.compression['keep_ratio']:.0%} of each picture's (lesson 10)[/dim]")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             chat = Chat(llm, params, console, interactive)
             for path in args.image:

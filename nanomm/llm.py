@@ -1,9 +1,9 @@
 """The offline API, vLLM's shape: `LLM(model, **engine_args)`, then `generate(prompts, sampling_params)` or
 `chat(messages, sampling_params)`.
 
-Lesson: lessons/09-capstone.md (the whole request path through this API).
+Lesson: lessons/12-capstone.md (the whole request path through this API).
 
-`LLM` loads the model and its tokenizer, sizes the KV pool from a memory budget, builds the engine
+`LLM` loads the model and its tokenizer, sizes the engine (engine/sizing.py), builds it
 (engine/engine.py) and drives it: validate everything first, then add all requests and step until they are done.
 The argument names, their defaults and the outputs are vLLM's, so a script written for vLLM's offline API runs
 with only its import line changed (README: "Coming from vLLM"). Calls without sampling params use the
@@ -16,20 +16,16 @@ from dataclasses import replace
 
 import torch
 
+from nanomm.accel import speed_up
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.cuda_graphs import graph_context, largest_bucket
 from nanomm.engine.engine import LLMEngine
-from nanomm.engine.kv_cache import kv_bytes_per_token
-from nanomm.engine.memory_profile import profile_memory
+from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
-from nanomm.model.compile import compile_decoder_layers
-from nanomm.model.fast_linear import pack_linear_layers, packed_linear_available
 from nanomm.model.loader import load_model, resolve_checkpoint
-from nanomm.model.quant import quantize_language_model
 from nanomm.outputs import RequestOutput
-from nanomm.planner import Plan, Workload, kv_pool_blocks, kv_pool_budget, make_plan, plan_lines, worst_case_image
+from nanomm.planner import Plan, Workload, make_plan, plan_lines
 from nanomm.sampling import SamplingParams, generation_defaults
 
 logger = logging.getLogger("nanomm")
@@ -52,18 +48,11 @@ class LLM:
         if config.speculative is not None and config.speculative.method == "draft":
             draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)
             self.draft_model = load_model(draft_folder, device=device, dtype=dtype)
-        if config.quantization is not None:  # the draft's too; before packing, which takes what is left in float
-            for m in (self.model, self.draft_model):
-                if m is not None:
-                    quantize_language_model(m, config.quantization, config.quantization_group_size)
-        if config.cpu_fast_linear and not config.compile:  # Inductor picks its own matmuls
-            for m in (self.model, self.draft_model):
-                if m is not None and packed_linear_available(m.device, m.dtype):
-                    pack_linear_layers(m)  # CPU float32 only: oneDNN's blocked weights (model/fast_linear.py)
-        if config.compile:
-            for m in (self.model, self.draft_model):
-                if m is not None:
-                    compile_decoder_layers(m)  # torch.compile, the attention call left eager (model/compile.py)
+        for m in (self.model, self.draft_model):  # the fast layers, behind one seam (accel/)
+            if m is not None:
+                speed_up(m, fused_layers=config.fused_layers, quantization=config.quantization,
+                         quantization_group_size=config.quantization_group_size,
+                         cpu_fast_linear=config.cpu_fast_linear, compile=config.compile)
         tokenizer_folder = folder if config.tokenizer is None else resolve_checkpoint(
             config.tokenizer, config.revision, config.download_dir)
         self.tokenizer = Tokenizer.from_pretrained(
@@ -75,9 +64,9 @@ class LLM:
         self.image_config = replace(image_config, **pixel_cap)
         self.default_sampling_params = generation_defaults(folder, config.generation_config)
         self.model_name = model
-        self.memory = {}  # how the memory budget was split, when _kv_budget sizes the pool
-        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, self._resolve(config),
-                                self.draft_model)
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        config, self.memory = size_engine(config, models, self.image_config)  # the memory split, for stats()
+        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config, self.draft_model)
         if logger.isEnabledFor(logging.INFO):
             for what, value in plan_lines(self.plan()):
                 logger.info("KV plan: %s: %s", what, value)
@@ -98,52 +87,6 @@ class LLM:
     @property
     def _dtype_name(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
-
-    def _resolve(self, config: EngineConfig) -> EngineConfig:
-        """Fill in what depends on the loaded model: context length, encoder budget, KV pool size."""
-        limit = self.model.config.text.max_position_embeddings
-        max_model_len = config.max_model_len or limit
-        if max_model_len > limit:  # positions past the trained range: the model was never taught them
-            raise ValueError(f"max_model_len={max_model_len} is beyond this model's max_position_embeddings={limit}")
-        token_budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
-            token_budget = max(token_budget, max_model_len)
-        num_kv_blocks = config.num_kv_blocks
-        if num_kv_blocks is None:
-            per_block = config.block_size * sum(  # a draft model's KV lives in the same budget
-                kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
-                                   m.config.text.head_dim, m.dtype, config.kv_cache_dtype)
-                for m in (self.model, self.draft_model) if m)
-            num_kv_blocks = kv_pool_blocks(self._kv_budget(config, max_model_len, token_budget), per_block,
-                                           config.max_num_seqs, max_model_len, config.block_size)
-            if num_kv_blocks < 1:
-                raise ValueError("no memory left for the KV cache; lower the model size or raise "
-                                 "gpu_memory_utilization")
-        return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
-                       max_num_batched_tokens=token_budget,
-                       max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget)
-
-    def _kv_budget(self, config: EngineConfig, max_model_len: int, token_budget: int) -> int:
-        """Bytes for the KV pool (planner.kv_pool_budget). On a GPU: what is free of the utilisation share once
-        the weights are loaded, less the activations of the engine's largest step (token_budget tokens against
-        max_model_len) and, with CUDA graphs, what the largest graph's decode step keeps, measured by a profiling
-        pass (engine/memory_profile.py). Elsewhere: the fixed budget.
-        How it was split lands in `self.memory`."""
-        device = self.model.device
-        profiled = {}
-        if device.type == "cuda" and config.kv_cache_memory_gib is None:
-            graphs = None if config.enforce_eager else largest_bucket(
-                config.max_num_seqs, graph_context(max_model_len, config.max_seq_len_to_capture), config.block_size)
-            profile = profile_memory(self.model, self.image_config, worst_case_image(self.image_config)[0],
-                                     token_budget, config.max_num_seqs, max_model_len, graphs, config.block_size,
-                                     config.kv_cache_dtype)
-            profiled = dict(total_bytes=profile.total_bytes, used_bytes=profile.used_bytes,
-                            reserve_bytes=profile.reserve_bytes)
-            self.memory.update(profile.as_stats(), memory_activation_reserve_bytes=profile.reserve_bytes)
-        budget, rule = kv_pool_budget(device.type, gpu_memory_utilization=config.gpu_memory_utilization,
-                                      kv_cache_memory_gib=config.kv_cache_memory_gib, **profiled)
-        self.memory.update(kv_budget_rule=rule, kv_budget_bytes=budget)
-        return budget
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling params uses: from generation_config.json unless generation_config="vllm"."""

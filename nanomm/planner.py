@@ -16,7 +16,7 @@ The arithmetic, in the order a request meets it:
 4. **Blocks per request** = ceil(KV tokens / block_size); **concurrency** = KV blocks // blocks per request,
    capped by max_num_seqs. The scheduler grows block tables a step at a time and preempts the newest request
    when the pool runs dry, so this is the number of requests that hold their whole length at once.
-5. **The pool** is sized by the rule `LLM` uses (`kv_pool_budget`, shared): on a GPU, utilisation x memory,
+5. **The pool** is sized by the rule `LLM` uses (engine/sizing.py, shared): on a GPU, utilisation x memory,
    less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
    more when the vision tower's working set for the largest image or the worst decode step is larger, plus
    what the CUDA graphs of decode steps keep; `LLM` measures it instead, with a profiling pass,
@@ -36,19 +36,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES, runs_per_slice
-from nanomm.engine.cuda_graphs import graph_context, largest_bucket
-from nanomm.engine.kv_cache import kv_bytes_per_token
-from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
-from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
+from nanomm.engine.attention import MAX_BATCHED_QUERIES
+from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_tokens, kv_bytes_per_token,
+                                  kv_pool_blocks, kv_pool_budget, worst_case_image)
+from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument
+from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
 from nanomm.model.quant import quantized_layers, quantized_weight_bytes
 
-GiB = 2**30
-CPU_KV_CACHE_GIB = 2.0  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory_gib is given
-MIN_ACTIVATION_RESERVE = GiB  # GPU memory kept back from the KV pool for activations, at the least
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of weights (quantized ones: model_weight_bytes)
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
 
@@ -109,36 +105,6 @@ class Plan:
 # 1. Visual tokens
 
 
-def image_tokens(width: int, height: int, config: ImageProcessorConfig,
-                 compression: CompressionPolicy | None = None) -> int:
-    """The visual tokens of one width x height image under config's cap (what the engine expands it to), after
-    visual-token compression if a policy is given (inputs/compression.py)."""
-    h_bar, w_bar = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-    return kept_layout((1, h_bar // config.factor, w_bar // config.factor), compression)[0]
-
-
-def worst_case_image(config: ImageProcessorConfig,
-                     compression: CompressionPolicy | None = None) -> tuple[tuple[int, int], int]:
-    """((width, height), tokens) of an image with the most visual tokens any image can have under the cap (and the
-    compression policy, if any).
-
-    Candidates: exact multiples of the token size with a x b <= max_pixels / factor^2 (no resize happens, so the
-    area is used to the last token), and strips at the largest allowed aspect ratio, at which smart_resize's
-    floor of one token per side can exceed the area cap. Every candidate is measured by smart_resize itself."""
-    f = config.factor
-    cap = config.max_pixels // (f * f)  # whole tokens within the area cap
-    candidates = []
-    for a in range(1, math.isqrt(max(cap, 1)) + 1):
-        b = min(cap // a, a * int(MAX_ASPECT_RATIO))
-        if b >= a:
-            candidates.append((b * f, a * f))
-    for height in (1, 2, 4, 7, 14, 28, 56, 112):  # strips: the floor at one token can beat the area cap
-        candidates.append((int(height * MAX_ASPECT_RATIO), height))
-    scored = [(image_tokens(w, h, config, compression), (w, h)) for w, h in candidates]
-    tokens, size = max(scored)
-    return size, tokens
-
-
 def request_kv_tokens(visual_tokens_per_image: int, workload: Workload) -> int:
     """Tokens a request holds in the KV cache at its longest: all but the last output token."""
     per_image = visual_tokens_per_image + 2  # <|vision_start|> pads <|vision_end|>
@@ -178,61 +144,6 @@ def model_weight_bytes(config: ModelConfig, dtype: str, quantization: str | None
     return int(total)
 
 
-def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> int:
-    """An estimate of the vision tower's largest working set while it encodes one image of visual_tokens.
-
-    The image's patches arrive as float32 and are cast to the model's dtype; then the largest single step is a
-    block's MLP: the residual, its LayerNorm, and fc1's output with the activation's two temporaries
-    (quick_gelu is x * sigmoid(1.702 x)). Attention is not counted: scaled_dot_product_attention's fused
-    kernels never hold the patches x patches score matrix. Measured peaks belong to the GPU check
-    (issue: decode near the roofline); this is arithmetic."""
-    vision = config.vision
-    patches = visual_tokens * vision.spatial_merge_size**2
-    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    b = ELEMENT_BYTES[dtype]
-    pixels = patches * patch_values * (4 + b)
-    mlp = patches * (2 * vision.embed_dim + 3 * vision.mlp_dim) * b
-    return int(pixels + mlp)
-
-
-def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str, kv_dtype: str = "auto",
-                      queries: int = 1) -> int:
-    """An upper bound on what a step of `batch` short runs of `queries` tokens (decodes: 1), each attending to
-    `context` keys, holds at once in the batched attention (engine/attention.py, `BatchLayout`, which goes slice
-    by slice when a step is large), plus its float32 logits. For the step: the visibility mask's source and the
-    key rows. For a slice: its gathered keys and values and their int64 rows (an fp8 pool also dequantizes:
-    1-byte codes and a float32 copy), the keys cast to float32, the float32 mask, scores and softmax, the
-    probabilities in the model's dtype."""
-    text, b = config.text, ELEMENT_BYTES[dtype]
-    kv_heads, head_dim, heads = text.num_key_value_heads, text.head_dim, text.num_attention_heads
-    runs = runs_per_slice(batch, context, kv_heads, head_dim, heads, queries)
-    step = batch * queries * context * 4 + batch * kv_heads * context * 8 + batch * queries * text.vocab_size * 4
-    gathered = 2 * runs * context * kv_heads * head_dim  # a slice's keys and values
-    kv = gathered * (b + (1 + 4 if kv_dtype == "fp8" else 0)) + gathered // head_dim * 8
-    float_keys = gathered // 2 * 4 if b != 4 else 0
-    return int(step + kv + float_keys + runs * queries * heads * context * (3 * 4 + b))
-
-
-def kv_pool_budget(device_type: str, *, total_bytes: int = 0, used_bytes: int = 0,
-                   gpu_memory_utilization: float = 0.9, kv_cache_memory_gib: float | None = None,
-                   reserve_bytes: int = MIN_ACTIVATION_RESERVE) -> tuple[int, str]:
-    """(bytes for the KV pool, the rule in words). `LLM` sizes its pool with this too."""
-    if kv_cache_memory_gib is not None:
-        return int(kv_cache_memory_gib * GiB), f"kv_cache_memory_gib={kv_cache_memory_gib:g}"
-    if device_type == "cuda":
-        budget = int(total_bytes * gpu_memory_utilization - used_bytes - reserve_bytes)
-        return budget, (f"{gpu_memory_utilization:g} x {total_bytes / GiB:.1f} GiB, less {used_bytes / GiB:.2f} GiB "
-                        f"in use and a {reserve_bytes / GiB:.2f} GiB activation reserve")
-    return int(CPU_KV_CACHE_GIB * GiB), f"the CPU default of {CPU_KV_CACHE_GIB:g} GiB"
-
-
-def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
-                   block_size: int) -> int:
-    """Blocks in the budget, capped at what max_num_seqs sequences of max_model_len tokens could ever use."""
-    useful = max_num_seqs * -(-max_model_len // block_size)
-    return max(0, min(budget_bytes // bytes_per_block, useful))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # 3. The plan
 
@@ -263,20 +174,14 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
-    peak = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
-    # The worst batched step pads every running sequence to the longest context and the longest short run.
-    decode_peak = decode_step_bytes(config, max_num_seqs, max_model_len, dtype, kv_dtype, MAX_BATCHED_QUERIES)
-    graphs = 0
-    if cuda_graphs and device_memory_gib is not None:  # the largest bucket's step and the shared logits buffer
-        longest = graph_context(max_model_len, max_seq_len_to_capture)
-        batch, context = largest_bucket(max_num_seqs, longest, block_size)
-        graphs = decode_step_bytes(config, batch, context, dtype, kv_dtype) + batch * config.text.vocab_size * 4
+    reserve = estimated_reserve(config, image_config, dtype, kv_dtype, max_num_seqs, max_model_len, block_size,
+                                cuda_graphs and device_memory_gib is not None, max_seq_len_to_capture)
     if num_kv_blocks is None:
         device = "cuda" if device_memory_gib is not None else "cpu"
         budget, rule = kv_pool_budget(device, total_bytes=int((device_memory_gib or 0) * GiB), used_bytes=weights,
                                       gpu_memory_utilization=gpu_memory_utilization,
                                       kv_cache_memory_gib=kv_cache_memory_gib,
-                                      reserve_bytes=max(MIN_ACTIVATION_RESERVE, peak, decode_peak) + graphs)
+                                      reserve_bytes=reserve.total_bytes)
         num_kv_blocks = kv_pool_blocks(budget, block_size * per_token, max_num_seqs, max_model_len, block_size)
         if num_kv_blocks < budget // (block_size * per_token):
             rule += "; capped at max_num_seqs x max_model_len"
@@ -288,7 +193,8 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
                 kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
-                vision_peak_bytes=peak, decode_peak_bytes=decode_peak, decode_graph_bytes=graphs,
+                vision_peak_bytes=reserve.vision_peak_bytes, decode_peak_bytes=reserve.decode_peak_bytes,
+                decode_graph_bytes=reserve.decode_graph_bytes,
                 max_seq_len_to_capture=max_seq_len_to_capture,
                 kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
                 fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule)

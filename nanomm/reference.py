@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanomm.engine.attention import causal_attention
-from nanomm.engine.kv_fp8 import fp8_round_trip
+from nanomm.inputs.compression import encode_visual_tokens
+from nanomm.model.attention import causal_attention
+from nanomm.model.fp8 import fp8_round_trip
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import mrope_positions, text_positions
 from nanomm.sampling import SamplingParams, adjust_logits, sample
@@ -54,7 +55,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     grids = [tuple(im.grid_thw) for im in images]
     image_embeds, compressed = None, None
     if images:
-        visual = model.visual_tokens(images)  # each image compressed by its own policy, if it has one
+        visual = encode_visual_tokens(model, images)  # each image compressed by its own policy, if it has one
         image_embeds = torch.cat([v.embeds for v in visual])
         compressed = [None if v.coords is None else (im.position_extent, v.coords)
                       for v, im in zip(visual, images)]

@@ -51,9 +51,9 @@ from nanomm.tools.random_checkpoint import make_checkpoint
 from workshop.op_count import decode_step_ops
 from nanomm.tools.weights import PRESETS
 from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
-from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+from nanomm.accel.packed_linear import PackedLinear, packed_linear_available
 from nanomm.model.qwen2_vl import Qwen2VL
-from nanomm.model import qwen2
+from nanomm.accel import fused_layers
 
 WORDS = ("the a cat dog sat on mat and looked at picture of red blue green house tree sky river boat "
          "mountain city street window small large old new bright dark quickly slowly under over").split()
@@ -174,7 +174,7 @@ def measure_roofline(bw_mib: int, matmul_n: int, repeats: int, device: torch.dev
     per 4 bytes, far below the vector units' rate, so it is limited by DRAM; decode reads weights the same way.
     Copy bandwidth (read + write) is reported too, for reference. Matmul: an n x n @ n x n float32 product,
     2 n^3 FLOPs, timed with torch.mm (MKL) and, on CPU, with the oneDNN packed kernel nanomm's linear layers
-    use (nanomm/model/fast_linear.py); the machine's rate is the faster of the two, so neither engine is measured
+    use (nanomm/accel/packed_linear.py); the machine's rate is the faster of the two, so neither engine is measured
     against a roof its own library could beat. On a GPU the same, in the run's dtype (cuBLAS only)."""
     n = bw_mib * 2**20 // 4
     x, y = torch.ones(n, device=device), torch.empty(n, device=device)
@@ -448,7 +448,7 @@ def parse_args(argv=None):
     e.add_argument("--no-cpu-fast-linear", dest="cpu_fast_linear", action="store_false",
                    help="nanomm on plain F.linear instead of the oneDNN-packed fast path (LLM(cpu_fast_linear=False))")
     e.add_argument("--mlp-pass-bytes", type=int, help="nanomm: a long chunk's MLP in passes of this many bytes of "
-                   "gate/up output (default: qwen2.MLP_PASS_BYTES, 16 MiB); 36700160 is the old 512 rows of the 2B")
+                   "gate/up output (default: fused_layers.MLP_PASS_BYTES, 16 MiB); 36700160 is the old 512 rows of the 2B")
     e.add_argument("--decode-probe-steps", type=int, default=32, help="decode steps timed for the roofline")
     add_device_args(e)
     e.add_argument("--compile", action="store_true", help="nanomm with LLM(compile=True): torch.compile'd layers")
@@ -508,7 +508,7 @@ def main(argv=None) -> dict:
 
     folder = load_checkpoint(args, log)
     if args.mlp_pass_bytes:
-        qwen2.MLP_PASS_BYTES = args.mlp_pass_bytes  # read at every MLP call: this process's nanomm model only
+        fused_layers.MLP_PASS_BYTES = args.mlp_pass_bytes  # read at every MLP call: this process's nanomm model only
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     log("measuring the roofline ...")
     roof = measure_roofline(args.bw_mib, args.matmul_n, args.repeats, device, dtype)

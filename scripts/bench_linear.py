@@ -1,4 +1,4 @@
-"""The CPU fast path against plain F.linear, shape by shape: what nanomm/model/fast_linear.py buys on this CPU.
+"""The CPU fast path against plain F.linear, shape by shape: what nanomm/accel/packed_linear.py buys on this CPU.
 
     python scripts/bench_linear.py              # the `small` preset's shapes, 2 threads, best of 20
     python scripts/bench_linear.py --threads 4 --repeats 50
@@ -25,7 +25,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import torch
 import torch.nn.functional as F
 
-from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+from nanomm.accel.packed_linear import PackedLinear, packed_linear_available
 
 SHAPES = [  # (rows, in, out): the `small` preset's layers at decode and prefill sizes
     (32, 512, 151_936, "LM head, batch-32 decode"),

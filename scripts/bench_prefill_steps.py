@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 
 import bench  # noqa: E402
 from nanomm import LLM  # noqa: E402
-from nanomm.model import qwen2  # noqa: E402
+from nanomm.accel import fused_layers  # noqa: E402
 
 
 def timed_step(engine) -> dict:
@@ -47,24 +47,24 @@ def main(argv=None) -> dict:
     p.add_argument("--preset", choices=list(bench.PRESETS), default="small")
     p.add_argument("--cache-dir", default="checkpoints/bench-small")
     p.add_argument("--checkpoint", help="a local Qwen2-VL folder; overrides --preset")
-    p.add_argument("--mlp-pass-bytes", type=int, help="qwen2.MLP_PASS_BYTES for this run (default 16 MiB)")
+    p.add_argument("--mlp-pass-bytes", type=int, help="fused_layers.MLP_PASS_BYTES for this run (default 16 MiB)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
     workload = bench.parse_args(["--workload", "decode"])  # bench.py's decode workload and its pixel caps
     workload.max_tokens = 8
     if args.mlp_pass_bytes:
-        qwen2.MLP_PASS_BYTES = args.mlp_pass_bytes
+        fused_layers.MLP_PASS_BYTES = args.mlp_pass_bytes
     folder = bench.load_checkpoint(argparse.Namespace(checkpoint=args.checkpoint, preset=args.preset,
                                                       cache_dir=args.cache_dir), print)
     llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=workload.max_pixels)
     bench.warm_up(llm)
     waves = {"first": prefill_wave(llm, workload, seed=0), "second": prefill_wave(llm, workload, seed=1)}
-    results = dict(machine=bench.machine_info(), checkpoint=str(folder), mlp_pass_bytes=qwen2.MLP_PASS_BYTES, **waves)
+    results = dict(machine=bench.machine_info(), checkpoint=str(folder), mlp_pass_bytes=fused_layers.MLP_PASS_BYTES, **waves)
     for name, w in waves.items():
         print(f"{name} prefill step ({w['tokens']} prompt tokens, the first {llm.engine.config.max_num_batched_tokens} "
               f"in this step): {w['wall_s']:.2f} s wall, {w['user_s']:.2f} s user, {w['system_s']:.2f} s system, "
               f"{w['page_faults']:,} page faults")
-    print(f"machine: {results['machine']['cpu']}; MLP passes of {qwen2.MLP_PASS_BYTES:,} bytes")
+    print(f"machine: {results['machine']['cpu']}; MLP passes of {fused_layers.MLP_PASS_BYTES:,} bytes")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     llm.close()

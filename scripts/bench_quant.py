@@ -191,7 +191,7 @@ def kernels(args) -> dict:
     from bench import best_time
     from torch import nn
 
-    from nanomm.model.fast_linear import PackedLinear
+    from nanomm.accel.packed_linear import PackedLinear
     from nanomm.model.quant import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)

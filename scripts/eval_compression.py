@@ -6,11 +6,11 @@ baseline and the resolution cap that gives as many tokens, with encode / prefill
     python scripts/eval_compression.py --out runs/compression --methods prune pool --ratios 0.5
     python scripts/eval_compression.py --out runs/compression --caps 72 36 15 --methods
     python scripts/eval_compression.py --report runs/compression                  # the markdown tables
-    python scripts/eval_compression.py --report runs/compression --summary lessons/data/14-compression.json
+    python scripts/eval_compression.py --report runs/compression --summary lessons/data/10-compression.json
 
 Each configuration is one JSON file in --out, so configurations can run in several processes (one per core) and
 be reported together. A configuration is "none" (every token, the default cap of 144), a method at a keep ratio
-(nanomm/inputs/compression.py) at the default cap, or a smaller cap with no compression (lesson 11's lever).
+(nanomm/inputs/compression.py) at the default cap, or a smaller cap with no compression (appendix A1's lever).
 Accuracy: greedy through nanomm.LLM on the held-out set (nanomm/demo/evaluation.py), the same items for every
 configuration. TTFT: the median of one-at-a-time requests on pictures no cache holds. Throughput: a fixed batch of
 48 single-picture questions submitted at once (distinct pictures, so no cache serves them), 8 tokens each.

@@ -22,7 +22,7 @@ PICTURE_LINK = re.compile(r"!\[[^\]]*\]\(pictures/([\w.-]+\.png)\)")
 
 
 def lessons_with_pictures(only: list[str]) -> list[Path]:
-    lessons = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))
+    lessons = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md")) + sorted((ROOT / "lessons").glob("A[0-9]-*.md"))
     chosen = [p for p in lessons if PICTURE_LINK.search(p.read_text(encoding="utf-8"))]
     return [p for p in chosen if not only or p.name[:2] in only]
 

@@ -4,7 +4,7 @@
     python scripts/load.py --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
     python scripts/load.py --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
 
-Lesson: lessons/10-serving-under-load.md (why requests per second lie, and what to scale on instead).
+Lesson: lessons/11-serving-under-load.md (why requests per second lie, and what to scale on instead).
 
 For each request rate: `--num-requests` arrivals with exponential gaps (a Poisson process, seeded), each a
 streamed chat request with the images its mix entry says, sent on schedule whether or not the server keeps up

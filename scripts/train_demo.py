@@ -6,27 +6,27 @@
         --focus 600:all --focus 400:left_right,above_below --focus 400:all  # the 6ad4f33 model's recipe (*)
     python scripts/train_demo.py --out runs/draft --draft-of runs/demo --steps 400 --curriculum-steps 0  # its draft
     python scripts/train_demo.py --out runs/count --init-from /tmp/6ad4f33 --focus-start 0 \
-        --focus 2700:count,compare --counting-chats 0.9   # lesson 12 section 5's first phases (BENCHMARKS.md)
+        --focus 2700:count,compare --counting-chats 0.9   # appendix A2 section 5's first phases
     python scripts/train_demo.py --out runs/more --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 600:number --focus 300:all --counting-chats 0 --focus-lr 1e-4   # more of the printed number
     python scripts/train_demo.py --out runs/nh1 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
-        --focus 3000:all --number-chats 0.5 --focus-lr 2e-4   # numbers among every task (BENCHMARKS.md probe)
+        --focus 3000:all --number-chats 0.5 --focus-lr 2e-4   # numbers among every task (tried, not shipped)
     python scripts/train_demo.py --out runs/p256 --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 1400:all --number-chats 0.5 --counting-chats 0.2 --focus-lr 2e-4 --max-visual-tokens 256  # a larger cap
     python scripts/train_demo.py --out runs/fonts --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 300:number --number-chats 0.5 --number-close-ups 16 --focus-lr 2e-4 --max-visual-tokens 400 \
-        --number-fonts matplotlib   # digits in more fonts (BENCHMARKS.md, the font probe)
+        --number-fonts matplotlib   # digits in more fonts (tried, not shipped)
     python scripts/train_demo.py --out runs/gpu --init-from nanomm/demo/checkpoints/model --focus-start 0 \
         --focus 50000:all --number-chats 0.5 --counting-chats 0.45 --batch-size 32 --number-close-ups 32 \
         --focus-lr 2e-4 --max-visual-tokens 400 --number-fonts matplotlib --device cuda --batch-workers 13 \
-        --time-limit 300      # on a GPU for five minutes: the H200 probe in BENCHMARKS.md
+        --time-limit 300      # on a GPU for five minutes (tried, not shipped)
     python scripts/train_demo.py --out runs/tiny --tiny --steps 20       # a tiny model: seconds, for a smoke run
 
 (*) With the code of commit 6ad4f33, which trained the model shipped there. Since then the tower's hint head
 also learns how many shapes of its kind a token's shape has and where shapes' centres are, and names every digit
 of the printed number (`token_hints`), so the same command today trains a slightly different model. The model
-shipped now is that 6ad4f33 model after 6,750 more steps of stage 3 from its weights: BENCHMARKS.md ("Teaching
-the demo model to count and read") has the eight commands, lesson 12 section 5 the story.
+shipped now is that 6ad4f33 model after 6,750 more steps of stage 3 from its weights: BENCHMARKS.md ("How the demo
+model was made") has the eight commands and what else was tried, appendix A2 section 5 the story.
 
 The recipe is in scripts/workshop/training.py (data, loss, the vision hints) and scripts/workshop/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the

@@ -192,8 +192,8 @@ def test_cpu_fast_linear_switch(llm, tmp_path, monkeypatch):
     """The fast path is on by default for CPU float32, for layers at least MIN_PACKED_SIDE wide on both sides (the
     tiny preset has none), and off with cpu_fast_linear=False: then every layer is the plain nn.Linear the lessons
     read. With every layer packed, and with none, the engine gives the dense reference's tokens."""
-    from nanomm.model import fast_linear
-    from nanomm.model.fast_linear import PackedLinear, packed_linear_available
+    from nanomm.accel import packed_linear as fast_linear
+    from nanomm.accel.packed_linear import PackedLinear, packed_linear_available
     settings = dict(device="cpu", max_pixels=28 * 28 * 16, max_model_len=512, num_kv_blocks=64, block_size=4)
     tiny = str(make_checkpoint(tmp_path / "tiny", preset="tiny"))
     plain = LLM(tiny, cpu_fast_linear=False, **settings)
@@ -214,7 +214,7 @@ def test_cpu_fast_linear_switch(llm, tmp_path, monkeypatch):
 
 def test_only_layers_wide_enough_to_pay_are_packed():
     """pack_linear_layers packs a layer only if both its sides are at least MIN_PACKED_SIDE (512)."""
-    from nanomm.model.fast_linear import PackedLinear, pack_linear_layers, packed_linear_available
+    from nanomm.accel.packed_linear import PackedLinear, pack_linear_layers, packed_linear_available
     if not packed_linear_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no usable oneDNN linear ops")
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256), torch.nn.Linear(1024, 512),

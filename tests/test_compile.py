@@ -1,4 +1,4 @@
-"""LLM(compile=True) (nanomm/model/compile.py): the compiled engine against the *eager* dense reference, under
+"""LLM(compile=True) (nanomm/accel/compile.py): the compiled engine against the *eager* dense reference, under
 every one of the engine's stress settings, and proof that compiled code ran."""
 
 import pytest

@@ -11,7 +11,7 @@ import torch
 
 from helpers import assert_mixed_workload_matches, assert_no_leaks, random_workload
 from nanomm import LLM, SamplingParams
-from nanomm.engine.cuda_graphs import graph_context, largest_bucket
+from nanomm.engine.sizing import graph_context, largest_bucket
 from nanomm.reference import generate as reference_generate
 from test_engine import MAX_PIXELS, STRESS, record_logit_rows
 

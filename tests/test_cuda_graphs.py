@@ -7,8 +7,8 @@ import torch
 from helpers import assert_no_leaks, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import attention
-from nanomm.engine.cuda_graphs import (DecodeGraphs, StaticDecodeInputs, batch_bucket, context_bucket, decode_forward,
-                                       graph_context, largest_bucket)
+from nanomm.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_forward
+from nanomm.engine.sizing import batch_bucket, context_bucket, graph_context, largest_bucket
 from nanomm.engine.memory_profile import decode_step
 from workshop.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS

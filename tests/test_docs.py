@@ -1,5 +1,5 @@
-"""Docs that cannot drift: the README's module map matches the package file for file and line for line, and every
-nanomm file, function and class that a lesson or the README names exists."""
+"""Docs that cannot drift: the README's module map matches the package file for file, every nanomm file, function
+and class that a lesson or the README names exists, and no doc reads as a diary (dates, sessions, "today")."""
 
 import ast
 import builtins
@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "lessons").glob("*.md")) + [ROOT / "README.md"]
-MAP_ROW = re.compile(r"^\| `(nanomm/[a-z0-9_/]+\.py)` \| ([\d,]+) \|", re.M)
-MAP_TOTAL = re.compile(r"^\| \*\*total\*\* \| \*\*([\d,]+)\*\* \|", re.M)
+PROSE_DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md"] + sorted((ROOT / "lessons").glob("*.md"))
+MAP_ROW = re.compile(r"^\| `(nanomm/[a-z0-9_/]+\.py)` \|", re.M)
 CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 SYMBOL = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(\(\))?")
@@ -19,21 +19,70 @@ FILE_SUFFIXES = (".json", ".py", ".md", ".txt", ".safetensors")
 OUTSIDE_NAMES = {"Qwen2VLImageProcessorPil"}  # transformers' names that lessons compare against
 
 
-def package_files() -> dict[str, int]:
-    return {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
-            for p in sorted((ROOT / "nanomm").rglob("*.py"))}
+# A doc is documentation, not a journal: no dates, no sessions, no "today", no issue numbers.
+DIARY = re.compile(r"\b(?:this session|next session|last session|sessions|was lent|were lent|not drawn|device time|"
+                   r"yesterday|today|this morning|tonight|earlier today|issue #?\d+)\b|\b20\d\d-\d\d-\d\d\b",
+                   re.I)
 
 
-def test_module_map_lists_every_file_with_its_line_count():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    listed = {path: int(count.replace(",", "")) for path, count in MAP_ROW.findall(readme)}
-    actual = package_files()
-    assert sorted(listed) == sorted(actual), (f"README module map: missing {sorted(actual.keys() - listed.keys())}, "
-                                              f"stale {sorted(listed.keys() - actual.keys())}")
-    wrong = {path: (listed[path], n) for path, n in actual.items() if listed[path] != n}
-    assert not wrong, f"README module map line counts (listed, actual): {wrong}"
-    total = MAP_TOTAL.search(readme)
-    assert total and int(total.group(1).replace(",", "")) == sum(actual.values())
+def package_files() -> set[str]:
+    return {p.relative_to(ROOT).as_posix() for p in (ROOT / "nanomm").rglob("*.py")}
+
+
+def module_map_errors(readme: str, actual: set[str]) -> list[str]:
+    """What is wrong with a module map: a package file without its row, a row for no file, a file listed twice."""
+    listed = MAP_ROW.findall(readme)
+    errors = [f"missing {path}" for path in sorted(actual - set(listed))]
+    errors += [f"stale {path}" for path in sorted(set(listed) - actual)]
+    errors += [f"listed twice {path}" for path in sorted({p for p in listed if listed.count(p) > 1})]
+    return errors
+
+
+def test_module_map_lists_every_file():
+    errors = module_map_errors((ROOT / "README.md").read_text(encoding="utf-8"), package_files())
+    assert not errors, f"README module map, one table row per nanomm/ file: {errors}"
+
+
+def test_the_module_map_check_catches_drift():
+    readme = "| `nanomm/a.py` | one |\n| `nanomm/x/b.py` | two | 04 |\n| `nanomm/x/b.py` | again |\n"
+    assert module_map_errors(readme, {"nanomm/a.py", "nanomm/x/b.py"}) == ["listed twice nanomm/x/b.py"]
+    assert module_map_errors(readme, {"nanomm/a.py", "nanomm/c.py"}) == [
+        "missing nanomm/c.py", "stale nanomm/x/b.py", "listed twice nanomm/x/b.py"]
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks: a prompt in a lesson's code may say "today"."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            out.append((number, line))
+    return out
+
+
+def diary_lines(text: str) -> list[str]:
+    """Every prose line of a doc that reads as a diary entry, with its number and the words that give it away."""
+    return [f"{number}: {', '.join(m.group(0) for m in DIARY.finditer(line))}: {line.strip()}"
+            for number, line in prose_lines(text) if DIARY.search(line)]
+
+
+@pytest.mark.parametrize("doc", PROSE_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_doc_reads_as_a_diary(doc):
+    hits = diary_lines(doc.read_text(encoding="utf-8"))
+    assert not hits, f"{doc.name} reads as a diary (say what the code does, not when or by whom):\n" + "\n".join(hits)
+
+
+def test_the_diary_check_catches_a_diary():
+    diary = ("Fixed today, after issue 42 (see issue #7).\nMeasured on 2026-12-04 in this session.\n"
+             "The GPU was lent for 15 minutes of device time; next session: the int8 path.\nTODAY: nothing.")
+    assert [line.split(":")[0] for line in diary_lines(diary)] == ["1", "2", "3", "4"]
+    assert [line.split(":")[0] for line in diary_lines("```\ntoday\n```\nDone today.")] == ["4"]
+    assert diary_lines(diary)[0].startswith("1: today, issue 42, issue #7: Fixed today")
+    # Whole words only, and prose only: none of these is a diary entry.
+    assert not diary_lines("A todays_date variable, a 2026-12 version and tissue 42 are not diary words.\n"
+                           "Sessionless servers, a lent-out GPU and open issues are fine.\n"
+                           "```python\nllm.generate('How are you today?')\n```")
 
 
 def defined_names() -> tuple[set[str], dict[str, set[str]]]:

@@ -1,4 +1,4 @@
-"""Lessons are tests: every ```python block of every lesson runs, in order, in one namespace per lesson.
+"""Lessons are tests: every ```python block of every lesson and appendix runs, in order, in one namespace per file.
 
 A ```python block that is immediately followed (blank lines aside) by a ```text block must print that text:
 its stdout is captured and compared with the text block after `mask_output` has hidden what legitimately
@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))
+COURSE = sorted((ROOT / "lessons").glob("[0-9][0-9]-*.md"))  # 01-..., 02-...: the lessons, read in this order
+APPENDICES = sorted((ROOT / "lessons").glob("A[0-9]-*.md"))  # A1-..., A2-...: read after the course
+LESSONS = COURSE + APPENDICES
+LESSON_LINK = re.compile(r"\]\(((?:[0-9][0-9]|A[0-9])-[\w-]+\.md)\)|`lessons/((?:[0-9][0-9]|A[0-9])-[\w-]+\.md)`")
+LESSON_MENTION = re.compile(r"\b[Ll]essons? ([0-9][0-9](?:(?:, | and | to |-)[0-9][0-9])*)")
+APPENDIX_MENTION = re.compile(r"\b[Aa]ppendi(?:x|ces) (A[0-9](?:(?:, | and )A[0-9])*)")
 FENCED_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
 CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
 PICTURE_LINK = re.compile(r"!\[[^\]]*\]\(pictures/([\w.-]+\.png)\)")
@@ -94,6 +99,34 @@ def run_blocks(path: Path, namespace: dict) -> None:
 
 def test_there_are_lessons():
     assert len(LESSONS) >= 3
+
+
+def test_every_lesson_file_is_collected_and_numbered_in_order():
+    """A lesson whose name matched neither pattern would silently never run; numbers have no gaps or repeats."""
+    files = sorted(p.name for p in (ROOT / "lessons").glob("*.md") if p.name != "README.md")
+    assert files == sorted(p.name for p in LESSONS), f"not collected: {sorted(set(files) - {p.name for p in LESSONS})}"
+    assert [p.name[:2] for p in COURSE] == [f"{i:02d}" for i in range(1, len(COURSE) + 1)]
+    assert [p.name[:2] for p in APPENDICES] == [f"A{i}" for i in range(1, len(APPENDICES) + 1)]
+
+
+def test_index_lists_the_course_then_the_appendices():
+    index = (ROOT / "lessons" / "README.md").read_text(encoding="utf-8")
+    listed = [m.group(1) for m in re.finditer(r"^\| \S+ \| \[[^\]]+\]\(([\w-]+\.md)\)", index, re.M)]
+    assert listed == [p.name for p in LESSONS]
+
+
+@pytest.mark.parametrize("doc", LESSONS + [ROOT / "lessons" / "README.md"], ids=lambda p: p.stem)
+def test_cross_references_point_at_lessons_that_exist(doc):
+    """Links (`](05-continuous-batching.md)`, `lessons/05-...md`) name an existing file; "lesson 05" and
+    "appendix A3" name an existing number."""
+    text = doc.read_text(encoding="utf-8")
+    names = {p.name for p in LESSONS}
+    linked = [name for pair in LESSON_LINK.findall(text) for name in pair if name]
+    assert all(name in names for name in linked), f"{doc.name} links to {sorted(set(linked) - names)}"
+    numbers = {p.name[:2] for p in LESSONS}
+    mentioned = {n for m in LESSON_MENTION.findall(text) for n in re.findall(r"[0-9][0-9]", m)}
+    mentioned |= {n for m in APPENDIX_MENTION.findall(text) for n in re.findall(r"A[0-9]", m)}
+    assert mentioned <= numbers, f"{doc.name} mentions lessons {sorted(mentioned - numbers)}, which do not exist"
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from helpers import NO_NETWORK
 from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.model.config import ModelConfig
 from nanomm.errors import CheckpointError
-from nanomm.model.loader import canonical_name, load_model, split_projections
+from nanomm.model.loader import canonical_name, load_model
 
 
 def copy_of(folder, tmp_path):
@@ -45,7 +44,7 @@ def test_both_name_layouts_load_the_same_weights(tmp_path, layout, tied):
     on_disk = {}
     for file in folder.glob("*.safetensors"):
         on_disk.update({canonical_name(k): v for k, v in load_file(file).items()})
-    state = split_projections(model.state_dict(), model.config)  # the checkpoint's q/k/v and gate/up matrices
+    state = model.state_dict()  # the textbook model holds the checkpoint's own matrices
     for key, tensor in on_disk.items():
         assert torch.equal(state[key], tensor), key
     assert set(state) - {"lm_head.weight"} == set(on_disk) - {"lm_head.weight"}
@@ -144,19 +143,3 @@ else:
     assert message.startswith(expected), message
     assert message.endswith("; pass a local checkpoint folder instead"), message
     assert "\n" not in message and "HF_HUB_OFFLINE" in message, message  # one line, and it names the cause
-
-
-def test_q_k_v_and_gate_up_are_stacked_by_rows_in_the_checkpoint_s_order(ckpt):
-    """The fused matrices are the checkpoint's, row blocks in order: q, k, v and gate, up."""
-    model = load_model(ckpt)
-    t, layer = model.config.text, model.language_model.layers[0]
-    on_disk = {}
-    for file in Path(ckpt).glob("*.safetensors"):
-        on_disk.update({canonical_name(k): v for k, v in load_file(file).items()})
-    q_rows, kv_rows = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    qkv = layer.self_attn.qkv_proj
-    assert torch.equal(qkv.weight[:q_rows], on_disk["language_model.layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(qkv.weight[q_rows:q_rows + kv_rows], on_disk["language_model.layers.0.self_attn.k_proj.weight"])
-    assert torch.equal(qkv.bias[q_rows + kv_rows:], on_disk["language_model.layers.0.self_attn.v_proj.bias"])
-    gate_up = layer.mlp.gate_up_proj.weight
-    assert torch.equal(gate_up[t.intermediate_size:], on_disk["language_model.layers.0.mlp.up_proj.weight"])

@@ -12,7 +12,7 @@ from PIL import Image
 
 from nanomm import LLM
 from nanomm.tools.random_checkpoint import make_checkpoint
-from nanomm.model.fast_linear import pack_linear_layers
+from nanomm.accel.packed_linear import pack_linear_layers
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.model.loader import load_model
 from nanomm.reference import generate

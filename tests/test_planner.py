@@ -17,8 +17,8 @@ from nanomm import LLM, SamplingParams
 from nanomm.inputs.image import ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import load_model
-from nanomm.planner import (GiB, Workload, image_tokens, kv_pool_budget, load_configs, main, make_plan,
-                            parameter_count, render, worst_case_image)
+from nanomm.engine.sizing import GiB, image_tokens, kv_pool_budget, worst_case_image
+from nanomm.planner import Workload, load_configs, main, make_plan, parameter_count, render
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN2_VL_2B = ROOT / "tests" / "data" / "Qwen2-VL-2B-Instruct"
@@ -176,6 +176,25 @@ def test_a_given_kv_budget_gives_the_engine_s_pool(ckpt):
     assert standalone.num_kv_blocks == plan.num_kv_blocks
 
 
+@pytest.mark.parametrize("engine_args", [dict(max_model_len=256, max_num_seqs=4),  # the CPU default, capped
+                                         dict(kv_cache_memory_gib=0.002, block_size=8)], ids=["default", "given"])
+def test_the_plan_and_the_engine_size_the_pool_by_one_rule(ckpt, engine_args):
+    """`LLM` and nanomm-plan size through one module (engine/sizing.py): a plan made from the config alone, with the
+    engine's arguments, holds the pool the engine allocated, in the same budget, at the same bytes per token."""
+    with LLM(ckpt, **engine_args) as llm:
+        config, stats = llm.engine.config, llm.stats()
+        standalone = make_plan(llm.model.config, llm.image_config, dtype="float32", block_size=config.block_size,
+                               max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                               kv_cache_memory_gib=engine_args.get("kv_cache_memory_gib"), alternatives=False)
+        plan = llm.plan()
+    assert standalone.num_kv_blocks == plan.num_kv_blocks == config.num_kv_blocks == stats["kv_blocks_total"]
+    assert standalone.kv_budget_bytes == stats["kv_budget_bytes"]
+    assert standalone.kv_bytes_per_token == plan.kv_bytes_per_token == stats["kv_bytes_per_token"]
+    if "max_num_seqs" in engine_args:  # the budget holds more than 4 sequences of 256 tokens could ever use
+        assert config.num_kv_blocks == 4 * 256 // config.block_size < stats["kv_budget_bytes"] // (
+            config.block_size * stats["kv_bytes_per_token"])
+
+
 def test_the_engine_logs_its_plan_at_start_up(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="nanomm"):
         with LLM(ckpt, num_kv_blocks=64) as llm:
@@ -218,7 +237,8 @@ def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
         memory, max_pixels = float(argv[argv.index("--device-memory") + 1]), int(argv[argv.index("--max-pixels") + 1])
         settings.add((memory, max_pixels))
         assert render(_readme_plan(memory, max_pixels)) == text, f"the README's plan for {args} is stale"
-    assert settings == {(m, p) for m in (24.0, 80.0) for p in (12_845_056, 1_003_520)}
+    # One full plan is shown (the README keeps one short example); the summary has all four settings.
+    assert settings and settings <= {(m, p) for m in (24.0, 80.0) for p in (12_845_056, 1_003_520)}
     [summary] = README_SUMMARY.findall(readme)
     rows = [line.strip("| ").split(" | ") for line in summary.strip().splitlines()]
     assert {(r[0], r[1]) for r in rows} == {(f"{m} GiB", f"{p:,}") for m in (24, 80) for p in (12_845_056, 1_003_520)}
@@ -234,7 +254,6 @@ def test_the_memory_profile_encodes_as_many_visual_tokens_as_the_planner_s_worst
     the engine's preprocessing: as many patches as the planner counts visual tokens (4 patches per token)."""
     from nanomm import LLM
     from nanomm.engine.memory_profile import worst_case_pixels
-    from nanomm.planner import worst_case_image
     with LLM(str(ckpt), max_pixels=28 * 28 * 40) as llm:
         size, tokens = worst_case_image(llm.image_config)
         image = worst_case_pixels(llm.image_config, size)

@@ -13,9 +13,10 @@ from torch import nn
 from helpers import assert_engine_matches_reference, random_workload, run_to_completion
 from test_engine import record_logit_rows
 from nanomm import LLM, SamplingParams, demo_checkpoint
-from nanomm.model.qwen2 import RMSNorm
+from nanomm.accel.fused_layers import FastRMSNorm
 from nanomm.reference import generate as reference_generate
-from nanomm.engine.kv_fp8 import Fp8KVCache, dequantize_fp8, fp8_round_trip, quantize_fp8
+from nanomm.engine.kv_fp8 import Fp8KVCache
+from nanomm.model.fp8 import dequantize_fp8, fp8_round_trip, quantize_fp8
 from nanomm.model.quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                                 linear_definition, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles,
                                 weight_bytes)
@@ -295,8 +296,8 @@ def test_the_planner_counts_the_weights_the_engine_holds(ckpt, method):
     with make_llm(ckpt, quantization=method, cpu_fast_linear=False) as llm:
         held = weight_bytes(llm.model)
         planned = model_weight_bytes(llm.model.config, "float32", method, group_size=32)
-        norms = sum(isinstance(m, RMSNorm) for m in llm.model.modules())
-        assert planned + 4 * norms == held, (planned, held)  # + each RMSNorm's eps buffer, not a parameter
+        norms = sum(isinstance(m, FastRMSNorm) for m in llm.model.modules())
+        assert planned + 4 * norms == held, (planned, held)  # + each fused RMSNorm's eps buffer, not a parameter
         assert llm.plan().quantization == method
         assert llm.plan().weights_bytes == planned  # the engine's group size (32) reaches the plan
 

@@ -183,32 +183,3 @@ def test_text_only_needs_the_one_qwen2_layout(tmp_path):
     with pytest.raises(ValueError, match="unknown model field 'vision_config.depth'"):
         make_checkpoint(tmp_path / "x", text_only=True, overrides={"vision_config.depth": 1})
     assert not (tmp_path / "x").exists()
-
-
-def test_a_long_chunk_s_mlp_in_passes_equals_one_pass(monkeypatch):
-    """qwen2.MLP runs a chunk whose gate/up output is over MLP_PASS_BYTES in passes (small temporaries): the
-    same rows out."""
-    import nanomm.model.qwen2 as qwen2
-    from nanomm.model.config import TextConfig
-    torch.manual_seed(0)
-    mlp = qwen2.MLP(TextConfig(hidden_size=32, intermediate_size=48))
-    x, residual = torch.randn(1100, 32), torch.randn(1100, 32)
-    calls = []
-    mlp.gate_up_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    with torch.no_grad():
-        one_pass = mlp(x, residual)  # 1,100 x 96 float32 outputs: 0.4 MB, far under the default 16 MiB
-        assert calls == [1100]
-        monkeypatch.setattr(qwen2, "MLP_PASS_BYTES", 500 * 2 * 48 * 4)  # 500 rows' gate/up output
-        calls.clear()
-        in_passes = mlp(x, residual)
-        assert calls == [500, 500, 100]
-        monkeypatch.setattr(qwen2, "MLP_PASS_BYTES", 1)  # never fewer than 64 rows in a pass
-        calls.clear()
-        mlp(x[:130], residual[:130])
-        assert calls == [64, 64, 2]
-    assert in_passes.shape == (1100, 32)
-    torch.testing.assert_close(in_passes, one_pass, rtol=1e-6, atol=1e-6)
-    monkeypatch.undo()
-    # The real presets' pass sizes, in float32: Qwen2-VL-2B's intermediate of 8,960, the `small` preset's 1,536.
-    assert qwen2.MLP(TextConfig(hidden_size=8, intermediate_size=8960)).rows_per_pass(4) == 16 * 2**20 // 71680 == 234
-    assert qwen2.MLP(TextConfig(hidden_size=8, intermediate_size=1536)).rows_per_pass(4) == 1365

@@ -10,9 +10,10 @@ speed-up. `demo_checkpoint()` finds it (and its draft). The harness that lessons
 
 Training the model, and the independent second renderer that checks it off its training pictures, are workshop
 code outside the package: scripts/workshop/ (scripts/train_demo.py runs the training).
-lessons/11-what-pixels-buy.md measures the model; lessons/12-how-the-demo-model-was-made.md tells how it was made.
+lessons/A1-what-pixels-buy.md measures the model; lessons/A2-how-the-demo-model-was-made.md tells how it was made.
 """
 
+import os
 from pathlib import Path
 
 from nanomm.errors import CheckpointError
@@ -31,4 +32,24 @@ def demo_checkpoint(which: str = "model") -> Path:
     if not (folder / "model.safetensors").is_file():
         raise CheckpointError(f"the demo {which} is not installed at {folder}: reinstall nanomm (pip install .), "
                               "or train one with scripts/train_demo.py")
+    return folder
+
+
+def demo_folder(choice: str, console) -> Path:
+    """--demo: the trained demo model shipped with the package; --demo random: a tiny random-weight one."""
+    if choice == "random":
+        return random_demo_checkpoint(console)
+    return demo_checkpoint()
+
+
+def random_demo_checkpoint(console) -> Path:
+    """A tiny random-weight Qwen2-VL checkpoint, generated once into a cache folder (no network needed); console: a
+    rich Console, which shows a status line while it is made."""
+    from nanomm.tools.random_checkpoint import make_checkpoint
+
+    cache = Path(os.environ.get("NANOMM_CACHE", Path.home() / ".cache" / "nanomm"))
+    folder = cache / "demo-tiny"
+    if not (folder / "model.safetensors").is_file():
+        with console.status(f"generating the demo model in {folder} ..."):
+            make_checkpoint(folder, preset="tiny")
     return folder

@@ -1,6 +1,6 @@
 """Measuring the demo model: accuracy per task on a fixed held-out set, at several pixel caps, with TTFT.
 
-Lesson: lessons/11-what-pixels-buy.md. scripts/eval_demo.py prints the tables.
+Lesson: lessons/A1-what-pixels-buy.md. scripts/eval_demo.py prints the tables.
 
 The held-out set is drawn by the same scene generator as training but from its own seeds (strings, which
 `random.Random` hashes into a stream the integer training seeds never produce), and at 224-400 px, large enough
@@ -122,7 +122,7 @@ def median_ttft(llm, items: list[EvalItem], repeats: int = 12) -> dict[str, floa
 
 def digit_height(item: EvalItem, image_config: ImageProcessorConfig, max_pixels: int | None = None) -> float:
     """How tall the item's printed digits are, in pixels of the picture the model sees (after `smart_resize` to
-    the cap): what decides whether 7-pixel patches can resolve them (lesson 12, section 5)."""
+    the cap): what decides whether 7-pixel patches can resolve them (appendix A2, section 5)."""
     scene, picture = item.scenes[0], item.images[0]
     _, top, _, bottom = scene.number_box
     height, _ = smart_resize(picture.height, picture.width, image_config.factor, image_config.min_pixels,

@@ -1,6 +1,6 @@
 """Scenes for the demo model: simple shapes in named colours, drawn with PIL, with what is in them written down.
 
-Lesson: lessons/12-how-the-demo-model-was-made.md.
+Lesson: lessons/A2-how-the-demo-model-was-made.md.
 
 A `Scene` is the truth (which shapes, which colours, where, which number); `render` turns it into a picture.
 They are separate on purpose: questions and answers are computed from the scene, never from pixels, and one

@@ -1,6 +1,6 @@
 """Questions and answers about scenes, and how a reply is graded.
 
-Lesson: lessons/12-how-the-demo-model-was-made.md.
+Lesson: lessons/A2-how-the-demo-model-was-made.md.
 
 Every answer is computed from the `Scene` (the truth), never from pixels. The forms are fixed; capitals,
 punctuation and "colour"/"color" are free, both in questions (training varies them) and in replies (`grade`

@@ -1,8 +1,8 @@
 """The serving engine: requests, the scheduler, the paged KV cache, the encoder cache, one model step, speculation.
 
-Read in this order: `request.py` (a request's state), `kv_cache.py` and `attention.py` (lesson 04),
-`scheduler.py` (lesson 05), `encoder_cache.py` (lesson 07), `model_runner.py`, `speculative.py` and `draft.py`
-(lesson 08), then `engine.py`, which ties them into `add_request` / `step`. Two files only matter on a GPU:
-`cuda_graphs.py` (decode steps recorded and replayed, lesson 05) and `memory_profile.py` (the KV pool sized
-from a measured profiling pass, lesson 04).
+Read in this order: `request.py` (a request's state), `kv_cache.py` and `attention.py` (lesson 04), `sizing.py`
+(how big the KV pool and the budgets are, lesson 04), `scheduler.py` (lesson 05), `encoder_cache.py` (lesson 07),
+`model_runner.py`, `speculative.py` and `draft.py` (lesson 08), then `engine.py`, which ties them into
+`add_request` / `step`. Two files only matter on a GPU: `cuda_graphs.py` (decode steps recorded and replayed,
+appendix A3) and `memory_profile.py` (the activation reserve measured by a profiling pass, lesson 04).
 """

@@ -8,8 +8,8 @@ that sequence's keys and values from its blocks and runs causal attention for it
 its own sequence's cached tokens and the new tokens up to itself, and nothing of any other sequence.
 
 Two ways to run it, with the same result:
-- **Per sequence** (`causal_attention`): gather, then scaled_dot_product_attention for each sequence. It is the
-  readable definition, and what long prefill chunks use (the fused kernel pays off there).
+- **Per sequence** (`causal_attention`, nanomm/model/attention.py): gather, then the model's own attention for
+  each sequence. It is the definition, and what long prefill chunks use (the fused kernel pays off there).
 - **Batched** (`batched_attention`): every short run of queries in the step (decodes and speculative
   verifications) in one call per layer. Their context slots are padded into a (sequences, longest context)
   table, keys and values are gathered from the cache once, and a mask says which key each query may see
@@ -28,10 +28,10 @@ Attention itself only ever sees keys and values in the model's dtype.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from nanomm.engine.kv_cache import PlainKVCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
+from nanomm.model.attention import causal_attention
 
 
 @dataclass
@@ -140,51 +140,6 @@ def batch_short_queries(query_starts: list[int], query_lens: list[int], context_
     in_order = width == 1 and list(query_starts) == list(range(len(query_starts)))
     return ShortQueries(rows, context_slots[:, :max(context_lens)], last_visible, valid_index,
                         rows.flatten()[valid.flatten()], in_order)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The last q.shape[0] positions of one sequence attend to every key up to and including their own.
-
-    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
-    """
-    if q.shape[0] == 1:
-        return _single_query_attention(q, k, v)
-    new, total = q.shape[0], k.shape[0]
-    if new == total:  # the whole sequence at once: plain causal
-        return masked_attention(q, k, v, None)
-    # A chunk after cached tokens: query i sees keys up to total - new + i.
-    return masked_attention(q, k, v, torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new))
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Queries against keys where `allowed` (new, total) bool says which key each query may see; None: causal
-    over one whole sequence (new == total). Also the training's packed chats, in one call (PackedCausalAttention).
-
-    q (new, heads, head_dim); k, v (total, kv_heads, head_dim) -> (new, heads, head_dim).
-    """
-    group = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `group` query heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    # (1, heads, tokens, head_dim): with a batch dimension PyTorch picks its fused (flash) CPU kernel; 3-D
-    # inputs fall back to the unfused math path, ~3x slower at prefill sizes.
-    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-    if allowed is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-    return out[0].transpose(0, 1)
-
-
-def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Decode: one query that sees every key, so no mask. Two small matmuls beat a fused attention call here,
-    whose fixed cost dominates at this size (measured ~2x on CPU), and grouping the query heads by kv head
-    avoids copying k and v for GQA."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
-    q = q.view(kv_heads, heads // kv_heads, head_dim)  # (kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.permute(1, 2, 0)) * head_dim ** -0.5  # (kv_heads, group, total)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(0, 1))  # (kv_heads, group, head_dim)
-    return out.reshape(1, heads, head_dim)
 
 
 def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: torch.Tensor, in_order: bool,

@@ -41,8 +41,9 @@ class EngineConfig:
     num_preprocess_workers: int = 2  # threads decoding and resizing images; 0 = inline in add_request
     limit_images_per_prompt: int = 16
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
-    cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (model/fast_linear.py)
-    compile: bool = False  # torch.compile each decoder layer (model/compile.py); replaces cpu_fast_linear
+    fused_layers: bool = True  # the language model's layers in fewer kernels (accel/fused_layers.py)
+    cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (accel/packed_linear.py)
+    compile: bool = False  # torch.compile each decoder layer (accel/compile.py); replaces cpu_fast_linear
     trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
@@ -86,8 +87,8 @@ class EngineConfig:
                 check_int(getattr(self, name), name)
         check_int(self.num_preprocess_workers, "num_preprocess_workers", minimum=0)
         check_int(self.seed, "seed", minimum=-2**63)
-        for name in ("enable_prefix_caching", "cpu_fast_linear", "compile", "enable_chunked_prefill", "enforce_eager",
-                     "trust_remote_code"):
+        for name in ("enable_prefix_caching", "fused_layers", "cpu_fast_linear", "compile", "enable_chunked_prefill",
+                     "enforce_eager", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:

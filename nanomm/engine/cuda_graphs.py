@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps: record a step's kernels once, then replay them all with one launch.
 
-Lesson: lessons/05-continuous-batching.md, section 6 (where a decode step's time goes).
+Lesson: lessons/A3-cpu-kernels.md (where a decode step's time goes).
 
 A decode step of a 2B model reads ~3 GB of weights: well under a millisecond of an H200's bandwidth. Launched
 one by one from Python, its ~25 kernels per layer x 28 layers cost more than that in CPU time alone, and the
@@ -41,32 +41,8 @@ from nanomm.engine.attention import PagedAttention, ShortQueries, StepMetadata
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.model_runner import packed_positions, padded_context_slots
 from nanomm.engine.scheduler import ScheduledChunk
+from nanomm.engine.sizing import batch_bucket, context_bucket, largest_bucket
 from nanomm.model.qwen2_vl import Qwen2VL
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def batch_bucket(batch: int) -> int | None:
-    """The smallest bucket that holds `batch` decodes; None past the largest."""
-    return next((b for b in BATCH_BUCKETS if b >= batch), None)
-
-
-def context_bucket(tokens: int, block_size: int, max_tokens: int | None = None) -> int:
-    """Context tokens padded to a power of two of blocks, or to max_tokens' blocks if that is fewer."""
-    blocks = -(-tokens // block_size)
-    padded = 1 << (blocks - 1).bit_length()
-    return block_size * (padded if max_tokens is None else min(padded, -(-max_tokens // block_size)))
-
-
-def largest_bucket(max_num_seqs: int, max_context: int, block_size: int) -> tuple[int, int]:
-    """(batch, context) of the largest graph an engine may record: what the memory profile runs."""
-    return batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1], context_bucket(max_context, block_size, max_context)
-
-
-def graph_context(max_model_len: int, max_seq_len_to_capture: int) -> int:
-    """The longest context a decode graph covers (the engine arguments of the same names)."""
-    return min(max_model_len, max_seq_len_to_capture)
-
 
 @dataclass
 class StaticDecodeInputs:

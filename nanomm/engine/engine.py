@@ -15,16 +15,17 @@ import time
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.cuda_graphs import DecodeGraphs, graph_context
+from nanomm.engine.cuda_graphs import DecodeGraphs
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.intake import RequestIntake
-from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_token
+from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache
 from nanomm.engine.model_runner import ModelRunner
 from nanomm.engine.output_processor import OutputProcessor
 from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
+from nanomm.engine.sizing import graph_context, kv_bytes_per_token
 from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
 from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError

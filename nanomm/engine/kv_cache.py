@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.kv_fp8 import FP8, SCALE_DTYPE, Fp8KVCache
+from nanomm.engine.kv_fp8 import Fp8KVCache
 
 
 @dataclass
@@ -56,15 +56,6 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     if kv_cache_dtype == "fp8":
         return Fp8KVCache(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype, device)
     return torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       kv_cache_dtype: str = "auto") -> int:
-    """Bytes one token's keys and values take in the pool: head_dim values per KV head per layer, twice; in fp8,
-    one byte per value plus a bfloat16 scale per head."""
-    if kv_cache_dtype == "fp8":
-        return 2 * num_layers * num_kv_heads * (head_dim * FP8.itemsize + SCALE_DTYPE.itemsize)
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 class PlainKVCache:

@@ -12,7 +12,7 @@ attending to a context of `max_model_len`, an encode of the worst-case image and
 the allocator's peak read before and after. With CUDA graphs on, a decode step at the largest graph bucket is
 measured apart: the graphs' memory pool keeps what that step needs for as long as the engine lives, beside
 whatever the other steps need, so the two add up. The pool then gets what is left of the utilisation share
-(`planner.kv_pool_budget`), as in vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and
+(`sizing.kv_pool_budget`), as in vLLM's profile run. CUDA only; on a CPU the pool has a fixed budget and
 nothing is profiled.
 """
 
@@ -107,7 +107,7 @@ def profile_memory(model: Qwen2VL, image_config: ImageProcessorConfig, worst_ima
     def encode():
         if model.visual is not None:
             image = worst_case_pixels(image_config, worst_image)
-            # With the last layer's attention weights, which the "attention" compression method (lesson 14) needs.
+            # With the last layer's attention weights, which the "attention" compression method (lesson 10) needs.
             model.encode_images(image.pixel_values.to(device), [image.grid_thw], received_attention=True)
 
     # The worst batched step: every running sequence padded to the longest context, and to the longest short

@@ -27,6 +27,7 @@ from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
+from nanomm.inputs.compression import encode_visual_tokens
 
 
 @dataclass
@@ -208,7 +209,7 @@ class ModelRunner:
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
-            encoded = self.model.visual_tokens(images)  # compressed by each image's policy
+            encoded = encode_visual_tokens(self.model, images)  # compressed by each image's policy
             if self.device.type == "cuda":  # time the encode, not only its launch
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start

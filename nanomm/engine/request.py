@@ -55,7 +55,7 @@ class Sequence:
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """(3, end - start) M-RoPE ids: the precomputed prompt ones, then index + rope delta on all axes. The rows
-        of a compressed image hold its origin: the model runner adds the kept tokens' coordinates (lesson 14)."""
+        of a compressed image hold its origin: the model runner adds the kept tokens' coordinates (lesson 10)."""
         prompt_end = min(end, self.num_prompt_tokens)
         parts = [self.prompt.positions[:, start:prompt_end]] if start < prompt_end else []
         if end > self.num_prompt_tokens:

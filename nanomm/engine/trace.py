@@ -1,6 +1,6 @@
 """The step timeline: a Chrome / Perfetto trace of what the engine did, step by step and request by request.
 
-Lesson: lessons/09-capstone.md ("The whole run on one timeline").
+Lesson: lessons/12-capstone.md ("The whole run on one timeline").
 
     LLM(model, trace_path="run.json")      # written when the LLM closes
     nanomm-chat --demo --trace run.json

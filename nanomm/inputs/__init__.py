@@ -3,5 +3,5 @@
 `prompt.py` validates a prompt and expands its image placeholders, `tokenizer.py` holds the tokenizer and chat
 template, `image_io.py` loads untrusted images safely, `image.py` resizes and patchifies them (lesson 01) and
 `pool.py` does the image work on worker threads (lesson 07); `compression.py` says how many visual tokens an image
-keeps and which (lesson 14). Nothing here runs the model.
+keeps and which (lesson 10), and its `encode_visual_tokens` is the encode stage: the vision tower, then the policy.
 """

@@ -1,6 +1,6 @@
 """Visual-token compression: keep fewer of an image's visual tokens, after the projector, before the prefill.
 
-Lesson: lessons/14-visual-token-compression.md.
+Lesson: lessons/10-visual-token-compression.md.
 
 An image of 144 visual tokens costs the language model 144 prompt positions: prefill compute, KV blocks, and
 attention work for every later token. Compression hands the language model fewer of them. It happens in two
@@ -8,11 +8,11 @@ places on the request path:
 
 - at expansion (inputs/prompt.py), the policy fixes how many <|image_pad|> tokens the image gets
   (`kept_layout`), so the prompt, its KV blocks and the scheduler's budget see the smaller count from the start;
-- after the vision tower and the projector (`Qwen2VL.visual_tokens` calls `compress`), the policy picks or
-  merges that many tokens, and says where each kept token sits in the image's grid (its (t, h, w) M-RoPE
-  coordinates).
+- in the encode stage (`encode_visual_tokens`, which the engine's runner and the dense reference call), after the
+  vision tower and the projector, the policy picks or merges that many tokens (`compress`), and says where each
+  kept token sits in the image's grid (its (t, h, w) M-RoPE coordinates).
 
-Nothing here runs the model: `compress` works on the tower's output it is handed.
+The model knows nothing of it: it takes pixels and returns every visual token; `compress` works on what it returns.
 
 The methods, baselines first (independent benchmarks found plain pooling and random selection "surprisingly
 strong" against published selection methods):
@@ -142,6 +142,20 @@ def compress(embeds: torch.Tensor, grid: tuple[int, int, int], policy: Compressi
         kept = max_min_diverse(embeds, num_kept).cpu()
     kept = kept.sort().values  # in raster order, as the uncompressed tokens were
     return VisualTokens(embeds[kept.to(embeds.device)], grid_positions(*grid)[:, kept])
+
+
+def encode_visual_tokens(model, images: list) -> list[VisualTokens]:
+    """The encode stage: preprocessed images (`nanomm.inputs.image.ProcessedImage`) -> what the language model gets
+    of each. One vision forward (`Qwen2VL.encode_images`) for them all, then each image's compression if it has a
+    policy. The last layer's attention is computed only when a policy needs it ("attention")."""
+    pixels = torch.cat([im.pixel_values for im in images]).to(model.device)
+    grids = [tuple(im.grid_thw) for im in images]
+    if any(im.compression is not None and im.compression.method == "attention" for im in images):
+        embeds, attention = model.encode_images(pixels, grids, received_attention=True)
+    else:
+        embeds, attention = model.encode_images(pixels, grids), [None] * len(images)
+    return [compress(e, im.token_grid, im.compression, seed_of(im.content_hash), a)
+            for e, im, a in zip(embeds, images, attention)]
 
 
 def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, int]) -> VisualTokens:

@@ -9,10 +9,6 @@ Tied checkpoints (Qwen2-VL-2B) store no `lm_head.weight`: the head reuses the to
 Text-only Qwen2 checkpoints (Qwen2ForCausalLM: `model.*`, `lm_head.weight`) load through the same path into a
 `Qwen2VL` with no vision tower (see config.py); they serve as draft models for speculative decoding.
 
-The language model's q/k/v projections are stored as three matrices and gate/up as two; nanomm's model holds
-each group as one (`qkv_proj`, `gate_up_proj`: one matmul instead of three or two), so `fuse_projections`
-stacks them at load and `split_projections` undoes it for anything that writes a checkpoint.
-
 Weights are read with safetensors, never unpickled. The model is built on the meta device and the loaded
 tensors are assigned directly, so a checkpoint is held in memory once, in the requested dtype and device.
 """
@@ -25,7 +21,6 @@ from safetensors import safe_open
 
 from nanomm.model.config import ModelConfig, read_checkpoint_json
 from nanomm.errors import CheckpointError
-from nanomm.model.qwen2 import RMSNorm
 from nanomm.model.qwen2_vl import Qwen2VL
 
 HUB_FILES = ["*.json", "*.safetensors", "merges.txt", "vocab.json", "tokenizer*"]
@@ -103,49 +98,13 @@ def read_state_dict(folder: Path, device, dtype: torch.dtype) -> dict[str, torch
     return state
 
 
-# nanomm's fused matrix -> the checkpoint's matrices it stacks, in order (rows of the first come first).
-FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-LAYER_PREFIX = "language_model.layers."
-
-
-def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> nanomm's: each decoder layer's q/k/v (weights and biases) and gate/up stacked by rows.
-    A layer missing one of the parts is left as it is (the caller reports the mismatch)."""
-    layers = sorted({k[:k.index(".", len(LAYER_PREFIX)) + 1] for k in state if k.startswith(LAYER_PREFIX)})
-    for layer in layers:
-        for fused, parts in FUSED_PROJECTIONS.items():
-            for kind in ("weight", "bias"):
-                names = [f"{layer}{part}.{kind}" for part in parts]
-                if all(name in state for name in names):
-                    state[f"{layer}{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])
-    return state
-
-
-def split_projections(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """nanomm's names -> the checkpoint's: the inverse of `fuse_projections` (a new dict; tensors are views)."""
-    t = config.text
-    sizes = {"self_attn.qkv_proj": [t.num_attention_heads * t.head_dim] + [t.num_key_value_heads * t.head_dim] * 2,
-             "mlp.gate_up_proj": [t.intermediate_size] * 2}
-    out = {}
-    for name, tensor in state.items():
-        fused = next((f for f in FUSED_PROJECTIONS if name.startswith(LAYER_PREFIX) and f".{f}." in name), None)
-        if fused is None:
-            out[name] = tensor
-            continue
-        layer, kind = name.split(f".{fused}.")
-        for part, piece in zip(FUSED_PROJECTIONS[fused], tensor.split(sizes[fused])):
-            out[f"{layer}.{part}.{kind}"] = piece
-    return out
-
-
 def load_model(path_or_id, device="cpu", dtype="float32", revision: str | None = None) -> Qwen2VL:
     folder = resolve_checkpoint(path_or_id, revision)
     config = ModelConfig.from_pretrained(folder)
     dtype, device = resolve_dtype(dtype), torch.device(device)
     with torch.device("meta"):
         model = Qwen2VL(config, name_or_path=str(path_or_id))
-    state = fuse_projections(read_state_dict(folder, device, dtype))
+    state = read_state_dict(folder, device, dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever the file says
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -159,7 +118,4 @@ def load_model(path_or_id, device="cpu", dtype="float32", revision: str | None =
             raise CheckpointError(f"{folder}: {key} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    for module in model.modules():  # buffers are not in the checkpoint: make them on the device (not meta)
-        if isinstance(module, RMSNorm):
-            module.eps_tensor = torch.full((1, 1, 1), module.eps, device=device)
     return model.eval().requires_grad_(False)

@@ -1,6 +1,6 @@
 """Weight-only quantization of the language model's linear layers: int8 per output channel, int4 per group.
 
-Lesson: lessons/13-bytes-per-step.md.
+Lesson: lessons/09-bytes-per-step.md.
 
 A decode step at batch 1 reads every weight of the language model once and does two FLOPs per weight read:
 it is bound by bytes, not arithmetic (lesson 08). Storing a weight in 8 or 4 bits instead of 32 cuts those
@@ -129,7 +129,7 @@ class QuantizedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), the call `qwen2.residual_linear` makes."""
+        """residual + self(x), the call `fused_layers.residual_linear` makes."""
         return residual + self(x)
 
     def _apply(self, fn, recurse=True):

@@ -12,9 +12,9 @@ The same class holds a text-only Qwen2 checkpoint (a draft model for speculative
 import torch
 from torch import nn
 
-from nanomm.inputs.compression import VisualTokens, compress, seed_of
+from nanomm.model.attention import AttentionBackend
 from nanomm.model.config import ModelConfig
-from nanomm.model.qwen2 import AttentionBackend, Qwen2Model
+from nanomm.model.qwen2 import Qwen2Model
 from nanomm.model.rope import mrope_cos_sin
 from nanomm.model.vision import VisionTransformer
 
@@ -48,19 +48,6 @@ class Qwen2VL(nn.Module):
             raise ValueError(f"{self.name_or_path} is a text-only Qwen2 model (no vision tower): "
                              "it cannot encode images")
         return self.visual(pixel_values, [tuple(g) for g in image_grids], received_attention)
-
-    def visual_tokens(self, images: list) -> list[VisualTokens]:
-        """Preprocessed images (`nanomm.inputs.image.ProcessedImage`) -> what the language model gets of each: one
-        vision forward for them all, then each image's visual-token compression if it has a policy
-        (nanomm/inputs/compression.py). The last layer's attention is computed only when a policy needs it."""
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
-        grids = [tuple(im.grid_thw) for im in images]
-        if any(im.compression is not None and im.compression.method == "attention" for im in images):
-            embeds, attention = self.encode_images(pixels, grids, received_attention=True)
-        else:
-            embeds, attention = self.encode_images(pixels, grids), [None] * len(images)
-        return [compress(e, im.token_grid, im.compression, seed_of(im.content_hash), a)
-                for e, im, a in zip(embeds, images, attention)]
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
               image_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,19 +25,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def roll_layout_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin (tokens, head_dim) with its first half negated, for `apply_rotary_rolled`."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_rolled: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in three kernels: rotate_half(x) * sin == roll(x, half) * sin_rolled, whose sign flip
-    was paid once (`roll_layout_sin`); x * cos + that in one addcmul. x (tokens, heads, head_dim)."""
-    cos, sin_rolled = cos.unsqueeze(-2), sin_rolled.unsqueeze(-2)  # (tokens, 1, head_dim): broadcast over heads
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_rolled)
-
-
 def inverse_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
     """1 / theta^(2i/dim), computed in float32 exactly as the reference does (float64 then cast differs)."""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))

@@ -3,7 +3,7 @@
     nanomm-serve --demo                                   # the trained offline demo model on 127.0.0.1:8000
     nanomm-serve Qwen/Qwen2-VL-2B-Instruct --port 8000    # a real model (cuda + bfloat16 when available)
 
-Lesson: lessons/10-serving-under-load.md (this server under load from scripts/load.py, read through /metrics).
+Lesson: lessons/11-serving-under-load.md (this server under load from scripts/load.py, read through /metrics).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI's schema, `stream: true` as server-sent
 events), GET /v1/models, /health and /metrics (Prometheus). What each request goes through:
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     from nanomm import LLM
-    from nanomm.chat import demo_folder
+    from nanomm.demo import demo_folder
 
     args = parse_args(argv)
     console = Console(stderr=True)

@@ -1,6 +1,6 @@
 """`/metrics` in Prometheus' text format: what a dashboard of a multimodal server needs to watch.
 
-Lesson: lessons/10-serving-under-load.md (these metrics under load), lessons/07-encoder-cache.md (TTFT and its
+Lesson: lessons/11-serving-under-load.md (these metrics under load), lessons/07-encoder-cache.md (TTFT and its
 stages), lessons/06-prefix-caching.md (the hit rates).
 
 - Per finished request (from its `RequestMetrics`): histograms of TTFT and of each of its stages (preprocess,

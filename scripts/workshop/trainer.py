@@ -1,6 +1,6 @@
 """The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
 
-Lesson: lessons/12-how-the-demo-model-was-made.md. scripts/train_demo.py is the command line; scripts/workshop/training.py
+Lesson: lessons/A2-how-the-demo-model-was-made.md. scripts/train_demo.py is the command line; scripts/workshop/training.py
 makes the batches and the loss.
 
 A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at
@@ -30,7 +30,7 @@ from workshop.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_ra
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.config import VisionConfig
-from nanomm.model.loader import canonical_name, load_model, split_projections
+from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import inverse_frequencies
 from nanomm.tools.hf_files import flat_config, generation_config, preprocessor_config, write_json
@@ -56,7 +56,8 @@ TOKEN_PIXELS = DEMO_SPEC["vision_config"]["patch_size"] * DEMO_SPEC["vision_conf
 TINY_SPEC = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "mrope_section": [4, 2, 2],
              "vision_config": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
 # A new run caps its pictures at 144 visual tokens (168x168 pixels): the shipped model's default, and the most it
-# was trained on. Probes trained on at larger caps (`--max-visual-tokens`, set_picture_cap; BENCHMARKS.md).
+# was trained on. Runs at larger caps (`--max-visual-tokens`, set_picture_cap) were tried (BENCHMARKS.md, "How the demo
+# model was made").
 DEMO_MAX_PIXELS = 144 * TOKEN_PIXELS ** 2
 DEMO_MIN_PIXELS = 16 * TOKEN_PIXELS ** 2
 VOCAB_SIZE = 768
@@ -131,7 +132,7 @@ def local_attention_init(weights: dict, spec: dict, strength: float = 6.0, conte
 def export(model: Qwen2VL, folder: Path, dtype: torch.dtype = torch.float16) -> None:
     """model.safetensors in the original Hub names (model.*, visual.*), in `dtype`; config.json says so."""
     state = {}
-    for name, tensor in split_projections(model.state_dict(), model.config).items():
+    for name, tensor in model.state_dict().items():  # the textbook model holds the checkpoint's matrices
         if model.config.tie_word_embeddings and name == "lm_head.weight":
             continue
         hub_name = "model." + name.removeprefix("language_model.") if name.startswith("language_model.") else name

@@ -1,6 +1,6 @@
 """Training the demo model: a few-million-parameter Qwen2-VL that answers questions about scenes, on a CPU.
 
-Lesson: lessons/12-how-the-demo-model-was-made.md. The script is scripts/train_demo.py; this module is its parts.
+Lesson: lessons/A2-how-the-demo-model-was-made.md. The script is scripts/train_demo.py; this module is its parts.
 
 The model is nanomm's own `Qwen2VL`, trained in float32 (matmuls under bfloat16 autocast where the CPU has
 AMX) with plain PyTorch, in up to three stages: 1, the vision tower alone on the hints below; 2, the whole model
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from nanomm.demo.scenes import COLOURS, SHAPES, counting_scene, other_font, random_scene, render, shape_mask
 from nanomm.demo.tasks import (MAX_COUNT, QA, TASKS, clearly_apart, compare_questions, count_question,
                                scene_questions, vary)
-from nanomm.engine.attention import causal_attention, masked_attention
+from nanomm.model.attention import causal_attention, masked_attention
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -250,7 +250,7 @@ OTHER_COUNTS = 0.3  # a counting chat also asks about each other kind with this 
 def counting_chat(rng: random.Random) -> tuple:
     """A picture with 0..6 shapes of one kind among others, and "How many" about that kind (every answer equally
     often), sometimes about the other kinds too. Pictures drawn at random rarely hold 3 or more of a kind: of
-    stage 3's count questions, about 88% have the answer 0 or 1 and 5% an answer from 3 to 6 (lesson 12, section
+    stage 3's count questions, about 88% have the answer 0 or 1 and 5% an answer from 3 to 6 (appendix A2, section
     5), and the model shipped at 6ad4f33 answered most 3+ with "2" or "6"."""
     kind = rng.choice(SHAPES)
     scene = counting_scene(rng, kind=kind, count=rng.randint(0, MAX_COUNT))
@@ -263,7 +263,7 @@ def number_chat(rng: random.Random, tasks: tuple[str, ...], max_turns: int) -> t
     """A picture that holds a printed number among 1..4 shapes, "What number..." and up to max_turns - 1 questions
     of the phase's other tasks. A random picture holds a number 40% of the time and a chat asks one question about
     it, so a phase of every task reads few numbers; mixing number chats into its batches reads more, while the
-    other tasks go on being asked (a phase of the number alone made count forget; lesson 12, section 5)."""
+    other tasks go on being asked (a phase of the number alone made count forget; appendix A2, section 5)."""
     scene = None
     while scene is None or scene.number is None:  # a number too wide for a small picture is left out: draw again
         scene = random_scene(rng, num_shapes=rng.randint(1, 4), number_probability=1.0)
@@ -371,7 +371,7 @@ def token_hints(scene, image) -> torch.Tensor:
     Column COUNT_AT, on blocks covered by a shape: how many shapes of its kind the picture holds (IGNORE elsewhere
     and above MAX_COUNT). Column CENTRE_AT: 1 on the block of each shape's centre, 0 on every other block. Counting
     objects is counting centres of a kind; counting the tokens of a kind would depend on the shapes' sizes. (The
-    tower learned the centres but not the counts: the language model counts. Lesson 12, section 5.)"""
+    tower learned the centres but not the counts: the language model counts. Appendix A2, section 5.)"""
     _, gh, gw = image.grid_thw
     rows, cols = gh // image.merge_size, gw // image.merge_size
     hints = torch.zeros(rows * cols, HINT_COLUMNS, dtype=torch.long)

@@ -1,6 +1,6 @@
 """THE COMPILED PATH, optional: `LLM(compile=True)` runs each decoder layer through `torch.compile`.
 
-Lesson: lessons/05-continuous-batching.md, section 6 (where the decode step's time goes).
+Lesson: lessons/A3-cpu-kernels.md (where the decode step's time goes).
 
 In eager mode every operation of a layer is its own kernel, with its own trip through PyTorch's dispatcher and
 its own pass over memory. Inductor, torch.compile's backend, traces the layer once and fuses the elementwise

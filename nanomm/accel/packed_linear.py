@@ -1,6 +1,6 @@
 """THE CPU FAST PATH, not part of the model: float32 linear layers through oneDNN, each weight reordered once.
 
-Lesson: lessons/05-continuous-batching.md, section 6 (where the decode step's time goes). The model code the
+Lesson: lessons/A3-cpu-kernels.md (where the decode step's time goes). The model code the
 lessons read is `nn.Linear` (`F.linear`); `LLM` swaps these in after loading, on CPU float32 only and for layers
 at least `MIN_PACKED_SIDE` wide (smaller ones are faster as they are), and `LLM(..., cpu_fast_linear=False)`
 leaves every plain layer in place.

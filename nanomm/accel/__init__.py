@@ -1,0 +1,39 @@
+"""Every speed-up of the served model, behind one seam: the model in model/ stays the textbook architecture, and
+`speed_up` swaps faster layers in after loading, the way quantization swaps in quantized ones.
+
+Lesson: lessons/A3-cpu-kernels.md (where a step's time goes, and what each piece buys).
+
+Each piece can be switched off with its engine argument, and each is tested equal to the plain path
+(tests/test_accel.py): the same tokens, logits within rounding.
+
+- fused_layers.py: q/k/v and gate/up in one matmul each, RMSNorm in four kernels, the rotary in three, residual
+  adds inside the matmuls, long chunks' MLP in passes (`LLM(fused_layers=False)` turns it off);
+- packed_linear.py: CPU float32 linear layers through oneDNN with pre-reordered weights (`cpu_fast_linear=False`);
+- compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
+
+The engine's own fast paths sit where the engine needs them: the batched attention of short query runs
+(engine/attention.py, `ModelRunner(batched_attention=False)` for the per-sequence definition) and CUDA graphs of
+decode steps (engine/cuda_graphs.py, `enforce_eager=True`).
+"""
+
+from torch import nn
+
+from nanomm.accel.compile import compile_decoder_layers
+from nanomm.accel.fused_layers import fuse_language_model
+from nanomm.accel.packed_linear import pack_linear_layers, packed_linear_available
+from nanomm.model.quant import quantize_language_model
+
+
+def speed_up(model: nn.Module, *, fused_layers: bool = True, quantization: str | None = None,
+             quantization_group_size: int = 128, cpu_fast_linear: bool = True, compile: bool = False) -> None:
+    """Swap the fast forms into a loaded model, in place, in the order they compose: fuse the layers, quantize
+    what is left in float (model/quant.py: the fused matrices are quantized whole), then pack the float layers
+    (CPU float32) or compile (Inductor picks its own matmuls, so the two never stack)."""
+    if fused_layers:
+        fuse_language_model(model)
+    if quantization is not None:
+        quantize_language_model(model, quantization, quantization_group_size)
+    if cpu_fast_linear and not compile and packed_linear_available(model.device, model.dtype):
+        pack_linear_layers(model)
+    if compile:
+        compile_decoder_layers(model)

@@ -1,0 +1,74 @@
+"""The package's shape: dependencies run one way (model <- inputs/engine <- llm <- chat/serve), and the runtime
+package holds the engine, not the workshop. Read from the source with `ast`, so a new import that breaks a rule
+fails here by name."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "nanomm"
+
+
+def module_name(path: Path) -> str:
+    if not path.is_relative_to(ROOT):
+        return path.stem
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function: `from a.b import c` gives a.b and a.b.c."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def files_under(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py")) if (PACKAGE / folder).is_dir() else [PACKAGE / folder]
+
+
+def violations(sources: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{module_name(path)} imports {name}" for path in sources for name in sorted(imported_modules(path))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+# (what, the files it holds, the modules they may not import)
+RULES = [
+    ("the model takes tensors", "model", ("nanomm.inputs", "nanomm.engine", "nanomm.serve", "nanomm.llm")),
+    ("the oracle does not lean on the engine", "reference.py", ("nanomm.engine", "nanomm.llm")),
+    ("the server does not lean on the terminal chat", "serve", ("nanomm.chat",)),
+    ("inputs are prepared without the engine", "inputs", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),
+    ("the engine serves no HTTP", "engine", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r[0] for r in RULES])
+def test_dependencies_run_one_way(rule):
+    what, folder, forbidden = rule
+    assert not violations(files_under(folder), forbidden), what
+
+
+def test_nothing_under_nanomm_trains():
+    """No optimizer, no backward pass, no workshop import anywhere in the runtime package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        found += violations([path], ("torch.optim", "workshop"))
+        found += [f"{module_name(path)} calls backward()" for node in ast.walk(ast.parse(text))
+                  if isinstance(node, ast.Attribute) and node.attr == "backward"]
+    assert not found
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The harness itself: an import inside a function, and a backward() call, are found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(loss):\n    from nanomm.engine.attention import PagedAttention\n    loss.backward()\n")
+    assert imported_modules(bad) >= {"nanomm.engine.attention", "nanomm.engine.attention.PagedAttention"}
+    assert violations([bad], ("nanomm.engine",)) and not violations([bad], ("nanomm.serve",))
