@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from nanomm.engine.attention import (PagedAttention, SequenceSlice, ShortQueries, StepMetadata, batch_short_queries,
+from nanomm.engine.attention import (DecodeBatch, PagedAttention, PrefillSequence, StepMetadata, build_decode_batch,
                                      causal_attention)
 from nanomm.engine.model_runner import token_slots
 
@@ -35,7 +35,7 @@ def random_step(seed: int, kv_heads: int, group: int, dtype=torch.float32):
 def one_by_one(cache, q, k, v, starts, query_lens, contexts, new_slots):
     sequences, offset = [], 0
     for start, n, context in zip(starts, query_lens, contexts):
-        sequences.append(SequenceSlice(start, n, offset, len(context)))
+        sequences.append(PrefillSequence(start, n, offset, len(context)))
         offset += len(context)
     meta = StepMetadata(new_slots, torch.cat(contexts), sequences)
     return PagedAttention(cache.clone(), meta).attend(0, q, k, v)
@@ -44,7 +44,7 @@ def one_by_one(cache, q, k, v, starts, query_lens, contexts, new_slots):
 def batched(cache, q, k, v, starts, query_lens, contexts, new_slots):
     padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, L), slot 0 after each context
     meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [],
-                        batch_short_queries(starts, query_lens, padded, [len(c) for c in contexts]))
+                        build_decode_batch(starts, query_lens, padded, [len(c) for c in contexts]))
     return PagedAttention(cache.clone(), meta, q.shape[1]).attend(0, q, k, v)
 
 
@@ -64,7 +64,7 @@ def test_a_step_too_large_for_one_slice_goes_slice_by_slice_and_equals_the_defin
     cache, q, k, v, starts, query_lens, contexts, new_slots = step
     monkeypatch.setattr(attention, "SLICE_ELEMENTS", slice_elements)
     padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
-    short = batch_short_queries(starts, query_lens, padded, [len(c) for c in contexts])
+    short = build_decode_batch(starts, query_lens, padded, [len(c) for c in contexts])
     attend = PagedAttention(cache.clone(), StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [], short),
                             q.shape[1])
     if len(contexts) > 1 and slice_elements == 1:
@@ -80,9 +80,9 @@ def test_decodes_in_packed_order_slice_by_slice(monkeypatch):
     contexts = [token_slots([5, 9, 2], 0, 11, 4), token_slots([7], 0, 3, 4), token_slots([1, 3], 0, 6, 4)]
     new_slots = torch.stack([c[-1] for c in contexts])
     q, (k, v) = torch.randn(3, 6, 16, generator=gen), torch.randn(2, 3, 2, 16, generator=gen)
-    short = batch_short_queries([0, 1, 2], [1, 1, 1], torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
+    short = build_decode_batch([0, 1, 2], [1, 1, 1], torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
                                 [11, 3, 6])
-    assert short.in_order
+    assert short.rows_in_place
     meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [], short)
     sliced = PagedAttention(cache.clone(), meta, 6)
     assert sliced.layout.runs_per_slice == 1
@@ -112,11 +112,11 @@ def test_batched_attention_in_bfloat16_scores_in_float32():
 def test_the_mask_is_lower_right_causal_and_padding_sees_what_the_first_query_sees():
     """A run of 3 queries at the end of a 5-token context, beside a decode with a 2-token context."""
     slots = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 0, 0, 0]])
-    short = batch_short_queries([0, 3], [3, 1], slots, [5, 2])
-    assert isinstance(short, ShortQueries)
+    short = build_decode_batch([0, 3], [3, 1], slots, [5, 2])
+    assert isinstance(short, DecodeBatch)
     assert short.query_rows.tolist() == [[0, 1, 2], [3, 3, 3]]
     assert short.valid_index.tolist() == [0, 1, 2, 3]  # of the 6 (run, query) slots, the real queries
-    assert short.dest_rows.tolist() == [0, 1, 2, 3] and not short.in_order
+    assert short.dest_rows.tolist() == [0, 1, 2, 3] and not short.rows_in_place
     assert short.allowed.int().tolist() == [
         [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # query i sees context_len - 3 + 1 + i keys
         [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0]],  # the decode sees both keys; so do its padding rows
@@ -167,9 +167,9 @@ def test_decodes_in_packed_order_take_the_path_without_gathers_and_match_beside_
     k, v = torch.randn(2, 22, kv_heads, head_dim, generator=rng)
     reference = one_by_one(cache, q, k, v, starts, query_lens, contexts, new_slots)
     padded = torch.nn.utils.rnn.pad_sequence(contexts[:2], batch_first=True)
-    short = batch_short_queries(starts[:2], query_lens[:2], padded, [11, 3])
-    assert short.in_order and short.valid_index is None
-    meta = StepMetadata(new_slots, contexts[2], [SequenceSlice(2, 20, 0, 20)], short)
+    short = build_decode_batch(starts[:2], query_lens[:2], padded, [11, 3])
+    assert short.rows_in_place and short.valid_index is None
+    meta = StepMetadata(new_slots, contexts[2], [PrefillSequence(2, 20, 0, 20)], short)
     mixed = PagedAttention(cache.clone(), meta, kv_heads * group).attend(0, q, k, v)
     torch.testing.assert_close(mixed, reference, rtol=1e-5, atol=1e-5)
     decodes_only = StepMetadata(new_slots[:2], torch.zeros(0, dtype=torch.long), [], short)

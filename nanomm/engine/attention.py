@@ -35,7 +35,8 @@ from nanomm.model.attention import causal_attention
 
 
 @dataclass
-class SequenceSlice:
+class PrefillSequence:
+    """A sequence attended on its own (vLLM's "prefill" side of a step): a prompt chunk, or any run too long to batch."""
     query_start: int  # where this sequence's new tokens start in the packed batch
     query_len: int
     context_start: int  # where its slots start in StepMetadata.context_slots
@@ -43,15 +44,15 @@ class SequenceSlice:
 
 
 @dataclass
-class ShortQueries:
-    """The step's short query runs (decodes, verifications), padded into one batch: built on the host by
-    `batch_short_queries`, used by `batched_attention`."""
+class DecodeBatch:
+    """The step's short query runs past the prompt (decodes and speculative verifications: vLLM's "decode" side of a
+    step), padded into one batch: built on the host by `build_decode_batch`, used by `batched_attention`."""
     query_rows: torch.Tensor  # (B, Q) packed row of each query; padding repeats the run's first row
     context_slots: torch.Tensor  # (B, L) cache slot of each context token; any valid slot after the context
     last_visible: torch.Tensor  # (B, Q) the last key each query may see; padding sees what query 0 sees
     valid_index: torch.Tensor | None  # positions of the real queries among the B * Q slots; None: all are real
     dest_rows: torch.Tensor  # (real queries,) their packed rows
-    in_order: bool  # one query per run, the runs are packed rows 0..B-1: q and the output need no gather
+    rows_in_place: bool  # one query per run, the runs are packed rows 0..B-1: q and the output need no gather
 
     @property
     def allowed(self) -> torch.Tensor:
@@ -72,7 +73,7 @@ def runs_per_slice(batch: int, length: int, kv_heads: int, head_dim: int, heads:
 
 @dataclass
 class BatchLayout:
-    """What every layer's `batched_attention` reads, derived once per step from ShortQueries (the same for
+    """What every layer's `batched_attention` reads, derived once per step from DecodeBatch (the same for
     every layer: only the cache and q change).
 
     Runs are padded to the step's longest context and longest run, so a step with one long sequence among
@@ -88,7 +89,7 @@ class BatchLayout:
     whole: tuple[torch.Tensor, torch.Tensor] | None  # (kv rows, mask) of the whole step when it is one slice
 
     @classmethod
-    def build(cls, short: ShortQueries, num_slots: int, kv_heads: int, group: int, head_dim: int) -> "BatchLayout":
+    def build(cls, short: DecodeBatch, num_slots: int, kv_heads: int, group: int, head_dim: int) -> "BatchLayout":
         batch, width = short.query_rows.shape
         length = short.context_slots.shape[1]
         heads_offset = torch.arange(kv_heads, device=short.context_slots.device)[None, :, None]  # (1, kv, 1)
@@ -119,15 +120,15 @@ class BatchLayout:
 class StepMetadata:
     slot_mapping: torch.Tensor  # (tokens,) the cache slot each new token's k/v is written to
     context_slots: torch.Tensor  # (sum of context_len,) the slots of the sequences in `sequences`, in order
-    sequences: list[SequenceSlice]  # attended one by one (long prefill chunks; all of them without `short`)
-    short: ShortQueries | None = None  # attended in one batch
+    sequences: list[PrefillSequence]  # attended one by one (long prefill chunks; all of them without `short`)
+    short: DecodeBatch | None = None  # attended in one batch
 
 
 MAX_BATCHED_QUERIES = 16  # runs of at most this many queries go into the batch; longer chunks use SDPA alone
 
 
-def batch_short_queries(query_starts: list[int], query_lens: list[int], context_slots: torch.Tensor,
-                        context_lens: list[int]) -> ShortQueries:
+def build_decode_batch(query_starts: list[int], query_lens: list[int], context_slots: torch.Tensor,
+                        context_lens: list[int]) -> DecodeBatch:
     """Short query runs in one batch, on the host. context_slots (B, L): each run's context slots, padded
     with any valid slot (`model_runner.padded_context_slots`)."""
     lens, ctx = torch.tensor(query_lens), torch.tensor(context_lens)
@@ -137,24 +138,24 @@ def batch_short_queries(query_starts: list[int], query_lens: list[int], context_
     rows = torch.tensor(query_starts)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q)
     last_visible = (ctx - lens)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q); padding: as query 0
     valid_index = None if width == min(query_lens) else valid.flatten().nonzero().flatten()
-    in_order = width == 1 and list(query_starts) == list(range(len(query_starts)))
-    return ShortQueries(rows, context_slots[:, :max(context_lens)], last_visible, valid_index,
-                        rows.flatten()[valid.flatten()], in_order)
+    rows_in_place = width == 1 and list(query_starts) == list(range(len(query_starts)))
+    return DecodeBatch(rows, context_slots[:, :max(context_lens)], last_visible, valid_index,
+                        rows.flatten()[valid.flatten()], rows_in_place)
 
 
-def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: torch.Tensor, in_order: bool,
+def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: torch.Tensor, rows_in_place: bool,
                       mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Attention for short query runs at once, over keys and values gathered once.
 
     q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): the runs' cache rows
     (`BatchLayout.slice_rows_and_mask`), the new tokens written; query_rows (B, Q): each run's rows of q (with
-    in_order, q's rows 0..B-1 are the B runs' single queries); mask (B * kv, Q * group or 1, L). Returns
+    rows_in_place, q's rows 0..B-1 are the B runs' single queries); mask (B * kv, Q * group or 1, L). Returns
     (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
     heads, head_dim = q.shape[1], q.shape[2]
     batch, width = query_rows.shape
     group = heads // kv_heads
     keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
-    if in_order:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
+    if rows_in_place:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
         queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
     else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
         queries = q.index_select(0, query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
@@ -163,7 +164,7 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: to
     scores = torch.baddbmm(mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B * kv, Q * group, L)
     out = torch.bmm(probs, values)  # (B * kv, Q * group, d)
-    if in_order:
+    if rows_in_place:
         return out.view(batch, heads, head_dim)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
@@ -182,16 +183,16 @@ class PagedAttention:
             slots, kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
             self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads, head_dim)
 
-    def _attend_short(self, layer: int, q: torch.Tensor, short: ShortQueries) -> torch.Tensor:
+    def _attend_short(self, layer: int, q: torch.Tensor, short: DecodeBatch) -> torch.Tensor:
         """Every short run through `batched_attention`: at once, or slice by slice (BatchLayout) -> (B * Q, ...)."""
         layout, outs = self.layout, []
         for start in range(0, short.query_rows.shape[0], layout.runs_per_slice):
             runs = slice(start, start + layout.runs_per_slice)
             kv_rows, mask = layout.whole or layout.slice_rows_and_mask(runs)
             # In order, run i's query is q's row i: the slice's queries are q's rows from `start`.
-            queries = q[start:] if short.in_order else q
+            queries = q[start:] if short.rows_in_place else q
             outs.append(batched_attention(queries, self.store.read_rows(layer, kv_rows), short.query_rows[runs],
-                                          short.in_order, mask, layout.kv_heads))
+                                          short.rows_in_place, mask, layout.kv_heads))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.compiler.disable  # LLM(compile=True) compiles the layers around this call, not the call itself
@@ -200,7 +201,7 @@ class PagedAttention:
         short = self.meta.short
         if short is not None:
             batch_out = self._attend_short(layer, q, short)
-            if short.in_order and not self.meta.sequences:
+            if short.rows_in_place and not self.meta.sequences:
                 return batch_out  # a pure decode step: no scatter either
         out = torch.empty_like(q)
         if short is not None:

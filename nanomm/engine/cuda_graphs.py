@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import PagedAttention, ShortQueries, StepMetadata
+from nanomm.engine.attention import DecodeBatch, PagedAttention, StepMetadata
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.model_runner import packed_positions, padded_context_slots
 from nanomm.engine.scheduler import ScheduledChunk
@@ -95,8 +95,8 @@ class StaticDecodeInputs:
 def decode_forward(model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", inputs: StaticDecodeInputs) -> torch.Tensor:
     """One decode step from the static inputs -> logits (B, vocab). This is what a graph records: it reads
     only `inputs` and the cache, and reads nothing back to the host."""
-    short = ShortQueries(inputs.query_rows, inputs.context_slots, inputs.last_visible, valid_index=None,
-                         dest_rows=inputs.query_rows.flatten(), in_order=True)
+    short = DecodeBatch(inputs.query_rows, inputs.context_slots, inputs.last_visible, valid_index=None,
+                         dest_rows=inputs.query_rows.flatten(), rows_in_place=True)
     no_slots = inputs.flat[:0]  # no sequence is attended alone
     meta = StepMetadata(inputs.slot_mapping, no_slots, [], short)
     attention = PagedAttention(kv_cache, meta, model.config.text.num_attention_heads)
@@ -105,7 +105,7 @@ def decode_forward(model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", inputs
 
 
 @dataclass
-class _Recorded:
+class _CapturedGraph:
     inputs: StaticDecodeInputs
     graph: "torch.cuda.CUDAGraph | None"
 
@@ -125,7 +125,7 @@ class DecodeGraphs:
                                        device=kv_cache.device)
         self.logits = torch.empty(self.max_batch, model.config.text.vocab_size, dtype=torch.float32,
                                   device=kv_cache.device)
-        self.recorded: dict[tuple[int, int], _Recorded] = {}
+        self.recorded: dict[tuple[int, int], _CapturedGraph] = {}
         self.pool = None  # recorded graphs share one memory pool
         self.replays = 0
 
@@ -157,7 +157,7 @@ class DecodeGraphs:
         """What a graph records: the step, its logits copied into the shared buffer."""
         self.logits[:inputs.input_ids.shape[0]].copy_(decode_forward(self.model, self.kv_cache, inputs))
 
-    def _record(self, batch: int, length: int) -> _Recorded:
+    def _record(self, batch: int, length: int) -> _CapturedGraph:
         inputs = StaticDecodeInputs.allocate(batch, length, self.kv_cache.device, shared=self.flat_inputs)
         padding = inputs.host_values([], self.block_size, self.scratch_slot)  # every row writes the scratch slot
         inputs.flat.copy_(padding)
@@ -173,7 +173,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):  # the step's temporaries: freed, reusable by the next
                 self._step(inputs)
             self.pool = graph.pool()
-        self.recorded[(batch, length)] = _Recorded(inputs, graph)
+        self.recorded[(batch, length)] = _CapturedGraph(inputs, graph)
         return self.recorded[(batch, length)]
 
 

@@ -26,7 +26,7 @@ from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_r
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.sizing import graph_context, kv_bytes_per_token
-from nanomm.engine.speculative import Emitted, NgramProposer, proposal_budget, sample_and_verify
+from nanomm.engine.speculative import SampledTokens, NgramProposer, proposal_budget, sample_and_verify
 from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
@@ -147,7 +147,7 @@ class LLMEngine:
         for i, child_id in enumerate(parent.child_ids):
             child = self._make_request(child_id, prepared, child_params(params, i), completion_index=i)
             if self.config.enable_prefix_caching and child.params.prompt_logprobs is None:
-                child.prefill_after = leader  # the first child prefills, the others find its blocks cached
+                child.waits_for_prefill_of = leader  # the first child prefills, the others find its blocks cached
             self.parents[child_id] = parent
             self._add_to_scheduler(child)
             leader = leader or child
@@ -235,7 +235,7 @@ class LLMEngine:
         outputs = []
         with self.trace.span("commit"):
             for chunk in chunks:
-                output = self._commit(chunk, emitted.get(id(chunk), Emitted([], 0)))
+                output = self._commit(chunk, emitted.get(id(chunk), SampledTokens([], 0)))
                 if output is not None:
                     outputs.append(output)
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
@@ -272,7 +272,7 @@ class LLMEngine:
         for request, proposal in zip(decoding, self.proposer.propose(decoding, budgets)):
             request.spec_token_ids, request.spec_token_probs = proposal.tokens, proposal.probs
 
-    def _commit(self, chunk: ScheduledChunk, emitted: Emitted) -> RequestOutput | None:
+    def _commit(self, chunk: ScheduledChunk, emitted: SampledTokens) -> RequestOutput | None:
         """Append what the chunk emitted (up to a finish), commit its positions, and stream the new tokens."""
         request = chunk.request
         tokens, reason = self.output_processor.take_tokens(request, emitted.token_ids, emitted.logprobs)

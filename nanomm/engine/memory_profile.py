@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES, PagedAttention, ShortQueries, StepMetadata, causal_attention
+from nanomm.engine.attention import MAX_BATCHED_QUERIES, DecodeBatch, PagedAttention, StepMetadata, causal_attention
 from nanomm.engine.cuda_graphs import StaticDecodeInputs, decode_forward
 from nanomm.engine.kv_cache import allocate_kv_cache
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
@@ -79,9 +79,9 @@ def decode_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_ca
         return decode_forward(model, cache, StaticDecodeInputs.allocate(batch, context, device))  # token 0, slot 0
     tokens = torch.zeros(batch * queries, dtype=torch.long, device=device)
     rows = torch.arange(batch * queries, device=device)
-    short = ShortQueries(rows.view(batch, queries), torch.zeros(batch, context, dtype=torch.long, device=device),
+    short = DecodeBatch(rows.view(batch, queries), torch.zeros(batch, context, dtype=torch.long, device=device),
                          torch.zeros(batch, queries, dtype=torch.long, device=device), valid_index=None,
-                         dest_rows=rows, in_order=False)
+                         dest_rows=rows, rows_in_place=False)
     attention = PagedAttention(cache, StepMetadata(tokens, tokens[:0], [], short), text.num_attention_heads)
     hidden = model(tokens, torch.zeros(3, batch * queries, dtype=torch.long, device=device), attention)
     return model.compute_logits(hidden)

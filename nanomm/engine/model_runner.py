@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, SequenceSlice, ShortQueries,
-                                     StepMetadata, batch_short_queries)
+from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, PrefillSequence, DecodeBatch,
+                                     StepMetadata, build_decode_batch)
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -150,11 +150,11 @@ class ModelRunner:
         new_slots = torch.cat([row[c.start:c.end] for row, c in zip(slots, chunks)])  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
-        short, alone = self._split_runs(chunks, query_starts, slots)
+        short, prefills = self._split_runs(chunks, query_starts, slots)
         positions = packed_positions(chunks)  # (3, tokens)
         for rows, coords in grid_offsets:  # a compressed image's kept tokens at their own place in its grid
             positions[:, rows.start:rows.stop] += coords
-        host = [torch.tensor(ids), positions, new_slots, image_mask, alone[1],
+        host = [torch.tensor(ids), positions, new_slots, image_mask, prefills[1],
                 torch.tensor(sample_rows, dtype=torch.long)] + _short_tensors(short)
         input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
             host, self.device)
@@ -162,7 +162,7 @@ class ModelRunner:
             short = dataclasses.replace(short, **dict(zip(SHORT_TENSORS, short_tensors)))
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
-            meta=StepMetadata(new_slots, context_slots, alone[0], short),
+            meta=StepMetadata(new_slots, context_slots, prefills[0], short),
             visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
             image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
@@ -171,21 +171,21 @@ class ModelRunner:
         attended one by one, their context slots packed sequence after sequence. A prompt's tokens then always
         go through the same attention kernel as in the dense reference, whatever the chunking, so that they get
         the same bits: bfloat16 rounding in quantized layers (model/quant.py) would magnify any difference.
-        Returns (ShortQueries or None, (slices, packed slots))."""
+        Returns (DecodeBatch or None, (slices, packed slots))."""
         batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
                    and c.start >= c.request.num_prompt_tokens for c in chunks]
         short = None
         if any(batched):
             picked = [i for i, b in enumerate(batched) if b]
-            short = batch_short_queries([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
+            short = build_decode_batch([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
                                         slots[picked], [chunks[i].end for i in picked])
-        alone, alone_slots, offset = [], [], 0
+        prefills, prefill_slots, offset = [], [], 0
         for i, (chunk, in_batch) in enumerate(zip(chunks, batched)):
             if not in_batch:
-                alone.append(SequenceSlice(query_starts[i], chunk.num_tokens, offset, chunk.end))
-                alone_slots.append(slots[i, :chunk.end])
+                prefills.append(PrefillSequence(query_starts[i], chunk.num_tokens, offset, chunk.end))
+                prefill_slots.append(slots[i, :chunk.end])
                 offset += chunk.end
-        return short, (alone, torch.cat(alone_slots) if alone_slots else torch.zeros(0, dtype=torch.long))
+        return short, (prefills, torch.cat(prefill_slots) if prefill_slots else torch.zeros(0, dtype=torch.long))
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
@@ -254,7 +254,7 @@ class ModelRunner:
 SHORT_TENSORS = ("query_rows", "context_slots", "last_visible", "valid_index", "dest_rows")
 
 
-def _short_tensors(short: ShortQueries | None) -> list:
+def _short_tensors(short: DecodeBatch | None) -> list:
     return [getattr(short, name) if short is not None else None for name in SHORT_TENSORS]
 
 

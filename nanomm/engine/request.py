@@ -85,11 +85,11 @@ class Request(Sequence):
     # Parallel sampling (n > 1, parallel_sampling.py): which completion this is, and the sibling whose prompt
     # prefill it waits for, so that it finds the prompt's KV blocks in the prefix cache instead of computing them.
     completion_index: int = 0
-    prefill_after: "Request | None" = None
+    waits_for_prefill_of: "Request | None" = None
 
     @property
-    def may_start_prefill(self) -> bool:
-        leader = self.prefill_after
+    def ready_to_prefill(self) -> bool:
+        leader = self.waits_for_prefill_of
         return (leader is None or self.metrics.first_scheduled_time is not None  # started once: never waits again
                 or leader.status is Status.FINISHED or leader.num_computed_tokens >= leader.num_prompt_tokens)
 

@@ -84,7 +84,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(proposals), proposals))
                 budget -= n + len(proposals)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self.waiting[0].may_start_prefill:
+            if not self.waiting[0].ready_to_prefill:
                 break  # a sibling of parallel sampling waits for its leader's prompt blocks (parallel_sampling.py)
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:

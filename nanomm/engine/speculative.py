@@ -183,14 +183,14 @@ def accept_sampled(proposed: list[int], target_probs: torch.Tensor, draft_probs:
 
 
 @dataclass
-class Emitted:
+class SampledTokens:
     """What one sampling chunk adds to its request this step."""
     token_ids: list[int]  # the accepted proposals, then the target's own token
     num_accepted: int  # how many of token_ids were proposals
     logprobs: list[dict] | None = None  # per token, {token id: (logprob, rank)} when the request asked for them
 
 
-def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
+def sample_and_verify(chunks, logits: torch.Tensor) -> list[SampledTokens]:
     """The tokens each sampling chunk emits, in order. logits (rows, vocab): 1 + len(spec_token_ids) rows per
     chunk, the row after each known token and after each proposal. Without proposals this is plain sampling;
     with them, the acceptance rules above. Greedy rows share one argmax; sampled ones use their own request's
@@ -223,7 +223,7 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[Emitted]:
         tokens = [next(drawn)] if tokens is None else tokens
         num_top = chunk.request.params.logprobs
         logprobs = None if num_top is None else top_logprobs(raw[:len(tokens)], tokens, num_top)
-        emitted.append(Emitted(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
+        emitted.append(SampledTokens(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
     return emitted
 
 
