@@ -20,7 +20,7 @@ The arithmetic, in the order a request meets it:
    less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
    more when the vision tower's working set for the largest image or the worst decode step is larger, plus
    what the CUDA graphs of decode steps keep; `LLM` measures it instead, with a profiling pass,
-   engine/memory_profile.py); on a CPU, a fixed budget.
+   accel/memory_profile.py); on a CPU, a fixed budget.
 
 The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
 """
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES
+from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES
 from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_tokens, kv_bytes_per_token,
                                   kv_pool_blocks, kv_pool_budget, worst_case_image)
 from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument

@@ -3,7 +3,7 @@
     python scripts/bench_attention.py                    # preset tiny (overhead-bound), batch 32
     python scripts/bench_attention.py --preset small --batch 32 --repeats 3
 
-Both ways run the same engine on the same requests (nanomm/engine/attention.py: `batched_attention` for
+Both ways run the same engine on the same requests (nanomm/accel/batched_attention.py: `batched_attention` for
 decodes, `causal_attention` per sequence as the definition); the engine's runner is switched between them, and
 the runs alternate so that a machine whose speed drifts affects both. Each run is bench.py's decode probe:
 it prefills `--batch` text requests, then times their pure decode steps. Kernels are counted with

@@ -1,12 +1,13 @@
-"""Batched attention over pages (nanomm/engine/attention.py) against its definition, one sequence at a time."""
+"""Batched attention over pages (nanomm/accel/batched_attention.py, through nanomm/engine/attention.py) against its
+definition, one sequence at a time."""
 
 import random
 
 import pytest
 import torch
 
-from nanomm.engine.attention import (DecodeBatch, PagedAttention, PrefillSequence, StepMetadata, build_decode_batch,
-                                     causal_attention)
+from nanomm.accel.batched_attention import DecodeBatch, build_decode_batch
+from nanomm.engine.attention import PagedAttention, PrefillSequence, StepMetadata, causal_attention
 from nanomm.engine.model_runner import token_slots
 
 
@@ -59,10 +60,10 @@ def test_batched_attention_equals_one_sequence_at_a_time(seed, kv_heads, group):
 @pytest.mark.parametrize("slice_elements", [1, 1500])  # one run per slice; one or a few
 def test_a_step_too_large_for_one_slice_goes_slice_by_slice_and_equals_the_definition(seed, slice_elements,
                                                                                      monkeypatch):
-    import nanomm.engine.attention as attention
+    import nanomm.accel.batched_attention as batched_attention
     step = random_step(seed, 2, 3)
     cache, q, k, v, starts, query_lens, contexts, new_slots = step
-    monkeypatch.setattr(attention, "SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(batched_attention, "SLICE_ELEMENTS", slice_elements)
     padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)
     short = build_decode_batch(starts, query_lens, padded, [len(c) for c in contexts])
     attend = PagedAttention(cache.clone(), StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [], short),
@@ -73,8 +74,8 @@ def test_a_step_too_large_for_one_slice_goes_slice_by_slice_and_equals_the_defin
 
 
 def test_decodes_in_packed_order_slice_by_slice(monkeypatch):
-    import nanomm.engine.attention as attention
-    monkeypatch.setattr(attention, "SLICE_ELEMENTS", 1)
+    import nanomm.accel.batched_attention as batched_attention
+    monkeypatch.setattr(batched_attention, "SLICE_ELEMENTS", 1)
     gen = torch.Generator().manual_seed(8)
     cache = torch.randn(1, 2, 256, 2, 16, generator=gen)
     contexts = [token_slots([5, 9, 2], 0, 11, 4), token_slots([7], 0, 3, 4), token_slots([1, 3], 0, 6, 4)]
@@ -91,10 +92,10 @@ def test_decodes_in_packed_order_slice_by_slice(monkeypatch):
 
 
 def test_the_engine_gives_the_reference_s_tokens_when_every_step_is_sliced(ckpt, monkeypatch):
-    import nanomm.engine.attention as attention
+    import nanomm.accel.batched_attention as batched_attention
     from helpers import assert_no_leaks, random_workload, reference_tokens
     from nanomm import LLM, SamplingParams
-    monkeypatch.setattr(attention, "SLICE_ELEMENTS", 1)
+    monkeypatch.setattr(batched_attention, "SLICE_ELEMENTS", 1)
     llm = LLM(str(ckpt), device="cpu", dtype="float32", num_kv_blocks=128)
     prompts = random_workload(seed=3, num_prompts=4)
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]

@@ -46,6 +46,7 @@ RULES = [
     ("the server does not lean on the terminal chat", "serve", ("nanomm.chat",)),
     ("inputs are prepared without the engine", "inputs", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),
     ("the engine serves no HTTP", "engine", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
+    ("the fast paths sit below the API", "accel", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
 ]
 
 

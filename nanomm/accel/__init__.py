@@ -11,9 +11,13 @@ Each piece can be switched off with its engine argument, and each is tested equa
 - packed_linear.py: CPU float32 linear layers through oneDNN with pre-reordered weights (`cpu_fast_linear=False`);
 - compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
 
-The engine's own fast paths sit where the engine needs them: the batched attention of short query runs
-(engine/attention.py, `ModelRunner(batched_attention=False)` for the per-sequence definition) and CUDA graphs of
-decode steps (engine/cuda_graphs.py, `enforce_eager=True`).
+`speed_up` swaps those three into the model. The engine's own fast paths live here too, and the engine calls them:
+- batched_attention.py: a step's decodes in one attention call per layer (`ModelRunner(batched_attention=False)`
+  attends each sequence alone, the definition; tests/test_attention.py);
+- cuda_graphs.py: decode steps recorded once and replayed with one launch (`enforce_eager=True` turns it off;
+  on a CPU the same static path runs unrecorded, tests/test_cuda_graphs.py);
+- memory_profile.py: on a GPU, the activation reserve measured by running the engine's largest steps once,
+  which engine/sizing.py leaves out of the KV pool.
 """
 
 from torch import nn

@@ -15,7 +15,7 @@ import time
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.engine.cuda_graphs import DecodeGraphs
+from nanomm.accel.cuda_graphs import DecodeGraphs
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.intake import RequestIntake

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import (MAX_BATCHED_QUERIES, PagedAttention, PrefillSequence, DecodeBatch,
-                                     StepMetadata, build_decode_batch)
+from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES, DecodeBatch, build_decode_batch
+from nanomm.engine.attention import PagedAttention, PrefillSequence, StepMetadata
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
-from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
 from nanomm.inputs.compression import encode_visual_tokens
+from nanomm.model.qwen2_vl import Qwen2VL
 
 
 @dataclass

@@ -6,7 +6,7 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 `LLM` sizes the engine it builds with `size_engine`; `nanomm-plan` (planner.py) predicts the same numbers from a
 checkpoint's config alone, through the same functions, so the plan and the engine cannot disagree
 (tests/test_planner.py holds them to it). The one difference is the reserve on a GPU: the plan estimates it from
-arithmetic (`estimated_reserve`), the engine measures it with a profiling pass (engine/memory_profile.py), as
+arithmetic (`estimated_reserve`), the engine measures it with a profiling pass (accel/memory_profile.py), as
 vLLM's profile run does. On a CPU the pool has a fixed budget and nothing is profiled.
 
 The rule for the pool, in the order it is applied:
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES, runs_per_slice
+from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES, runs_per_slice
 from nanomm.inputs.compression import CompressionPolicy, kept_layout
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
@@ -152,7 +152,7 @@ class Reserve:
 def estimated_reserve(config: ModelConfig, image_config: ImageProcessorConfig, dtype: str, kv_dtype: str,
                       max_num_seqs: int, max_model_len: int, block_size: int, cuda_graphs: bool,
                       max_seq_len_to_capture: int) -> Reserve:
-    """The reserve from arithmetic, for the plan (the engine measures it instead: engine/memory_profile.py)."""
+    """The reserve from arithmetic, for the plan (the engine measures it instead: accel/memory_profile.py)."""
     vision = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
     decode = decode_step_bytes(config, max_num_seqs, max_model_len, dtype, kv_dtype, MAX_BATCHED_QUERIES)
     graphs = 0
@@ -164,7 +164,7 @@ def estimated_reserve(config: ModelConfig, image_config: ImageProcessorConfig, d
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CUDA-graph buckets (engine/cuda_graphs.py records one graph per bucket)
+# CUDA-graph buckets (accel/cuda_graphs.py records one graph per bucket)
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -226,13 +226,13 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig) -> tup
 def _kv_budget(config, model, image_config: ImageProcessorConfig, max_model_len: int, token_budget: int,
                memory: dict) -> int:
     """Bytes for the KV pool (`kv_pool_budget`). On a GPU: what is free of the utilisation share once the weights
-    are loaded, less the reserve that a profiling pass measures (engine/memory_profile.py): the activations of
+    are loaded, less the reserve that a profiling pass measures (accel/memory_profile.py): the activations of
     the engine's largest step (token_budget tokens against max_model_len), the worst image's encode, and, with
     CUDA graphs, what the largest graph's decode step keeps. Elsewhere: the fixed budget. How it was split
     lands in `memory`."""
     profiled = {}
     if model.device.type == "cuda" and config.kv_cache_memory_gib is None:
-        from nanomm.engine.memory_profile import profile_memory  # CUDA only: it runs the model
+        from nanomm.accel.memory_profile import profile_memory  # CUDA only: it runs the model
 
         graphs = None if config.enforce_eager else largest_bucket(
             config.max_num_seqs, graph_context(max_model_len, config.max_seq_len_to_capture), config.block_size)

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from nanomm.engine.attention import MAX_BATCHED_QUERIES, DecodeBatch, PagedAttention, StepMetadata, causal_attention
-from nanomm.engine.cuda_graphs import StaticDecodeInputs, decode_forward
+from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES, build_decode_batch
+from nanomm.accel.cuda_graphs import StaticDecodeInputs, decode_forward
+from nanomm.engine.attention import PagedAttention, StepMetadata
 from nanomm.engine.kv_cache import allocate_kv_cache
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
+from nanomm.model.attention import causal_attention
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import text_positions
 
@@ -78,10 +80,9 @@ def decode_step(model: Qwen2VL, batch: int, context: int, block_size: int, kv_ca
     if queries == 1:
         return decode_forward(model, cache, StaticDecodeInputs.allocate(batch, context, device))  # token 0, slot 0
     tokens = torch.zeros(batch * queries, dtype=torch.long, device=device)
-    rows = torch.arange(batch * queries, device=device)
-    short = DecodeBatch(rows.view(batch, queries), torch.zeros(batch, context, dtype=torch.long, device=device),
-                         torch.zeros(batch, queries, dtype=torch.long, device=device), valid_index=None,
-                         dest_rows=rows, rows_in_place=False)
+    # The runner's own builder (model_runner.py), for runs of `queries` tokens packed one after another.
+    short = build_decode_batch(list(range(0, batch * queries, queries)), [queries] * batch,
+                               torch.zeros(batch, context, dtype=torch.long), [context] * batch).to(device)
     attention = PagedAttention(cache, StepMetadata(tokens, tokens[:0], [], short), text.num_attention_heads)
     hidden = model(tokens, torch.zeros(3, batch * queries, dtype=torch.long, device=device), attention)
     return model.compute_logits(hidden)

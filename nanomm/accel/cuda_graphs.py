@@ -17,7 +17,7 @@ from one launch. The price is that everything must stay still between replays:
   recorded first, so that the smaller ones fit in the memory it leaves (recorded smallest first, each larger
   step would add its own). Their logits go to one static buffer of the largest batch, so that the kept graphs
   do not each keep a (batch, vocab) output. The KV pool is sized after a profiling pass that runs the largest
-  bucket's step (engine/memory_profile.py).
+  bucket's step (accel/memory_profile.py).
 - **Addresses.** Inputs are copied into the same static buffers before every replay (one host-to-device copy:
   they are views of the front of one flat buffer, which every bucket shares). The KV cache never moves.
 - **Padding.** Padding rows are decodes of token 0 that write their key and value to a scratch slot, one block
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.engine.attention import DecodeBatch, PagedAttention, StepMetadata
+from nanomm.accel.batched_attention import DecodeBatch, build_decode_batch
+from nanomm.engine.attention import PagedAttention, StepMetadata
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.model_runner import packed_positions, padded_context_slots
 from nanomm.engine.scheduler import ScheduledChunk
@@ -81,14 +82,16 @@ class StaticDecodeInputs:
         ids, positions = torch.zeros(batch, dtype=torch.long), torch.zeros(3, batch, dtype=torch.long)
         slots, last = torch.full((batch,), scratch_slot), torch.zeros(batch, dtype=torch.long)
         context = torch.full((batch, length), scratch_slot)
-        if chunks:
-            ends = torch.tensor([c.end for c in chunks])
-            real = padded_context_slots([c.request.block_table for c in chunks], ends.tolist(), block_size)
-            visible = torch.arange(real.shape[1]) < ends[:, None]  # past a row's context: the scratch slot
-            context[:n, :real.shape[1]] = torch.where(visible, real, scratch_slot)
+        if chunks:  # the runner's own builders (model_runner.py), then padding to the bucket
+            ends = [c.end for c in chunks]
+            real = padded_context_slots([c.request.block_table for c in chunks], ends, block_size)
+            decodes = build_decode_batch(list(range(n)), [1] * n, real, ends)  # one query per row, in place
+            visible = decodes.allowed[:, 0, :]  # (n, longest context): past a row's context, the scratch slot
+            context[:n, :real.shape[1]] = torch.where(visible, decodes.context_slots, scratch_slot)
             ids[:n] = torch.tensor([c.token_ids[0] for c in chunks])
             positions[:, :n] = packed_positions(chunks)
-            slots[:n], last[:n] = real[torch.arange(n), ends - 1], ends - 1
+            last[:n] = decodes.last_visible[:, 0]  # a decode's new token sits at position end - 1
+            slots[:n] = real[torch.arange(n), last[:n]]
         return torch.cat([ids, positions.flatten(), slots, context.flatten(), last, torch.arange(batch)])
 
 

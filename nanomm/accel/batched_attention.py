@@ -1,0 +1,147 @@
+"""Attention for the step's short query runs (decodes and speculative verifications) in one call per layer: the
+batched path of the paged attention (engine/attention.py), which the engine takes by default.
+
+Lesson: lessons/04-paged-kv-cache.md, section 3 (attention over pages: one call for every decode).
+
+The definition is per sequence: gather the sequence's keys and values, then `causal_attention`. Here every short
+run of queries in the step goes through at once. Their context slots are padded into a (sequences, longest
+context) table, keys and values are gathered from the cache once, and a mask says which key each query may see
+(lower-right causal: query i of a run of q sees the first context_len - q + 1 + i keys). GQA groups the query
+heads by KV head instead of copying K and V, and scores and softmax are float32, as in prefill. A step of 32
+decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is the padding,
+which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads (the rows to
+gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value back to the
+host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends every
+sequence alone, the definition; tests/test_attention.py holds the two equal.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+@dataclass
+class DecodeBatch:
+    """The step's short query runs past the prompt (decodes and speculative verifications: vLLM's "decode" side of a
+    step), padded into one batch: built on the host by `build_decode_batch`, used by `batched_attention`."""
+    query_rows: torch.Tensor  # (B, Q) packed row of each query; padding repeats the run's first row
+    context_slots: torch.Tensor  # (B, L) cache slot of each context token; any valid slot after the context
+    last_visible: torch.Tensor  # (B, Q) the last key each query may see; padding sees what query 0 sees
+    valid_index: torch.Tensor | None  # positions of the real queries among the B * Q slots; None: all are real
+    dest_rows: torch.Tensor  # (real queries,) their packed rows
+    rows_in_place: bool  # one query per run, the runs are packed rows 0..B-1: q and the output need no gather
+
+    def to(self, device) -> "DecodeBatch":
+        """The same batch with its tensors on `device` (the runner packs them into its one copy instead)."""
+        moved = {name: None if t is None else t.to(device) for name, t in vars(self).items()
+                 if isinstance(t, torch.Tensor) or t is None}
+        return dataclasses.replace(self, **moved)
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """(B, Q, L) bool: which keys each query may see (lower-right causal)."""
+        keys = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)
+        return keys[None, None, :] <= self.last_visible[:, :, None]
+
+
+SLICE_ELEMENTS = 1 << 27  # a slice of the batched attention gathers and scores about this many elements at most
+
+
+def runs_per_slice(batch: int, length: int, kv_heads: int, head_dim: int, heads: int, width: int) -> int:
+    """How many of `batch` runs of `width` queries over `length` keys one slice holds: each run gathers its keys
+    and values (2 x kv_heads x head_dim per key) and scores its queries (heads x width per key)."""
+    per_run = length * (2 * kv_heads * head_dim + heads * width)
+    return max(1, min(batch, SLICE_ELEMENTS // max(1, per_run)))
+
+
+@dataclass
+class BatchLayout:
+    """What every layer's `batched_attention` reads, derived once per step from DecodeBatch (the same for
+    every layer: only the cache and q change).
+
+    Runs are padded to the step's longest context and longest run, so a step with one long sequence among
+    many would gather (and score) that length for every run: 64 runs of 32k keys are gigabytes. Such a step
+    goes through the attention in slices of `runs_per_slice` runs, each gathering only its own keys; a step
+    that fits SLICE_ELEMENTS is one slice, built once (every step of the tests and benchmarks here)."""
+    key_rows: torch.Tensor  # (B, kv_heads * L) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
+    values_offset: int  # the same rows' values are this many rows further
+    visible: torch.Tensor  # (B, Q, L) float32: 0 where a key is visible, -inf where not
+    kv_heads: int
+    group: int
+    runs_per_slice: int
+    whole: tuple[torch.Tensor, torch.Tensor] | None  # (kv rows, mask) of the whole step when it is one slice
+
+    @classmethod
+    def build(cls, short: DecodeBatch, num_slots: int, kv_heads: int, group: int, head_dim: int) -> "BatchLayout":
+        batch, width = short.query_rows.shape
+        length = short.context_slots.shape[1]
+        heads_offset = torch.arange(kv_heads, device=short.context_slots.device)[None, :, None]  # (1, kv, 1)
+        key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).view(batch, -1)  # (B, kv * L)
+        visible = torch.zeros(short.last_visible.shape + (length,), dtype=torch.float32,
+                              device=short.context_slots.device)
+        visible.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
+        runs = runs_per_slice(batch, length, kv_heads, head_dim, kv_heads * group, width)
+        layout = cls(key_rows, num_slots * kv_heads, visible, kv_heads, group, runs, None)
+        if runs == batch:
+            layout.whole = layout.slice_rows_and_mask(slice(0, batch))
+        return layout
+
+    def slice_rows_and_mask(self, runs: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache rows (keys, then values) and the mask of these runs. The mask is (B, Q, L) -> (B, kv, Q,
+        group, L) -> (B * kv, Q * group, L), the layout of the queries in `batched_attention`; a decode (Q = 1)
+        needs one row per KV head: its query heads all see the same keys, and baddbmm broadcasts it."""
+        keys = self.key_rows[runs].flatten()
+        visible = self.visible[runs]
+        batch, width, _ = visible.shape
+        rows = 1 if width == 1 else self.group
+        mask = visible[:, None, :, None, :].expand(batch, self.kv_heads, width, rows, -1).reshape(
+            batch * self.kv_heads, width * rows, -1)
+        return torch.cat([keys, keys + self.values_offset]), mask
+
+
+MAX_BATCHED_QUERIES = 16  # runs of at most this many queries go into the batch; longer chunks use SDPA alone
+
+
+def build_decode_batch(query_starts: list[int], query_lens: list[int], context_slots: torch.Tensor,
+                        context_lens: list[int]) -> DecodeBatch:
+    """Short query runs in one batch, on the host. context_slots (B, L): each run's context slots, padded
+    with any valid slot (`model_runner.padded_context_slots`)."""
+    lens, ctx = torch.tensor(query_lens), torch.tensor(context_lens)
+    width = max(query_lens)
+    offsets = torch.arange(width)  # (Q,)
+    valid = offsets[None, :] < lens[:, None]  # (B, Q)
+    rows = torch.tensor(query_starts)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q)
+    last_visible = (ctx - lens)[:, None] + torch.where(valid, offsets[None, :], 0)  # (B, Q); padding: as query 0
+    valid_index = None if width == min(query_lens) else valid.flatten().nonzero().flatten()
+    rows_in_place = width == 1 and list(query_starts) == list(range(len(query_starts)))
+    return DecodeBatch(rows, context_slots[:, :max(context_lens)], last_visible, valid_index,
+                        rows.flatten()[valid.flatten()], rows_in_place)
+
+
+def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: torch.Tensor, rows_in_place: bool,
+                      mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Attention for short query runs at once, over keys and values gathered once.
+
+    q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): the runs' cache rows
+    (`BatchLayout.slice_rows_and_mask`), the new tokens written; query_rows (B, Q): each run's rows of q (with
+    rows_in_place, q's rows 0..B-1 are the B runs' single queries); mask (B * kv, Q * group or 1, L). Returns
+    (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    batch, width = query_rows.shape
+    group = heads // kv_heads
+    keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
+    if rows_in_place:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
+        queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
+    else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
+        queries = q.index_select(0, query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
+        queries = queries.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, width * group, head_dim)
+    # Scores in float32 (as prefill's), scaled and masked in one call: mask + scale * q k^T.
+    scores = torch.baddbmm(mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B * kv, Q * group, L)
+    out = torch.bmm(probs, values)  # (B * kv, Q * group, d)
+    if rows_in_place:
+        return out.view(batch, heads, head_dim)
+    out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
+    return out.reshape(batch * width, heads, head_dim)
+
+
