@@ -43,7 +43,7 @@ from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_ar
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
-from nanomm.model.quant import quantized_layers, quantized_weight_bytes
+from nanomm.accel.quant import quantized_layers, quantized_weight_bytes
 
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
@@ -131,7 +131,7 @@ def parameter_count(config: ModelConfig) -> int:
 def model_weight_bytes(config: ModelConfig, dtype: str, quantization: str | None = None,
                        num_parameters: int | None = None, group_size: int = 128) -> int:
     """Bytes of the weights as nanomm holds them: every parameter in dtype, except that quantization
-    (model/quant.py) stores the language model's linear layers and the LM head as int8 codes with a bfloat16
+    (accel/quant.py) stores the language model's linear layers and the LM head as int8 codes with a bfloat16
     scale per row, or int4 codes with a bfloat16 scale and zero per group, and keeps a tied embedding as it is."""
     total = (num_parameters or parameter_count(config)) * ELEMENT_BYTES[dtype]
     if quantization is None:
@@ -221,7 +221,7 @@ def _count_requests(plan: Plan) -> None:
 def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: int,
                   quantization_group_size: int) -> list[dict]:
     """What each lever would buy, one change at a time: a smaller cap, visual-token compression
-    (inputs/compression.py), an fp8 KV cache (engine/kv_fp8.py), int8/int4 weights (model/quant.py)."""
+    (inputs/compression.py), an fp8 KV cache (engine/kv_fp8.py), int8/int4 weights (accel/quant.py)."""
     same = dict(model=plan.model, dtype=plan.dtype, quantization=plan.quantization, kv_dtype=plan.kv_dtype,
                 visual_token_compression=plan.compression,
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,

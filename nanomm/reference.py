@@ -48,7 +48,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
     """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`), each
     image's visual tokens compressed by its policy (inputs/compression.py), if it has one.
-    A quantized model (model/quant.py) is its own reference: its layers are the quantized ones. kv_cache_dtype:
+    A quantized model (accel/quant.py) is its own reference: its layers are the quantized ones. kv_cache_dtype:
     "fp8" keeps the keys and values as an fp8 cache would return them."""
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device

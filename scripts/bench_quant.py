@@ -41,7 +41,7 @@ from bench import cpu_name, measure_roofline, model_cost  # noqa: E402
 
 from nanomm import LLM, SamplingParams  # noqa: E402
 from nanomm.model.loader import load_model  # noqa: E402
-from nanomm.model.quant import quantize_language_model, weight_bytes  # noqa: E402
+from nanomm.accel.quant import quantize_language_model, weight_bytes  # noqa: E402
 from nanomm.model.rope import text_positions  # noqa: E402
 from nanomm.reference import ContiguousKVCache  # noqa: E402
 from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
@@ -192,7 +192,7 @@ def kernels(args) -> dict:
     from torch import nn
 
     from nanomm.accel.packed_linear import PackedLinear
-    from nanomm.model.quant import Int4Linear, Int8Linear
+    from nanomm.accel.quant import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
     dense = nn.Linear(512, 151_936 if not args.quick else 1024, bias=False)

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--draft", default=None, help="a draft folder: also measure speculative decoding with it")
     parser.add_argument("--spec-requests", type=int, default=24, help="requests in the speculative measurement")
     parser.add_argument("--json", help="write the results here too")
-    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (model/quant.py)")
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization (accel/quant.py)")
     parser.add_argument("--group-size", type=int, default=128, help="int4: input columns per scale")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--number-by-size", action="store_true",

@@ -87,7 +87,7 @@ def test_the_kv_pool_is_sized_after_a_profiling_pass(ckpt, enforce_eager):
 def test_quantized_layers_on_cuda_run_a_kernel_that_is_their_definition(method):
     """On a GPU the weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm`) should be found and agree
     with dequantize-then-multiply; a layer that falls back says so here rather than running slowly unseen."""
-    from nanomm.model.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, linear_definition,
+    from nanomm.accel.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, linear_definition,
                                     quantize_int4, quantize_int8)
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(512, 256, bias=False)

@@ -42,6 +42,7 @@ def violations(sources: list[Path], forbidden: tuple[str, ...]) -> list[str]:
 # (what, the files it holds, the modules they may not import)
 RULES = [
     ("the model takes tensors", "model", ("nanomm.inputs", "nanomm.engine", "nanomm.serve", "nanomm.llm")),
+    ("the model knows nothing of its speed-ups", "model", ("nanomm.accel",)),
     ("the oracle does not lean on the engine", "reference.py", ("nanomm.engine", "nanomm.llm")),
     ("the server does not lean on the terminal chat", "serve", ("nanomm.chat",)),
     ("inputs are prepared without the engine", "inputs", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),

@@ -1,4 +1,4 @@
-"""Quantization: int8/int4 weight-only layers (model/quant.py) and the fp8 KV cache (engine/kv_fp8.py).
+"""Quantization: int8/int4 weight-only layers (accel/quant.py) and the fp8 KV cache (engine/kv_fp8.py).
 
 Each format is checked by hand on values whose codes can be worked out on paper, each kernel against the
 readable dequantize-then-multiply definition, and the engine against the dense reference that runs the same
@@ -17,7 +17,7 @@ from nanomm.accel.fused_layers import FastRMSNorm
 from nanomm.reference import generate as reference_generate
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.model.fp8 import dequantize_fp8, fp8_round_trip, quantize_fp8
-from nanomm.model.quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
+from nanomm.accel.quant import (Int4Linear, Int8Linear, QuantizedLinear, dequantize_int4, dequantize_int8,
                                 linear_definition, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles,
                                 weight_bytes)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.engine.speculative import SpeculativeConfig
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
-from nanomm.model.quant import QUANTIZATION_METHODS
+from nanomm.accel.quant import QUANTIZATION_METHODS
 from nanomm.errors import check_int, is_finite_number
 
 
@@ -57,7 +57,7 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (engine/kv_fp8.py)
-    quantization: str | None = None  # None, "int8" or "int4": weight-only, the language model (model/quant.py)
+    quantization: str | None = None  # None, "int8" or "int4": weight-only, the language model (accel/quant.py)
     quantization_group_size: int = 128  # int4: input columns per scale and zero
     # {"method": "pool" | "random" | "prune" | "attention", "keep_ratio": r}: every image's default (a request's
     # mm_processor_kwargs may override it); None: keep every visual token (inputs/compression.py)

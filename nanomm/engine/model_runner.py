@@ -170,7 +170,7 @@ class ModelRunner:
         """Short query runs past the prompt (decodes, verifications) in one batch; prompt chunks, however short,
         attended one by one, their context slots packed sequence after sequence. A prompt's tokens then always
         go through the same attention kernel as in the dense reference, whatever the chunking, so that they get
-        the same bits: bfloat16 rounding in quantized layers (model/quant.py) would magnify any difference.
+        the same bits: bfloat16 rounding in quantized layers (accel/quant.py) would magnify any difference.
         Returns (DecodeBatch or None, (slices, packed slots))."""
         batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
                    and c.start >= c.request.num_prompt_tokens for c in chunks]
