@@ -142,6 +142,19 @@ def test_the_memory_profile_s_decode_step_gathers_the_largest_bucket_s_whole_con
     assert largest.numel >= 2 * batch * context * text.num_key_value_heads * text.head_dim
 
 
+def test_the_memory_profile_s_batched_step_gathers_every_run_s_whole_context(ckpt):
+    """The profile's worst batched step (runs of MAX_BATCHED_QUERIES queries, built by the runner's own
+    build_decode_batch): every query of every run samples, and a layer gathers batch x context keys and values."""
+    from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=8)
+    text = llm.model.config.text
+    batch, context = 3, 64
+    with torch.inference_mode(), LargestOutput() as largest:
+        logits = decode_step(llm.model, batch, context, block_size=4, queries=MAX_BATCHED_QUERIES)
+    assert logits.shape == (batch * MAX_BATCHED_QUERIES, text.vocab_size) and bool(torch.isfinite(logits).all())
+    assert largest.numel >= 2 * batch * context * text.num_key_value_heads * text.head_dim
+
+
 def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypatch):
     llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     graphs, scratch = with_static_decode(llm)

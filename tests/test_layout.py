@@ -49,12 +49,20 @@ RULES = [
     ("the engine serves no HTTP", "engine", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
     ("the fast paths sit below the API", "accel", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
 ]
+# accel/'s model and attention pieces stand on the model alone; only the engine's own fast paths (CUDA graphs and
+# the memory profile, which run engine steps) import the engine.
+ENGINE_FAST_PATHS = ("cuda_graphs.py", "memory_profile.py")
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r[0] for r in RULES])
 def test_dependencies_run_one_way(rule):
     what, folder, forbidden = rule
     assert not violations(files_under(folder), forbidden), what
+
+
+def test_the_seam_s_model_pieces_stand_on_the_model_alone():
+    pieces = [p for p in files_under("accel") if p.name not in ENGINE_FAST_PATHS]
+    assert len(pieces) >= 6 and not violations(pieces, ("nanomm.engine", "nanomm.inputs"))
 
 
 def test_nothing_under_nanomm_trains():

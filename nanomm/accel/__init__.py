@@ -3,7 +3,7 @@
 
 Lesson: lessons/A3-cpu-kernels.md (where a step's time goes, and what each piece buys).
 
-Each piece can be switched off with its engine argument, and each is tested equal to the plain path
+Each piece can be switched off (the switch is named with it), and each is tested equal to the plain path
 (tests/test_accel.py): the same tokens, logits within rounding. Quantization is the exception: it changes the
 weights, and is tested against its own definition instead.
 

@@ -25,7 +25,7 @@ from one launch. The price is that everything must stay still between replays:
   positions point there too, and the mask hides them.
 - **No host syncs.** Nothing inside may read a value back to the host (`.item()`, `.tolist()`, `nonzero`,
   boolean indexing): a recording cannot wait for the GPU. `decode_forward` is that region; on a CPU,
-  tests/test_cuda_graphs.py runs it under `op_count.NoHostSync`, which raises on any of them.
+  tests/test_cuda_graphs.py runs it under `NoHostSync` (scripts/workshop/op_count.py), which raises on any of them.
 
 Only steps in which every chunk decodes one token go through a graph (prefills, speculative verifications,
 prompt logprobs run eagerly). On by default on CUDA; `LLM(enforce_eager=True)` (vLLM's switch) turns it off.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomm.accel.batched_attention import DecodeBatch, build_decode_batch
+from nanomm.accel.batched_attention import DecodeBatch
 from nanomm.engine.attention import PagedAttention, StepMetadata
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.model_runner import packed_positions, padded_context_slots
@@ -82,16 +82,16 @@ class StaticDecodeInputs:
         ids, positions = torch.zeros(batch, dtype=torch.long), torch.zeros(3, batch, dtype=torch.long)
         slots, last = torch.full((batch,), scratch_slot), torch.zeros(batch, dtype=torch.long)
         context = torch.full((batch, length), scratch_slot)
-        if chunks:  # the runner's own builders (model_runner.py), then padding to the bucket
-            ends = [c.end for c in chunks]
-            real = padded_context_slots([c.request.block_table for c in chunks], ends, block_size)
-            decodes = build_decode_batch(list(range(n)), [1] * n, real, ends)  # one query per row, in place
-            visible = decodes.allowed[:, 0, :]  # (n, longest context): past a row's context, the scratch slot
-            context[:n, :real.shape[1]] = torch.where(visible, decodes.context_slots, scratch_slot)
+        if chunks:  # the runner's own builders (model_runner.py) for slots and positions, then padding
+            ends = torch.tensor([c.end for c in chunks])
+            real = padded_context_slots([c.request.block_table for c in chunks], ends.tolist(), block_size)
+            # What build_decode_batch derives for one query per row, in three host ops: this path exists to
+            # save host time. Past a row's context: the scratch slot.
+            visible = torch.arange(real.shape[1]) < ends[:, None]
+            context[:n, :real.shape[1]] = torch.where(visible, real, scratch_slot)
             ids[:n] = torch.tensor([c.token_ids[0] for c in chunks])
             positions[:, :n] = packed_positions(chunks)
-            last[:n] = decodes.last_visible[:, 0]  # a decode's new token sits at position end - 1
-            slots[:n] = real[torch.arange(n), last[:n]]
+            slots[:n], last[:n] = real[torch.arange(n), ends - 1], ends - 1
         return torch.cat([ids, positions.flatten(), slots, context.flatten(), last, torch.arange(batch)])
 
 

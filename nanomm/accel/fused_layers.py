@@ -67,7 +67,7 @@ class FastRMSNorm(nn.Module):
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
+        self.weight = norm.weight
         self.register_buffer("eps_tensor", torch.full((1, 1, 1), norm.eps, device=norm.weight.device),
                              persistent=False)  # the addend below
 

@@ -7,7 +7,7 @@ its MLP's intermediate, its attention's gathered context; the vision tower's wor
 largest picture the cap allows (encoded whole, whatever the encoder budget); the batched attention's gathered
 context, mask and scores, padded to the longest sequence and the longest short run in the step (at worst
 max_num_seqs runs of MAX_BATCHED_QUERIES queries and max_model_len keys). The planner
-estimates them from arithmetic. Here they are measured: a forward pass of `max_num_batched_tokens` tokens
+estimates them from arithmetic (`sizing.estimated_reserve`). Here they are measured: a forward pass of `max_num_batched_tokens` tokens
 attending to a context of `max_model_len`, an encode of the worst-case image and the worst batched step, with
 the allocator's peak read before and after. With CUDA graphs on, a decode step at the largest graph bucket is
 measured apart: the graphs' memory pool keeps what that step needs for as long as the engine lives, beside

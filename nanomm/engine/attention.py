@@ -42,12 +42,12 @@ class PrefillSequence:
 class StepMetadata:
     slot_mapping: torch.Tensor  # (tokens,) the cache slot each new token's k/v is written to
     context_slots: torch.Tensor  # (sum of context_len,) the slots of the sequences in `sequences`, in order
-    sequences: list[PrefillSequence]  # attended one by one (long prefill chunks; all of them without `short`)
+    sequences: list[PrefillSequence]  # attended one by one (prompt chunks and long runs; all of them without `short`)
     short: DecodeBatch | None = None  # attended in one batch
 
 
 class PagedAttention:
-    """The attention backend of one engine step (see `qwen2.AttentionBackend`)."""
+    """The attention backend of one engine step (see `model.attention.AttentionBackend`)."""
 
     def __init__(self, kv_cache: "torch.Tensor | Fp8KVCache", metadata: StepMetadata, num_heads: int | None = None):
         """kv_cache: the pool, a (layers, 2, slots, kv_heads, head_dim) tensor of the model's dtype or an
@@ -65,7 +65,7 @@ class PagedAttention:
         for start in range(0, short.query_rows.shape[0], layout.runs_per_slice):
             runs = slice(start, start + layout.runs_per_slice)
             kv_rows, mask = layout.whole or layout.slice_rows_and_mask(runs)
-            # In order, run i's query is q's row i: the slice's queries are q's rows from `start`.
+            # Rows in place: run i's query is q's row i, so the slice's queries are q's rows from `start`.
             queries = q[start:] if short.rows_in_place else q
             outs.append(batched_attention(queries, self.store.read_rows(layer, kv_rows), short.query_rows[runs],
                                           short.rows_in_place, mask, layout.kv_heads))

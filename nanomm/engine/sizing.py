@@ -5,7 +5,7 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 
 `LLM` sizes the engine it builds with `size_engine`; `nanomm-plan` (planner.py) predicts the same numbers from a
 checkpoint's config alone, through the same functions, so the plan and the engine cannot disagree
-(tests/test_planner.py holds them to it). The one difference is the reserve on a GPU: the plan estimates it from
+(tests/test_planner.py holds them to it; a draft model's KV, which shares the engine's pool, is the engine's alone). The one difference is the reserve on a GPU: the plan estimates it from
 arithmetic (`estimated_reserve`), the engine measures it with a profiling pass (accel/memory_profile.py), as
 vLLM's profile run does. On a CPU the pool has a fixed budget and nothing is profiled.
 
@@ -122,7 +122,7 @@ def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> in
 def decode_step_bytes(config: ModelConfig, batch: int, context: int, dtype: str, kv_dtype: str = "auto",
                       queries: int = 1) -> int:
     """An upper bound on what a step of `batch` short runs of `queries` tokens (decodes: 1), each attending to
-    `context` keys, holds at once in the batched attention (engine/attention.py, `BatchLayout`, which goes slice
+    `context` keys, holds at once in the batched attention (accel/batched_attention.py, `BatchLayout`, which goes slice
     by slice when a step is large), plus its float32 logits. For the step: the visibility mask's source and the
     key rows. For a slice: its gathered keys and values and their int64 rows (an fp8 pool also dequantizes:
     1-byte codes and a float32 copy), the keys cast to float32, the float32 mask, scores and softmax, the

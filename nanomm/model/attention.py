@@ -5,8 +5,9 @@ Lesson: lessons/04-paged-kv-cache.md (where the keys and values come from).
 A language-model layer hands its rotated q, k, v to an *attention backend* (`AttentionBackend.attend`), which
 decides where keys and values live: the dense reference keeps one contiguous cache per sequence (reference.py),
 the engine a paged pool shared by many sequences (engine/attention.py). Whatever the backend, the arithmetic of
-one sequence's attention is `causal_attention` below: the same function, so that the engine's tokens are the
-reference's bit for bit.
+one sequence's attention is `causal_attention` below: the dense reference uses it for every token, and the
+engine for every prompt chunk, so that a prompt gets the same bits whatever the chunking. The engine's decodes
+go through a batched form of it (accel/batched_attention.py), tested equal to it.
 """
 
 from typing import Protocol
