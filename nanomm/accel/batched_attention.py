@@ -17,8 +17,10 @@ sequence alone, the definition; tests/test_attention.py holds the two equal.
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
 
 @dataclass
 class DecodeBatch:
@@ -30,11 +32,11 @@ class DecodeBatch:
     valid_index: torch.Tensor | None  # positions of the real queries among the B * Q slots; None: all are real
     dest_rows: torch.Tensor  # (real queries,) their packed rows
     rows_in_place: bool  # one query per run, the runs are packed rows 0..B-1: q and the output need no gather
+    TENSORS: ClassVar[tuple[str, ...]] = ("query_rows", "context_slots", "last_visible", "valid_index", "dest_rows")
 
     def to(self, device) -> "DecodeBatch":
         """The same batch with its tensors on `device` (the runner packs them into its one copy instead)."""
-        moved = {name: None if t is None else t.to(device) for name, t in vars(self).items()
-                 if isinstance(t, torch.Tensor) or t is None}
+        moved = {name: None if (t := getattr(self, name)) is None else t.to(device) for name in self.TENSORS}
         return dataclasses.replace(self, **moved)
 
     @property
@@ -143,5 +145,3 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: to
         return out.view(batch, heads, head_dim)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
-
-

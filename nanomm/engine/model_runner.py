@@ -159,7 +159,7 @@ class ModelRunner:
         input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
             host, self.device)
         if short is not None:
-            short = dataclasses.replace(short, **dict(zip(SHORT_TENSORS, short_tensors)))
+            short = dataclasses.replace(short, **dict(zip(DecodeBatch.TENSORS, short_tensors)))
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
             meta=StepMetadata(new_slots, context_slots, prefills[0], short),
@@ -251,11 +251,8 @@ class ModelRunner:
         return out
 
 
-SHORT_TENSORS = ("query_rows", "context_slots", "last_visible", "valid_index", "dest_rows")
-
-
 def _short_tensors(short: DecodeBatch | None) -> list:
-    return [getattr(short, name) if short is not None else None for name in SHORT_TENSORS]
+    return [getattr(short, name) if short is not None else None for name in DecodeBatch.TENSORS]
 
 
 def packed_positions(chunks: list[ScheduledChunk]) -> torch.Tensor:
