@@ -34,3 +34,13 @@ def check_int(value, name: str, *, minimum: int = 1, error: type[ValueError] = V
         wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise error(f"{name} must be {wanted}, got {value!r}")
     return as_int
+
+
+class PeerError(RuntimeError):
+    """Another nanomm instance this one depends on (an encoder service, a prefill or decode peer) failed, refused,
+    or did not answer in time; or what it sent does not fit this instance. Over HTTP: a 502 (503 when the peer
+    says it is busy, 504 on a timeout). The message names the peer and what went wrong."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status

@@ -44,6 +44,8 @@ class LLM:
         if not self.model.config.has_vision:
             raise CheckpointError(f"{model} is a text-only Qwen2 model; nanomm serves Qwen2-VL (a Qwen2 checkpoint "
                                   "can be the draft model of speculative decoding)")
+        if config.encoder_url is not None:  # the encoder service runs the tower: this engine holds none
+            self.model.visual = None
         self.draft_model = None
         if config.speculative is not None and config.speculative.method == "draft":
             draft_folder = resolve_checkpoint(config.speculative.model, download_dir=config.download_dir)

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.perf_counter() when the request was added
-    # TTFT = preprocess_s + queue_s + encode_s + prefill_s, exactly.
+    # TTFT = preprocess_s + queue_s + encode_s + prefill_s + transfer_s, exactly.
     preprocess_s: float = 0.0  # arrival -> pixels ready (validate, decode, resize, tokenise; pool queueing too)
     queue_s: float = 0.0  # pixels ready -> first scheduled (waiting for a seat, KV blocks, or, in LLM.generate,
     #                       for the other prompts' preprocessing)
     encode_s: float = 0.0  # vision encoder time spent on this request's images (0 on an encoder-cache hit)
     prefill_s: float = 0.0  # first scheduled -> first token, encoding excluded (steps shared with other requests,
     #                         and steps it waited on the encoder budget, count here)
+    transfer_s: float = 0.0  # a decode instance: pulling the prompt's KV from the prefill instance that ran it
     ttft_s: float | None = None  # arrival -> first token
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # arrival -> finished
@@ -58,6 +59,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)  # new this step
     delta_text: str = ""
     error: str | None = None
+    error_status: int = 400  # over HTTP: 400 for bad input, 502/503/504 when a peer instance failed
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     cumulative_logprob: float | None = None  # sum of the tokens' logprobs, when logprobs were asked for
     logprobs: list[dict[int, Logprob]] | None = None  # per token: the top-n and the token itself
@@ -72,3 +74,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
+    # A prefill instance's hand-off (vLLM's name): what a decode instance needs to continue (engine/handoff.py)
+    kv_transfer_params: dict | None = None

@@ -318,7 +318,7 @@ def test_metrics_show_the_kv_pool_before_the_first_request(served):
 def test_models_health_and_metrics(served):
     llm, base, client = served
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert httpx.get(base + "/health").json() == {"status": "ok", "role": "integrated"}
     replies = [client.chat.completions.create(model=MODEL, messages=user("hi", png_url(i)), max_tokens=3,
                                               temperature=0, extra_body={"ignore_eos": True}) for i in range(3)]
     wait_until_idle(llm)

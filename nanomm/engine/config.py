@@ -44,6 +44,9 @@ class EngineConfig:
     fused_layers: bool = True  # the language model's layers in fewer kernels (accel/fused_layers.py)
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (accel/packed_linear.py)
     compile: bool = False  # torch.compile each decoder layer (accel/compile.py); replaces cpu_fast_linear
+    encoder_url: str | None = None  # an encoder service (nanomm-serve --role encoder): no local vision tower
+    encoder_timeout_s: float = 30.0  # how long a step waits for the encoder service before its requests fail
+    kv_handoff_timeout_s: float = 30.0  # a prefill instance frees a parked request's KV if no decode peer took it
     trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
@@ -96,6 +99,12 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None and not (is_finite_number(self.kv_cache_memory_gib)
                                                          and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
+        if self.encoder_url is not None and not (isinstance(self.encoder_url, str)
+                                                 and self.encoder_url.startswith(("http://", "https://"))):
+            raise ValueError(f"encoder_url must be an http:// or https:// URL, got {self.encoder_url!r}")
+        for name in ("encoder_timeout_s", "kv_handoff_timeout_s"):
+            if not is_finite_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.speculative, dict):

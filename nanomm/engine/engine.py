@@ -18,9 +18,12 @@ from nanomm.engine.config import EngineConfig
 from nanomm.accel.cuda_graphs import DecodeGraphs
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
+from nanomm.engine.handoff import (HANDOFF_STAGES, Handoff, ParkedRequests, decode_generator, encode_generator,
+                                  gather_kv, logprob_entries, new_transfer_id, prompt_logprob_entries,
+                                  prompt_logprobs_from, scatter_kv)
 from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache
-from nanomm.engine.model_runner import ModelRunner
+from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner, token_slots
 from nanomm.engine.output_processor import OutputProcessor
 from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from nanomm.engine.request import Request, Status
@@ -28,7 +31,7 @@ from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.sizing import graph_context, kv_bytes_per_token
 from nanomm.engine.speculative import SampledTokens, NgramProposer, proposal_budget, sample_and_verify
 from nanomm.engine.trace import make_trace
-from nanomm.errors import InvalidInputError
+from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.pool import PreprocessPool
 from nanomm.inputs.prompt import InputProcessor, PreparedPrompt
@@ -36,6 +39,7 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
+from nanomm.transfer.remote_encoder import RemoteEncoder
 
 
 class LLMEngine:
@@ -59,8 +63,10 @@ class LLMEngine:
         longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
         graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
                               config.max_num_seqs, longest) if use_graphs else None
+        remote_encoder = None if config.encoder_url is None else RemoteEncoder(
+            config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s)
         self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
-                                  decode_graphs=graphs)
+                                  decode_graphs=graphs, remote_encoder=remote_encoder)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
                                    config.enable_chunked_prefill, self.trace)
@@ -68,6 +74,9 @@ class LLMEngine:
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
+        self.parked = ParkedRequests()  # prefilled requests whose KV waits for a decode instance (handoff.py)
+        # Requests to park after their first token instead of decoding -> the encoder service each one names
+        self.hand_offs: dict[str, str | None] = {}
         self.requests: dict[str, Request] = {}  # scheduled and not finished
         self.parents: dict[str, ParentRequest] = {}  # requests with n > 1, by their id and their children's
         self._ids = itertools.count()
@@ -87,7 +96,8 @@ class LLMEngine:
         return self.intake.prepare_all(validated, params)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    prepared: PreparedPrompt | None = None) -> str:
+                    prepared: PreparedPrompt | None = None, hand_off: bool = False,
+                    encoder_url: str | None = None) -> str:
         """Queue a request. Problems with the prompt itself (its shape, placeholders, limits, sampling params)
         raise InvalidInputError here. Its images load and decode on the worker pool: an image that cannot be
         used (wrong type, missing file, bad data URL, corrupt, a bomb...) finishes this request alone with
@@ -98,10 +108,15 @@ class LLMEngine:
         if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         params = _check_params(params, name)
+        if hand_off and params.n > 1:
+            raise InvalidInputError(f"{name}: n={params.n} is served by an integrated engine only; a prefill "
+                                    "instance hands off one completion per request")
         child_ids = child_request_ids(request_id, params.n) if params.n > 1 else []
         if any(map(self._id_in_use, child_ids)):
             raise InvalidInputError(f"{name}: with n={params.n} its completions are requests {child_ids}, and one "
                                     "of those ids is in use")
+        if hand_off:  # a prefill instance's request (handoff.py), maybe with the encoder its router picked
+            self.hand_offs[request_id] = encoder_url
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
             self.intake.check_fits(prepared, params, name)
         else:
@@ -164,7 +179,8 @@ class LLMEngine:
                                  num_encoded_visual_tokens=sum(im.num_encoded_tokens for im in prepared.images))
         return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                        params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
-                       completion_index=completion_index)
+                       completion_index=completion_index, hands_off=request_id in self.hand_offs,
+                       encoder_url=self.hand_offs.get(request_id))
 
     def _add_to_scheduler(self, request: Request) -> None:
         self.trace.request_ready(request)
@@ -215,9 +231,15 @@ class LLMEngine:
                     with self.trace.span("propose"):
                         self._propose()
                 chunks = self.scheduler.schedule()
+            for request in self.scheduler.take_failed():
+                self._finish(request, "error")
+                outputs.append(self._output(request, []))
             self.trace.scheduled(chunks)
             if chunks:
-                outputs += self._run(chunks)
+                try:
+                    outputs += self._run(chunks)
+                except ImagesUnavailable as failed:  # the encoder service failed: nothing of this step ran
+                    outputs += self._fail_showing(failed, chunks)
             self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.num_steps += 1
         self.step_s += time.perf_counter() - start
@@ -239,6 +261,17 @@ class LLMEngine:
                 if output is not None:
                     outputs.append(output)
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
+        return outputs
+
+    def _fail_showing(self, failed: ImagesUnavailable, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Finish, with the service's error, the requests that show an image it failed on; the other chunks of
+        the step simply run again next step (nothing was computed or committed)."""
+        outputs = []
+        for request in {id(c.request): c.request for c in chunks}.values():
+            if any(span.content_hash in failed.content_hashes for span in request.prompt.image_spans):
+                request.error, request.error_status = str(failed.cause), failed.cause.status
+                self._finish(request, "error")
+                outputs.append(self._output(request, []))
         return outputs
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -275,6 +308,9 @@ class LLMEngine:
     def _commit(self, chunk: ScheduledChunk, emitted: SampledTokens) -> RequestOutput | None:
         """Append what the chunk emitted (up to a finish), commit its positions, and stream the new tokens."""
         request = chunk.request
+        if request.hands_off and emitted.token_ids:  # a prefill instance: the first token goes with the KV
+            self.scheduler.commit(chunk)
+            return self._park(request, emitted)
         tokens, reason = self.output_processor.take_tokens(request, emitted.token_ids, emitted.logprobs)
         if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
             self.output_processor.count_decode_step(request.metrics, len(chunk.spec_token_ids),
@@ -289,6 +325,135 @@ class LLMEngine:
         if reason:
             self._finish(request, reason)
         return self._output(request, tokens)
+
+    # -- prefill here, decode there (handoff.py) --------------------------------------------------------------
+
+    def _park(self, request: Request, emitted: SampledTokens) -> RequestOutput:
+        """The request leaves the scheduler with its first token; its blocks stay taken under a transfer id."""
+        m, stream = request.metrics, self.output_processor.streams[request.request_id]
+        now = time.perf_counter()
+        stages = dict(preprocess_s=m.preprocess_s, queue_s=m.first_scheduled_time - request.prompt.ready_time,
+                      encode_s=m.encode_s, prefill_s=now - m.first_scheduled_time - m.encode_s)
+        handoff = Handoff(new_transfer_id(), list(request.prompt.token_ids),
+                          [(s.start, s.length, s.content_hash) for s in request.prompt.image_spans],
+                          request.prompt.rope_delta, emitted.token_ids[0],
+                          logprob_entries(emitted.logprobs[0] if emitted.logprobs else None),
+                          prompt_logprob_entries(stream.prompt_logprobs), encode_generator(request.generator),
+                          stages, m.num_visual_tokens, m.num_cached_tokens)
+        self.parked.park(handoff.transfer_id, request.block_table, request.num_computed_tokens,
+                         self.config.kv_handoff_timeout_s)
+        self.scheduler.detach(request)
+        self.hand_offs.pop(request.request_id, None)
+        self._finish(request, "handoff")
+        output = self._output(request, [])
+        output.kv_transfer_params = handoff.to_json()
+        return output
+
+    def export_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int]:
+        """A parked request's KV from position from_token on (its tensors, and its number of positions); its
+        blocks go back to the pool now. InvalidInputError for an unknown or expired transfer."""
+        parked = self.parked.take(transfer_id)
+        if parked is None:
+            raise InvalidInputError(f"no parked request {transfer_id!r} (never made, already taken, or expired)")
+        try:
+            if not 0 <= from_token <= parked.num_tokens:
+                raise InvalidInputError(f"from_token={from_token} is outside the prompt's {parked.num_tokens} "
+                                        "positions")
+            slots = token_slots(parked.block_table, from_token, parked.num_tokens, self.config.block_size)
+            return gather_kv(self.runner.kv_cache, slots), parked.num_tokens
+        finally:
+            self.block_manager.free(parked.block_table)
+
+    def expire_handoffs(self) -> int:
+        """Free the blocks of parked requests whose decode peer never came; how many there were."""
+        expired = self.parked.expired()
+        for parked in expired:
+            self.block_manager.free(parked.block_table)
+        return len(expired)
+
+    def take_cached_prefix(self, handoff: Handoff) -> list[int]:
+        """A decode instance, before it pulls: the leading blocks of the prompt its own prefix cache holds, taken
+        (so they stay) until `add_transferred` uses them or `free_blocks` returns them."""
+        bs = self.config.block_size
+        hashes = self.block_manager.block_hashes(handoff.prompt_token_ids, handoff.spans(),
+                                                 handoff.num_tokens // bs, [])
+        cached = self.block_manager.find_cached_prefix(hashes)
+        self.block_manager.take_cached(cached)
+        return cached
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.free(block_ids)
+
+    def add_transferred(self, request_id: str, text: str | None, params: SamplingParams | None, handoff: Handoff,
+                        kv: dict[str, torch.Tensor], cached_blocks: list[int], transfer_s: float) -> str:
+        """A decode instance takes over a request a prefill instance ran: its KV after the cached blocks is `kv`.
+        The cached blocks are the request's from here on, whatever happens (on an error they are freed)."""
+        try:
+            request = self._transferred_request(request_id, text, params, handoff, cached_blocks)
+        except BaseException:
+            self.free_blocks(cached_blocks)
+            raise
+        from_token = len(cached_blocks) * self.config.block_size
+        scatter_kv(self.runner.kv_cache, token_slots(request.block_table, from_token, handoff.num_tokens,
+                                                     self.config.block_size), kv)
+        request.num_computed_tokens = handoff.num_tokens
+        request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
+                                                               handoff.num_tokens // self.config.block_size, [])
+        self.block_manager.register(request.block_table, request.block_hashes, handoff.num_tokens)
+        self.requests[request_id] = request
+        self.output_processor.add(request)
+        self.output_processor.streams[request_id].prompt_logprobs = prompt_logprobs_from(handoff.prompt_logprobs)
+        self.scheduler.add_running(request)
+        self._replay_first_token(request, handoff, transfer_s)
+        return request_id
+
+    def _transferred_request(self, request_id: str, text: str | None, params, handoff: Handoff,
+                             cached_blocks: list[int]) -> Request:
+        """The Request, with blocks for the prompt and the first token, before anything is written."""
+        name = f"request {request_id}"
+        params = _check_params(params, name)
+        if self._id_in_use(request_id):
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        if params.n > 1:
+            raise InvalidInputError(f"{name}: n > 1 is served by an integrated engine only")
+        if handoff.num_tokens >= self.config.max_model_len:
+            raise InvalidInputError(f"{name}: {handoff.num_tokens} prompt tokens leave no room under "
+                                    f"max_model_len={self.config.max_model_len}")
+        now = time.perf_counter()
+        prompt = PreparedPrompt(text, handoff.prompt_token_ids, [], handoff.spans(), None, handoff.rope_delta, now,
+                                arrival_time=now)
+        self.intake.check_fits(prompt, params, name)
+        new_blocks = self.block_manager.blocks_needed(handoff.num_tokens + 1) - len(cached_blocks)
+        if not self.block_manager.can_allocate(new_blocks):
+            raise PeerError(f"the decode instance has {self.block_manager.num_free_blocks} free KV blocks; this "
+                            f"request needs {new_blocks}: retry shortly", 503)
+        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=handoff.num_tokens,
+                                 num_visual_tokens=handoff.num_visual_tokens,
+                                 num_cached_tokens=handoff.num_cached_tokens)
+        request = Request(request_id, prompt, [], params=params,
+                          generator=decode_generator(handoff.generator_state, self.runner.device),
+                          stop_token_ids=frozenset(stop), metrics=metrics)
+        request.block_table = cached_blocks + self.block_manager.allocate(new_blocks)
+        return request
+
+    def _replay_first_token(self, request: Request, handoff: Handoff, transfer_s: float) -> None:
+        """The prefill instance's first token goes through this engine's output processor, as if sampled here;
+        its output is the next step's. The TTFT stages are the prefill instance's, plus the transfer."""
+        logprobs = None if handoff.first_logprobs is None else [{t: (v, r) for t, v, r in handoff.first_logprobs}]
+        tokens, reason = self.output_processor.take_tokens(request, [handoff.first_token], logprobs)
+        request.token_ids += tokens
+        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
+        m = request.metrics
+        for stage in HANDOFF_STAGES:
+            setattr(m, stage, handoff.stages.get(stage, 0.0))
+        m.transfer_s = transfer_s
+        m.ttft_s = sum(handoff.stages.get(stage, 0.0) for stage in HANDOFF_STAGES) + transfer_s
+        m.arrival_time = m.first_token_time - m.ttft_s
+        if reason:
+            self._finish(request, reason)
+            m.e2e_s = m.ttft_s
+        self.intake.early_outputs.append(self._output(request, tokens))
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
@@ -315,6 +480,7 @@ class LLMEngine:
                                                      self.model.dtype, self.config.kv_cache_dtype),
             "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
             "quantization": self.config.quantization,
+            "kv_requests_parked": len(self.parked),
             **self.scheduler.stats(),
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,

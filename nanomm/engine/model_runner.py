@@ -15,6 +15,7 @@ decodes on a GPU goes through a recorded CUDA graph instead (cuda_graphs.py).
 """
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -26,8 +27,17 @@ from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.trace import NoTrace
+from nanomm.errors import PeerError
 from nanomm.inputs.compression import encode_visual_tokens
 from nanomm.model.qwen2_vl import Qwen2VL
+
+
+class ImagesUnavailable(Exception):
+    """The encoder service failed on some images: the requests that show them fail, the others run on."""
+
+    def __init__(self, content_hashes: list[str], cause: PeerError):
+        super().__init__(str(cause))
+        self.content_hashes, self.cause = set(content_hashes), cause
 
 
 @dataclass
@@ -92,8 +102,10 @@ def packed_copy(tensors: list, device: torch.device) -> list:
 class ModelRunner:
     def __init__(self, model: Qwen2VL, kv_cache: "torch.Tensor | Fp8KVCache", block_size: int,
                  encoder_cache: EncoderCache,
-                 trace=None, batched_attention: bool = True, decode_graphs=None):
+                 trace=None, batched_attention: bool = True, decode_graphs=None, remote_encoder=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        # transfer/remote_encoder.RemoteEncoder: images go to an encoder service; None: this model's own tower
+        self.remote_encoder = remote_encoder
         self.decode_graphs = decode_graphs  # cuda_graphs.DecodeGraphs: pure decode steps replayed, or None
         self.batched_attention = batched_attention  # False: every sequence attended alone (the definition)
         self.trace = trace or NoTrace()  # the step timeline (trace.py)
@@ -123,8 +135,27 @@ class ModelRunner:
         return PagedAttention(self.kv_cache, meta, self.model.config.text.num_attention_heads)
 
     def stats(self) -> dict:
+        remote = self.remote_encoder.stats() if self.remote_encoder is not None else {}
         return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
-                "visual_tokens_per_s": self.visual_tokens_encoded / self.encode_s if self.encode_s else 0.0}
+                "visual_tokens_per_s": self.visual_tokens_encoded / self.encode_s if self.encode_s else 0.0, **remote}
+
+    def encode(self, images: list, urls: list[str | None]) -> list:
+        """The encode stage: the local tower (counted as this instance's encoded tokens), or the encoder service
+        (urls: the one each image's request names; None: the default), one call per service. A service that
+        fails raises ImagesUnavailable naming its images, for the engine to fail their requests."""
+        if self.remote_encoder is None:
+            self.visual_tokens_encoded += sum(im.num_encoded_tokens for im in images)
+            return encode_visual_tokens(self.model, images)  # compressed by each image's policy
+        encoded = [None] * len(images)
+        for url in dict.fromkeys(urls):
+            picked = [i for i, u in enumerate(urls) if u == url]
+            try:
+                tokens = self.remote_encoder.encode([images[i] for i in picked], url)
+            except PeerError as exc:
+                raise ImagesUnavailable([images[i].content_hash for i in picked], exc) from None
+            for i, t in zip(picked, tokens):
+                encoded[i] = t
+        return encoded
 
     def _pack(self, chunks: list[ScheduledChunk]) -> "StepInputs":
         """The chunks, sequence after sequence, as the tensors one forward pass takes (no padding anywhere)."""
@@ -193,7 +224,7 @@ class ModelRunner:
         The request holds the cache entry until its prefill has passed the image."""
         needed = [(chunk.request, i) for chunk in chunks for i, span in enumerate(chunk.request.prompt.image_spans)
                   if span.overlaps(chunk.start, chunk.end) and i not in chunk.request.held_images]
-        to_encode = {}  # cache key -> ProcessedImage, in order
+        to_encode, urls = {}, {}  # cache key -> ProcessedImage, in order; -> the encoder service its request names
         cache_hits = []  # per needed image: served without an encode of its own
         for request, i in needed:
             key = request.image_keys[i]
@@ -204,21 +235,21 @@ class ModelRunner:
                 cache_hits.append(True)
             else:
                 to_encode[key] = request.prompt.images[i]
+                urls[key] = getattr(request, "encoder_url", None)  # a draft's sequence names none
                 cache_hits.append(False)
         share, began = {}, {}  # cache key -> the encode time it is charged, and where that share starts
         if to_encode:
             start = time.perf_counter()
             images = list(to_encode.values())
-            encoded = encode_visual_tokens(self.model, images)  # compressed by each image's policy
+            encoded = self.encode(images, [urls[key] for key in to_encode])
             if self.device.type == "cuda":  # time the encode, not only its launch
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
             for key, tokens in zip(to_encode, encoded):
                 self.encoder_cache.add(key, tokens.embeds, tokens.coords)
-            num_patches = sum(im.pixel_values.shape[0] for im in images)
-            self.visual_tokens_encoded += sum(im.num_encoded_tokens for im in images)
+            num_patches = sum(math.prod(im.grid_thw) for im in images)
             self.encode_s += elapsed
-            share = {key: elapsed * im.pixel_values.shape[0] / num_patches for key, im in to_encode.items()}
+            share = {key: elapsed * math.prod(im.grid_thw) / num_patches for key, im in to_encode.items()}
             for key in to_encode:  # shares laid end to end, in batch order, for the timeline
                 began[key] = start
                 start += share[key]

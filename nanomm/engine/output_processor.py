@@ -141,7 +141,8 @@ class OutputProcessor:
         completion = CompletionOutput(
             request.completion_index, list(request.output_token_ids), stream.text[:visible], request.finish_reason,
             list(new_tokens), delta, stop_reason=stream.stop_reason, cumulative_logprob=stream.cumulative_logprob,
-            logprobs=None if stream.logprobs is None else list(stream.logprobs))
+            logprobs=None if stream.logprobs is None else list(stream.logprobs), error=request.error,
+            error_status=request.error_status)
         if finished:
             del self.streams[request.request_id]
         return RequestOutput(request.request_id, request.prompt.text, list(request.prompt.token_ids), [completion],

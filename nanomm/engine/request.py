@@ -77,6 +77,8 @@ class Request(Sequence):
     block_hashes: list[bytes] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with finish_reason "error", and the HTTP status that fits it
+    error_status: int = 400
     num_preemptions: int = 0
     # Speculative decoding (speculative.py): this step's proposed next tokens and, from a sampling draft model,
     # the distributions they were drawn from (len(spec_token_ids), vocab).
@@ -85,6 +87,8 @@ class Request(Sequence):
     # Parallel sampling (n > 1, parallel_sampling.py): which completion this is, and the sibling whose prompt
     # prefill it waits for, so that it finds the prompt's KV blocks in the prefix cache instead of computing them.
     completion_index: int = 0
+    hands_off: bool = False  # a prefill instance's request: parked after its first token (handoff.py)
+    encoder_url: str | None = None  # the encoder service its images go to; None: the engine's default
     waits_for_prefill_of: "Request | None" = None
 
     @property

@@ -59,10 +59,27 @@ class Scheduler:
         self._encoder_budget, self._images_this_step = 0, set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.failed: list[Request] = []  # preempted requests that cannot be recomputed here: the engine reports them
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV is already in its blocks (a decode instance's, engine/handoff.py)."""
+        request.status = Status.RUNNING
+        request.metrics.first_scheduled_time = time.perf_counter()
+        self.running.append(request)
+
+    def detach(self, request: Request) -> None:
+        """Take a running request off the schedule, its blocks still taken (a prefill instance parks them)."""
+        self.running.remove(request)
+        request.block_table = []
+        request.status = Status.FINISHED
+
+    def take_failed(self) -> list[Request]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -172,7 +189,14 @@ class Scheduler:
         request.held_images.clear()
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's blocks; it goes back to the head of the queue and is recomputed later."""
+        """Free a running request's blocks; it goes back to the head of the queue and is recomputed later. A
+        request whose prompt KV came from a prefill instance cannot be recomputed here: it fails instead."""
+        if request.prompt.positions is None:
+            request.error, request.error_status = ("the decode instance ran out of KV blocks, and a request whose "
+                                                   "prompt was prefilled elsewhere cannot be recomputed here"), 503
+            self.finish(request, "error")
+            self.failed.append(request)
+            return
         self.running.remove(request)
         self.block_manager.free(request.block_table)
         self.release_images(request)

@@ -35,10 +35,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanomm.errors import InvalidInputError
+from nanomm.engine.handoff import Handoff, kv_layout
+from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
 from nanomm.serve.metrics import ServerMetrics
+from nanomm.transfer.kv_connector import HttpKVConnector
+from nanomm.transfer.wire import MEDIA_TYPE, pack
+
+
+ROLES = ("integrated", "prefill", "decode")  # an engine's roles; "encoder" and "router" are servers of their own
 
 
 @dataclass
@@ -49,6 +55,9 @@ class ServerConfig:
     max_body_bytes: int = 32 * 2**20
     media_root: Path | None = None  # local image files are read only under this folder; None: data URLs only
     disconnect_poll_s: float = 0.5  # how often a non-streaming request checks that its client is still there
+    role: str = "integrated"  # "prefill": hands requests off after their first token; "decode": takes them over
+    encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url")
+    kv_pull_timeout_s: float = 30.0  # a decode instance: how long a KV pull from a prefill instance may take
 
 
 class BodyTooLarge(Exception):
@@ -64,9 +73,12 @@ class Server:
         self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
         self.defaults = llm.get_default_sampling_params()
+        self.kv_connector = HttpKVConnector(config.kv_pull_timeout_s)
         routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
+        if config.role == "prefill":
+            routes.append(Route("/v1/kv/{transfer_id}", self.export_kv))
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -86,7 +98,7 @@ class Server:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "role": self.config.role})
 
     async def scrape(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -107,14 +119,22 @@ class Server:
                 return _error(f"the model {body['model']!r} does not exist; this server serves "
                               f"{self.config.model_name!r}", 404)
             parsed = parse(body)
+            transfer = self._transfer_params(body)
         except BodyTooLarge:
             return _error(f"the request body is larger than {self.config.max_body_bytes} bytes", 413)
         except InvalidInputError as exc:
             return _error(str(exc), 400)
         if self.engine_loop.num_requests >= self.config.max_pending_requests:
             return _error("the server is at capacity; retry shortly", 503, {"Retry-After": "1"})
-        outputs = self._submit(parsed)
         deadline = time.monotonic() + self.config.request_timeout_s
+        if isinstance(transfer, Handoff):  # a decode instance takes over a prefilled request
+            outputs = await self._take_over(parsed, transfer)
+            if isinstance(outputs, Response):
+                return outputs
+        elif transfer is not None:  # a prefill instance: run the prompt, park it, answer with the handoff
+            return await self._prefill_only(parsed, transfer, deadline)
+        else:
+            outputs = self._submit(parsed)
         first = await self._next(outputs, deadline, parsed.id)
         if isinstance(first, Response):
             return first
@@ -146,13 +166,86 @@ class Server:
             raise InvalidInputError("the request body must be a JSON object")
         return parsed
 
-    def _submit(self, parsed: protocol.ChatRequest) -> asyncio.Queue:
-        """Hand the request to the engine thread; its outputs (or its error) arrive on the returned queue."""
+    def _submit(self, parsed: protocol.ChatRequest, add=None) -> asyncio.Queue:
+        """Hand the request to the engine thread; its outputs (or its error) arrive on the returned queue.
+        add(engine): how the engine takes it (default: add_request)."""
         outputs: asyncio.Queue = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
-        self.engine_loop.add(parsed.id, parsed.prompt, parsed.params,
-                             lambda item: event_loop.call_soon_threadsafe(outputs.put_nowait, item))
+        add = add or (lambda engine: engine.add_request(parsed.prompt, parsed.params, request_id=parsed.id))
+        self.engine_loop.admit(parsed.id, add, lambda item: event_loop.call_soon_threadsafe(outputs.put_nowait, item))
         return outputs
+
+    # -- prefill here, decode there (engine/handoff.py, transfer/kv_connector.py) --------------------------------
+
+    def _transfer_params(self, body: dict):
+        """None (an ordinary request), the prefill instruction {"do_remote_decode": true[, "encoder_url"]}, or a
+        Handoff for a decode instance; anything else is a 400, before any compute."""
+        params = body.get("kv_transfer_params")
+        role = self.config.role
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            raise InvalidInputError("kv_transfer_params must be an object")
+        if params.get("do_remote_decode") is True and set(params) <= {"do_remote_decode", "encoder_url"}:
+            if role != "prefill":
+                raise InvalidInputError(f"this instance's role is {role!r}: only a prefill instance hands off")
+            url = params.get("encoder_url")
+            if url is not None and url not in self.config.encoder_urls:
+                raise InvalidInputError(f"encoder_url {url!r} is not one of this instance's --encoder-url")
+            return params
+        if role != "decode":
+            raise InvalidInputError(f"this instance's role is {role!r}: only a decode instance takes a handoff")
+        return Handoff.from_json(params, self.llm.model.config.text.vocab_size)
+
+    async def _prefill_only(self, parsed: protocol.ChatRequest, params: dict, deadline: float) -> Response:
+        """Run the prompt and sample the first token; the answer is the handoff a decode instance continues from."""
+        url = params.get("encoder_url")
+        outputs = self._submit(parsed, lambda engine: engine.add_request(
+            parsed.prompt, parsed.params, request_id=parsed.id, hand_off=True, encoder_url=url))
+        out = await self._next(outputs, deadline, parsed.id)
+        if isinstance(out, Response):
+            return out
+        return JSONResponse({"id": parsed.id, "object": "kv_handoff", "kv_transfer_params": out.kv_transfer_params})
+
+    async def _take_over(self, parsed: protocol.ChatRequest, handoff: Handoff):
+        """Take this instance's cached prefix of the prompt, pull the rest of its KV from the prefill instance,
+        then hand the request to the engine. The outputs' queue, or an error Response (the blocks freed)."""
+        cached = await asyncio.wrap_future(self.engine_loop.call(lambda engine: engine.take_cached_prefix(handoff)))
+        kv_cache = self.llm.engine.runner.kv_cache
+        from_token = len(cached) * self.llm.engine.config.block_size
+        owned = False
+        try:
+            start = time.perf_counter()
+            tensors, num_bytes = await asyncio.to_thread(
+                self.kv_connector.pull, handoff.remote_url, handoff.transfer_id, from_token, handoff.num_tokens,
+                kv_layout(kv_cache, handoff.num_tokens - from_token))
+            transfer_s = time.perf_counter() - start
+            self.metrics.kv_transfer_bytes.labels(direction="received").inc(num_bytes)
+            text = parsed.prompt.get("prompt") if isinstance(parsed.prompt, dict) else None
+            outputs = self._submit(parsed, lambda engine: engine.add_transferred(
+                parsed.id, text, parsed.params, handoff, tensors, cached, transfer_s))
+            owned = True  # from here the engine owns the cached blocks, whatever happens
+            return outputs
+        except PeerError as exc:
+            return _error(str(exc), exc.status)
+        finally:
+            if not owned:
+                self.engine_loop.call(lambda engine: engine.free_blocks(cached))
+
+    async def export_kv(self, request: Request) -> Response:
+        """GET /v1/kv/{transfer_id}?from_token=K: a parked request's KV, once; its blocks are freed as it leaves."""
+        transfer_id = request.path_params["transfer_id"]
+        from_token = request.query_params.get("from_token", "0")
+        if not from_token.isdigit():
+            return _error("from_token must be a non-negative integer", 400)
+        try:
+            tensors, num_tokens = await asyncio.wrap_future(
+                self.engine_loop.call(lambda engine: engine.export_kv(transfer_id, int(from_token))))
+        except InvalidInputError as exc:
+            return _error(str(exc), 404)
+        body = await asyncio.to_thread(pack, tensors, {"from_token": int(from_token), "num_tokens": num_tokens})
+        self.metrics.kv_transfer_bytes.labels(direction="sent").inc(len(body))
+        return Response(body, media_type=MEDIA_TYPE)
 
     async def _next(self, outputs: asyncio.Queue, deadline: float, request_id: str, client: Request | None = None):
         """The request's next output, or an error Response (bad input, timeout, a client gone: then aborted)."""
@@ -170,10 +263,13 @@ class Server:
                     return _error("the client disconnected", 499)
         if isinstance(item, InvalidInputError):
             return _error(str(item), 400)
+        if isinstance(item, PeerError):
+            return _error(str(item), item.status)
         if isinstance(item, Exception):
             return _error(f"internal error: {type(item).__name__}: {item}", 500)
         if item.outputs[0].finish_reason == "error":
-            return _error(item.outputs[0].error or "the request's input could not be used", 400)
+            failed = item.outputs[0]
+            return _error(failed.error or "the request's input could not be used", failed.error_status)
         return item
 
     async def _stream(self, parsed: protocol.ChatRequest, out, outputs: asyncio.Queue, deadline: float):
@@ -241,7 +337,18 @@ class BackgroundServer:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="nanomm-serve", description="An OpenAI-compatible server for Qwen2-VL.")
-    p.add_argument("model", nargs="?", help="a checkpoint folder or hub id (default: --demo)")
+    p.add_argument("model", nargs="?", help="a checkpoint folder or hub id (default: --demo; none for the router)")
+    p.add_argument("--role", default="integrated", choices=["integrated", "encoder", "prefill", "decode", "router"],
+                   help="what this instance does in a split engine (default: everything, one engine)")
+    p.add_argument("--encoder-url", action="append", default=[], metavar="URL",
+                   help="an encoder service: the engine runs no vision tower (repeatable: the router picks one "
+                        "per request, the first is this engine's default)")
+    p.add_argument("--prefill-url", action="append", default=[], metavar="URL", help="router: a prefill instance")
+    p.add_argument("--decode-url", action="append", default=[], metavar="URL", help="router: a decode instance")
+    p.add_argument("--peer-timeout", type=float, default=30.0,
+                   help="seconds a peer may stay silent (a KV pull, an encode, a stream) before it is an error")
+    p.add_argument("--kv-handoff-timeout", type=float, default=30.0,
+                   help="prefill: seconds a parked request's KV waits for its decode instance before it is freed")
     p.add_argument("--demo", nargs="?", const="trained", choices=["trained", "random"],
                    help="the offline demo model: the trained one shipped with nanomm, or 'random' (made on first use)")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
@@ -264,22 +371,50 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     from rich.console import Console
 
-    from nanomm import LLM
-    from nanomm.demo import demo_folder
-
     args = parse_args(argv)
     console = Console(stderr=True)
-    demo = args.demo or ("trained" if args.model is None else None)
-    model = str(demo_folder(demo, console)) if demo else args.model
+    where = f"http://{args.host}:{args.port}"
+    if args.role == "router":
+        from nanomm.serve.router import Router
+
+        if args.model or args.demo:
+            raise SystemExit("nanomm-serve --role router loads no model: give it --prefill-url and --decode-url")
+        router = Router(args.encoder_url, args.prefill_url, args.decode_url, args.peer_timeout,
+                        int(args.max_body_mib * 2**20))
+        console.print(f"routing on {where}: prefill {args.prefill_url}, decode {args.decode_url}, "
+                      f"encoders {args.encoder_url or '(the prefill instances own)'}")
+        uvicorn.run(router.app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    model, name = _model_and_name(args, console)
+    if args.role == "encoder":
+        from nanomm.serve.encoder_server import EncoderServer, load_encoder
+
+        service = load_encoder(model, args.device, args.dtype, args.max_pixels)
+        console.print(f"encoding for {name} on {where} (POST /v1/encode)")
+        uvicorn.run(EncoderServer(service, name).app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    from nanomm import LLM
+
     llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config)
-    name = args.served_model_name or ("nanomm-demo" if demo else args.model)
+              max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
+              encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
+              kv_handoff_timeout_s=args.kv_handoff_timeout)
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
-                          args.allowed_local_media_path)
-    console.print(f"serving {name} on http://{args.host}:{args.port} (OpenAI API under /v1)")
+                          args.allowed_local_media_path, role=args.role, encoder_urls=tuple(args.encoder_url),
+                          kv_pull_timeout_s=args.peer_timeout)
+    console.print(f"serving {name} on {where} (OpenAI API under /v1, role {args.role})")
     uvicorn.run(Server(llm, config).app, host=args.host, port=args.port, log_level=args.log_level)
     llm.close()
     return 0
+
+
+def _model_and_name(args, console) -> tuple[str, str]:
+    """The checkpoint folder (or hub id) to load, and the name the API gives it."""
+    from nanomm.demo import demo_folder
+
+    demo = args.demo or ("trained" if args.model is None else None)
+    model = str(demo_folder(demo, console)) if demo else args.model
+    return model, args.served_model_name or ("nanomm-demo" if demo else args.model)
 
 
 if __name__ == "__main__":  # python -m nanomm.serve.app: what scripts/load.py starts

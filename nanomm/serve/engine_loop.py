@@ -10,10 +10,13 @@ through queues, the pattern vLLM's AsyncLLM and SGLang's tokenizer manager follo
 - the engine thread drains it between steps, steps, and hands each request's outputs to the callback that came
   with it (the server's callback moves them onto the handler's asyncio queue with `call_soon_threadsafe`).
 
-An error from `add_request` (bad input) goes to the same callback, as the exception itself.
+An error from `add_request` (bad input) goes to the same callback, as the exception itself. `call` runs any
+function on the engine thread and returns a Future of its result: how a prefill instance's KV route reads a
+parked request's blocks, and how a decode instance takes its cached prefix, without racing the steps.
 """
 
 import queue
+from concurrent.futures import Future
 import threading
 from typing import Callable
 
@@ -43,9 +46,20 @@ class EngineLoop:
         self._stopping.set()
         self._thread.join(timeout=30)
 
-    def add(self, request_id: str, prompt, params: SamplingParams, callback: Callable) -> None:
+    def add(self, request_id: str, prompt, params: SamplingParams, callback: Callable, hand_off: bool = False) -> None:
         """From any thread. callback(RequestOutput or InvalidInputError) is called on the engine thread."""
-        self._commands.put(("add", request_id, prompt, params, callback))
+        self.admit(request_id, lambda engine: engine.add_request(prompt, params, request_id=request_id,
+                                                                hand_off=hand_off), callback)
+
+    def admit(self, request_id: str, add: Callable[[LLMEngine], object], callback: Callable) -> None:
+        """`add(engine)` adds the request on the engine thread (add_request, or add_transferred); as `add`."""
+        self._commands.put(("add", request_id, add, callback))
+
+    def call(self, function: Callable[[LLMEngine], object]) -> Future:
+        """Run function(engine) on the engine thread, between steps; the Future holds its result or error."""
+        future: Future = Future()
+        self._commands.put(("call", function, future))
+        return future
 
     def abort(self, request_id: str) -> None:
         """From any thread: stop the request and free its KV blocks (its callback gets no more outputs)."""
@@ -58,6 +72,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self.engine.expire_handoffs()
             busy = self.engine.has_unfinished_requests()
             self._take_commands(wait_s=0.0 if busy else IDLE_WAIT_S)
             if self.engine.has_unfinished_requests():
@@ -73,22 +88,35 @@ class EngineLoop:
                 self.on_step(self.engine.stats())
 
     def _take_commands(self, wait_s: float) -> None:
-        """Apply every queued command, waiting up to wait_s for the first one."""
+        """Apply every queued command, waiting up to wait_s for the first one; then publish fresh stats (a KV
+        export frees blocks without any step)."""
+        applied = 0
         try:
             self._apply(self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait())
+            applied += 1
             while True:
                 self._apply(self._commands.get_nowait())
+                applied += 1
         except queue.Empty:
             pass
+        if applied:
+            self.on_step(self.engine.stats())
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
             self._callbacks.pop(command[1], None)
             self.engine.abort_request(command[1])
             return
-        _, request_id, prompt, params, callback = command
+        if command[0] == "call":
+            _, function, future = command
+            try:
+                future.set_result(function(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                future.set_exception(exc)
+            return
+        _, request_id, add, callback = command
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            add(self.engine)
         except Exception as exc:  # bad input (InvalidInputError) or a bug: this request alone fails
             callback(exc)
             return

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from nanomm.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TTFT_STAGES = ("preprocess", "queue", "encode", "prefill")
+TTFT_STAGES = ("preprocess", "queue", "encode", "prefill", "transfer")  # transfer: a decode instance's KV pull
 # engine.stats() key -> (metric name, help, kind)
 ENGINE_STATS = {
     "kv_blocks_used": ("nanomm_kv_blocks_used", "KV blocks holding a running request's tokens", "gauge"),
@@ -33,6 +33,10 @@ ENGINE_STATS = {
     "preprocess_queue": ("nanomm_requests_preprocessing", "requests whose images are being decoded", "gauge"),
     "preemptions": ("nanomm_preemptions", "requests preempted because the KV pool ran dry", "counter"),
     "steps": ("nanomm_engine_steps", "engine steps", "counter"),
+    "visual_tokens_encoded": ("nanomm_encoder_visual_tokens", "visual tokens this instance's own tower encoded "
+                              "(0 with an encoder service)", "counter"),
+    "kv_requests_parked": ("nanomm_kv_requests_parked", "prefilled requests whose KV waits for a decode instance",
+                           "gauge"),
 }
 
 
@@ -54,6 +58,10 @@ class ServerMetrics:
         self.visual_tokens = Counter("nanomm_visual_tokens", "visual tokens in prompts", registry=self.registry)
         self.generation_tokens = Counter("nanomm_generation_tokens", "generated tokens", registry=self.registry)
         self.requests = Counter("nanomm_requests", "finished requests", ["finish_reason"], registry=self.registry)
+        self.kv_transfer_bytes = Counter("nanomm_kv_transfer_bytes", "KV bytes moved between prefill and decode "
+                                         "instances", ["direction"], registry=self.registry)
+        for direction in ("sent", "received"):
+            self.kv_transfer_bytes.labels(direction=direction)
         self.registry.register(_EngineStatsCollector(self))
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -88,3 +96,8 @@ class _EngineStatsCollector:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
             family.add_metric([], float(stats.get(key, 0)))
             yield family
+        visual = CounterMetricFamily("nanomm_visual_token_transfer_bytes", "visual-token bytes moved to or from an "
+                                     "encoder service", labels=["direction"])
+        visual.add_metric(["sent"], 0.0)  # an engine sends images; the encoder service sends the tokens
+        visual.add_metric(["received"], float(stats.get("visual_token_bytes_received", 0)))
+        yield visual

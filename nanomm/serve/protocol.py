@@ -27,7 +27,7 @@ OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_token
                  "frequency_penalty": "frequency_penalty"}
 VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                "skip_special_tokens", "include_stop_str_in_output")
-IGNORED_FIELDS = ("model", "user", "stream_options")  # read elsewhere or meaningless here
+IGNORED_FIELDS = ("model", "user", "stream_options", "kv_transfer_params")  # read elsewhere or meaningless here
 COMMON_FIELDS = {*OPENAI_FIELDS, *VLLM_EXTRAS, *IGNORED_FIELDS, "stream", "logprobs", "mm_processor_kwargs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}

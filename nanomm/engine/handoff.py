@@ -1,0 +1,181 @@
+"""Prefill here, decode there: the state a request carries from a prefill instance to a decode instance.
+
+Lesson: lessons/13-three-topologies.md (the E+P+D topology).
+
+A prefill instance runs a request's prompt, visual tokens included, and samples its first token. Then, instead
+of decoding, it *parks* the request: the request leaves the scheduler, but its KV blocks stay taken, under a
+transfer id, until a decode instance pulls them or a deadline passes (a decode peer that never comes must not
+leak the pool). What travels is:
+
+- the KV of every prompt position, as tensors (`gather_kv`): layers x (k, v) x tokens x KV heads x head_dim in
+  the model's dtype, or an fp8 cache's codes and scales as stored. Positions, not blocks: the two instances may
+  use different block sizes. A decode instance first takes whatever leading blocks its own prefix cache holds
+  (`LLMEngine.take_cached_prefix`) and pulls only the positions after them;
+- the `Handoff` (JSON): the prompt's token ids and image spans (the decode side names its blocks by the same
+  chained hashes, so a later request finds them in its prefix cache), the M-RoPE delta (every later position is
+  index + delta: the decode side never needs the prompt's pixels or positions), the first token with its
+  logprobs, the prompt logprobs, the sampling generator's state (so seeded sampling goes on exactly as in one
+  engine), and the TTFT stages spent so far.
+
+The decode instance writes the KV into blocks of its own (`scatter_kv`), replays the first token through its
+output processor (stop tokens, stop strings and max_tokens apply to it there, as in one engine), and decodes.
+A transferred request cannot be recomputed where it is (its prompt's pixels never came): preempting it fails it
+with a 503, so give decode instances KV room for their load (`nanomm-plan`).
+"""
+
+import base64
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from nanomm.engine.kv_fp8 import Fp8KVCache
+from nanomm.errors import InvalidInputError
+from nanomm.inputs.prompt import ImageSpan
+from nanomm.outputs import Logprob
+
+HANDOFF_STAGES = ("preprocess_s", "queue_s", "encode_s", "prefill_s")
+
+
+@dataclass
+class Handoff:
+    transfer_id: str
+    prompt_token_ids: list[int]
+    image_spans: list[tuple[int, int, str]]  # (start, length, image content hash) per image
+    rope_delta: int
+    first_token: int
+    first_logprobs: list[tuple[int, float, int]] | None  # (token, logprob, rank): the first token's top entries
+    prompt_logprobs: list[list[tuple[int, float, int, str]] | None] | None
+    generator_state: str | None  # base64 of torch.Generator.get_state(); None for greedy
+    stages: dict[str, float] = field(default_factory=dict)  # the TTFT stages spent on the prefill instance
+    num_visual_tokens: int = 0
+    num_cached_tokens: int = 0
+    remote_url: str | None = None  # where the KV is: set by whoever routes the request (the router)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def spans(self) -> list[ImageSpan]:
+        return [ImageSpan(start, length, content_hash) for start, length, content_hash in self.image_spans]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, params, vocab_size: int) -> "Handoff":
+        """A handoff from a request's kv_transfer_params; InvalidInputError names what is malformed."""
+        try:
+            handoff = cls(**{k: v for k, v in params.items() if k != "do_remote_decode"})
+            ids = handoff.prompt_token_ids
+            assert isinstance(handoff.transfer_id, str) and isinstance(handoff.remote_url, str)
+            assert isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+            assert type(handoff.first_token) is int and 0 <= handoff.first_token < vocab_size
+            assert type(handoff.rope_delta) is int and all(type(x) is int for s in handoff.image_spans for x in s[:2])
+            assert all(isinstance(v, (int, float)) for v in handoff.stages.values())
+        except (TypeError, AttributeError, AssertionError, ValueError) as exc:
+            raise InvalidInputError(f"kv_transfer_params is not a handoff from a nanomm prefill instance "
+                                    f"({type(exc).__name__} {exc})") from None
+        handoff.image_spans = [tuple(s) for s in handoff.image_spans]
+        return handoff
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode_generator(generator: torch.Generator | None) -> str | None:
+    return None if generator is None else base64.b64encode(generator.get_state().numpy().tobytes()).decode()
+
+
+def decode_generator(state: str | None, device: torch.device) -> torch.Generator | None:
+    """The sampling generator, exactly where the prefill instance left it."""
+    if state is None:
+        return None
+    generator = torch.Generator(device)
+    raw = torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
+    try:
+        generator.set_state(raw)
+    except RuntimeError as exc:  # a CPU generator's state on a CUDA device, say
+        raise InvalidInputError(f"kv_transfer_params: the sampling state does not fit a {device} generator "
+                                f"({exc})") from None
+    return generator
+
+
+def logprob_entries(entry: dict[int, tuple[float, int]] | None) -> list[tuple[int, float, int]] | None:
+    return None if entry is None else [(token, value, rank) for token, (value, rank) in entry.items()]
+
+
+def prompt_logprob_entries(rows) -> list | None:
+    """An output stream's prompt logprobs ({token: Logprob} per position, None first) as JSON lists."""
+    if rows is None:
+        return None
+    return [None if row is None else [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in row.items()]
+            for row in rows]
+
+
+def prompt_logprobs_from(entries) -> list | None:
+    if entries is None:
+        return None
+    return [None if row is None else {t: Logprob(value, rank, text) for t, value, rank, text in row}
+            for row in entries]
+
+
+# -- the KV itself ------------------------------------------------------------------------------------------
+
+def kv_layout(kv_cache, num_tokens: int) -> dict[str, tuple[torch.dtype, tuple]]:
+    """What a transfer of num_tokens positions holds, by tensor name: (dtype, shape)."""
+    if isinstance(kv_cache, Fp8KVCache):
+        layers, two, _, heads, dim = kv_cache.codes.shape
+        return {"codes": (torch.uint8, (layers, two, num_tokens, heads, dim)),
+                "scales": (kv_cache.scales.dtype, (layers, two, num_tokens, heads))}
+    layers, two, _, heads, dim = kv_cache.shape
+    return {"kv": (kv_cache.dtype, (layers, two, num_tokens, heads, dim))}
+
+
+def gather_kv(kv_cache, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored KV of these slots (tokens,), every layer: copies, so the blocks can be freed at once."""
+    slots = slots.to(kv_cache.device)
+    if isinstance(kv_cache, Fp8KVCache):
+        return {"codes": kv_cache.codes.index_select(2, slots), "scales": kv_cache.scales.index_select(2, slots)}
+    return {"kv": kv_cache.index_select(2, slots)}  # (layers, 2, tokens, kv_heads, head_dim)
+
+
+def scatter_kv(kv_cache, slots: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Write transferred KV (checked against `kv_layout` by the caller) into these slots."""
+    slots = slots.to(kv_cache.device)
+    if isinstance(kv_cache, Fp8KVCache):
+        kv_cache.codes.index_copy_(2, slots, tensors["codes"].to(kv_cache.device))
+        kv_cache.scales.index_copy_(2, slots, tensors["scales"].to(kv_cache.device))
+    else:
+        kv_cache.index_copy_(2, slots, tensors["kv"].to(kv_cache.device))
+
+
+@dataclass
+class ParkedRequest:
+    """A prefilled request's KV blocks, kept for a decode peer until `deadline` (time.monotonic())."""
+    block_table: list[int]
+    num_tokens: int
+    deadline: float
+
+
+class ParkedRequests:
+    """transfer id -> ParkedRequest; `expired` hands back those whose decode peer never came."""
+
+    def __init__(self):
+        self.by_id: dict[str, ParkedRequest] = {}
+
+    def park(self, transfer_id: str, block_table: list[int], num_tokens: int, timeout_s: float) -> None:
+        self.by_id[transfer_id] = ParkedRequest(block_table, num_tokens, time.monotonic() + timeout_s)
+
+    def take(self, transfer_id: str) -> ParkedRequest | None:
+        return self.by_id.pop(transfer_id, None)
+
+    def expired(self) -> list[ParkedRequest]:
+        now = time.monotonic()
+        gone = [t for t, p in self.by_id.items() if p.deadline <= now]
+        return [self.by_id.pop(t) for t in gone]
+
+    def __len__(self) -> int:
+        return len(self.by_id)

@@ -1,0 +1,190 @@
+"""`nanomm-serve MODEL --role encoder`: the vision tower as a service. Images in, visual tokens out.
+
+    nanomm-serve --demo --role encoder --port 8001
+    nanomm-serve --demo --encoder-url http://127.0.0.1:8001      # an engine that runs no tower of its own
+
+Lesson: lessons/13-three-topologies.md.
+
+POST /v1/encode takes the body transfer/remote_encoder.py builds (each image's resized RGB bytes, patch grid,
+content hash and compression policy, and the preprocessing constants) and answers with each image's visual
+tokens (and a compressed image's kept coordinates), one safetensors body each way. The service keeps its own
+encoder cache (engine/encoder_cache.py), keyed exactly as an engine's: sha256(image content hash, model
+identity). So a picture that many engines ask about is encoded once, and the cache can be as large as this
+instance's memory allows, apart from the KV pools.
+
+What is checked before any compute (a 400 naming it): the body's format, each image's grid against its bytes
+and the model's merge size, the compression policy, and that the preprocessing constants are this model's (an
+engine preprocessing for another model would get tokens that mean nothing to it).
+
+One encode runs at a time, on a worker thread: the event loop keeps answering /health and /metrics while the
+tower works. The language model's decoder layers are dropped at load: this instance never runs them.
+
+The content hash is the client's word: the service trusts the engines that call it (it runs inside the
+deployment, like vLLM's encoder-cache connector), and binds 127.0.0.1 unless told otherwise.
+"""
+
+import asyncio
+import re
+import threading
+import time
+
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
+from nanomm.errors import InvalidInputError, PeerError
+from nanomm.inputs.compression import encode_visual_tokens, parse_policy
+from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage
+from nanomm.serve.metrics import LATENCY_BUCKETS
+from nanomm.transfer.remote_encoder import PREPROCESSING_KEYS
+from nanomm.transfer.wire import MEDIA_TYPE, pack, unpack
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class EncoderService:
+    """The vision tower, its cache and its counters; `encode(body) -> body`, one call at a time."""
+
+    def __init__(self, model, image_config: ImageProcessorConfig, cache_tokens: int = 65536):
+        self.model, self.image_config = model, image_config
+        self.model_identity = f"{model.name_or_path}:{model.dtype}"  # as the engine names it (engine.py)
+        self.cache = EncoderCache(cache_tokens)
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry()
+        self.encoded_tokens = Counter("nanomm_encoder_visual_tokens", "visual tokens this instance's tower encoded",
+                                      registry=self.registry)
+        self.transfer_bytes = Counter("nanomm_visual_token_transfer_bytes", "visual-token bytes moved",
+                                      ["direction"], registry=self.registry)
+        self.images = Counter("nanomm_encoder_images", "images asked for", ["cache"], registry=self.registry)
+        self.encode_seconds = Histogram("nanomm_encoder_encode_seconds", "one request's encode (cache misses)",
+                                        buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_CacheCollector(self.cache))
+
+    def encode(self, body: bytes) -> bytes:
+        images = self.read_request(body)
+        with self._lock, torch.inference_mode():
+            keys = [encoder_cache_key(im.content_hash, self.model_identity) for im in images]
+            missing = {k: im for k, im in zip(keys, images) if self.cache.lookup(k) is None}
+            start = time.perf_counter()
+            if missing:
+                for key, tokens in zip(missing, encode_visual_tokens(self.model, list(missing.values()))):
+                    self.cache.add(key, tokens.embeds, tokens.coords)
+                self.encode_seconds.observe(time.perf_counter() - start)
+            tensors = {}
+            for i, key in enumerate(keys):
+                entry = self.cache.entries[key]
+                tensors[f"embeds.{i}"] = entry.embeds
+                if entry.coords is not None:
+                    tensors[f"coords.{i}"] = entry.coords
+            self.cache.trim()  # after the answer took its tensors: an entry larger than the cache still goes out
+        self.encoded_tokens.inc(sum(im.num_encoded_tokens for im in missing.values()))
+        self.images.labels(cache="hit").inc(len(images) - len(missing))
+        self.images.labels(cache="miss").inc(len(missing))
+        answer = pack(tensors, {"encoded_images": len(missing)})
+        self.transfer_bytes.labels(direction="sent").inc(len(answer))
+        return answer
+
+    def read_request(self, body: bytes) -> list[ProcessedImage]:
+        """The images of a request body, each checked; InvalidInputError names the first problem."""
+        try:
+            tensors, message = unpack(body, "the client")
+        except PeerError as exc:
+            raise InvalidInputError(str(exc)) from None
+        given = message.get("preprocessing") if isinstance(message, dict) else None
+        ours = {key: getattr(self.image_config, key) for key in PREPROCESSING_KEYS}
+        if not isinstance(given, dict) or {k: _tuple(given.get(k)) for k in ours} != {k: _tuple(v) for k, v in ours.items()}:
+            raise InvalidInputError(f"the images were preprocessed with {given!r:.200}; this encoder's model "
+                                    f"takes {ours}")
+        entries = message.get("images")
+        if not isinstance(entries, list) or not entries or len(tensors) != len(entries):
+            raise InvalidInputError("the body must list at least one image, with one 'rgb.i' tensor each")
+        return [self._image(i, entry, tensors.get(f"rgb.{i}")) for i, entry in enumerate(entries)]
+
+    def _image(self, i: int, entry, rgb: torch.Tensor | None) -> ProcessedImage:
+        name = f"image {i}"
+        if not isinstance(entry, dict) or set(entry) != {"grid_thw", "content_hash", "compression"}:
+            raise InvalidInputError(f"{name}: needs exactly grid_thw, content_hash and compression")
+        grid, content_hash = entry["grid_thw"], entry["content_hash"]
+        cfg, merge = self.image_config, self.image_config.merge_size
+        if not (isinstance(grid, list) and len(grid) == 3 and all(type(g) is int and g > 0 for g in grid)
+                and grid[0] == 1 and grid[1] % merge == 0 and grid[2] % merge == 0):
+            raise InvalidInputError(f"{name}: grid_thw must be [1, h, w] with h and w multiples of {merge}, "
+                                    f"got {grid!r:.80}")
+        pixels = grid[1] * grid[2] * cfg.patch_size ** 2
+        if pixels > cfg.max_image_pixels:
+            raise InvalidInputError(f"{name}: {pixels:,} pixels, over this encoder's limit of {cfg.max_image_pixels:,}")
+        if rgb is None or rgb.dtype != torch.uint8 or tuple(rgb.shape) != (pixels * 3,):
+            raise InvalidInputError(f"{name}: 'rgb.{i}' must be {pixels * 3} uint8 values for grid {grid}")
+        if not (isinstance(content_hash, str) and HEX64.fullmatch(content_hash)):
+            raise InvalidInputError(f"{name}: content_hash must be 64 lowercase hex digits")
+        policy = parse_policy(entry["compression"], f"{name}: compression")
+        return ProcessedImage(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy)
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+class _CacheCollector:
+    def __init__(self, cache: EncoderCache):
+        self.cache = cache
+
+    def collect(self):
+        for key, value in self.cache.stats().items():
+            family = GaugeMetricFamily(f"nanomm_{key}", f"the encoder service's cache: {key.replace('_', ' ')}")
+            family.add_metric([], float(value))
+            yield family
+
+
+class EncoderServer:
+    """The routes over one EncoderService: POST /v1/encode, GET /health, /metrics, /v1/models."""
+
+    def __init__(self, service: EncoderService, model_name: str, max_body_bytes: int = 256 * 2**20):
+        self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
+        routes = [Route("/v1/encode", self.encode, methods=["POST"]), Route("/health", self.health),
+                  Route("/metrics", self.scrape), Route("/v1/models", self.models)]
+        self.app = Starlette(routes=routes)
+
+    async def encode(self, request: Request) -> Response:
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            return JSONResponse({"error": {"message": f"body over {self.max_body_bytes} bytes", "code": 413}}, 413)
+        self.service.transfer_bytes.labels(direction="received").inc(0)  # the series exists from the start
+        try:
+            answer = await asyncio.to_thread(self.service.encode, body)
+        except InvalidInputError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}, 400)
+        return Response(answer, media_type=MEDIA_TYPE)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": "encoder"})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "nanomm", "role": "encoder"}]})
+
+    async def scrape(self, request: Request) -> Response:
+        return Response(generate_latest(self.service.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def load_encoder(folder: str, device: str | None = None, dtype: str | None = None,
+                 max_pixels: int | None = None) -> EncoderService:
+    """The model's vision tower, on cuda in bfloat16 when there is one (as `LLM` chooses), without its decoder."""
+    from dataclasses import replace
+
+    from nanomm.model.loader import load_model, resolve_checkpoint
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    path = resolve_checkpoint(folder)
+    model = load_model(path, device=device, dtype=dtype)
+    model.language_model.layers = torch.nn.ModuleList()  # never run here; the embedding stays (device, dtype)
+    image_config = ImageProcessorConfig.from_pretrained(path)
+    if max_pixels is not None:
+        image_config = replace(image_config, max_pixels=max_pixels)
+    return EncoderService(model, image_config)
