@@ -38,6 +38,13 @@ def module_map_errors(readme: str, actual: set[str]) -> list[str]:
     return errors
 
 
+@pytest.mark.parametrize("doc, limit", [("README.md", 250), ("BENCHMARKS.md", 500)])
+def test_the_front_docs_stay_short(doc, limit):
+    """The README is the front page and BENCHMARKS one current table per benchmark: neither may grow into a
+    journal."""
+    assert len((ROOT / doc).read_text(encoding="utf-8").splitlines()) <= limit
+
+
 def test_module_map_lists_every_file():
     errors = module_map_errors((ROOT / "README.md").read_text(encoding="utf-8"), package_files())
     assert not errors, f"README module map, one table row per nanomm/ file: {errors}"

@@ -48,6 +48,7 @@ RULES = [
     ("inputs are prepared without the engine", "inputs", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),
     ("the engine serves no HTTP", "engine", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
     ("the fast paths sit below the API", "accel", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
+    ("what travels between instances knows no engine", "transfer.py", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),
 ]
 # accel/'s model and attention pieces stand on the model alone; only the engine's own fast paths (CUDA graphs and
 # the memory profile, which run engine steps) import the engine.

@@ -39,7 +39,7 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
-from nanomm.transfer.remote_encoder import RemoteEncoder
+from nanomm.transfer import RemoteEncoder
 
 
 class LLMEngine:

@@ -104,7 +104,7 @@ class ModelRunner:
                  encoder_cache: EncoderCache,
                  trace=None, batched_attention: bool = True, decode_graphs=None, remote_encoder=None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        # transfer/remote_encoder.RemoteEncoder: images go to an encoder service; None: this model's own tower
+        # transfer.RemoteEncoder: images go to an encoder service; None: this model's own tower
         self.remote_encoder = remote_encoder
         self.decode_graphs = decode_graphs  # cuda_graphs.DecodeGraphs: pure decode steps replayed, or None
         self.batched_attention = batched_attention  # False: every sequence attended alone (the definition)

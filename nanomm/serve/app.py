@@ -40,8 +40,8 @@ from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
 from nanomm.serve.metrics import ServerMetrics
-from nanomm.transfer.kv_connector import HttpKVConnector
-from nanomm.transfer.wire import MEDIA_TYPE, pack
+from nanomm.transfer import HttpKVConnector
+from nanomm.transfer import MEDIA_TYPE, pack
 
 
 ROLES = ("integrated", "prefill", "decode")  # an engine's roles; "encoder" and "router" are servers of their own
@@ -175,7 +175,7 @@ class Server:
         self.engine_loop.admit(parsed.id, add, lambda item: event_loop.call_soon_threadsafe(outputs.put_nowait, item))
         return outputs
 
-    # -- prefill here, decode there (engine/handoff.py, transfer/kv_connector.py) --------------------------------
+    # -- prefill here, decode there (engine/handoff.py, transfer.py) --------------------------------
 
     def _transfer_params(self, body: dict):
         """None (an ordinary request), the prefill instruction {"do_remote_decode": true[, "encoder_url"]}, or a

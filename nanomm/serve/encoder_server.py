@@ -5,7 +5,7 @@
 
 Lesson: lessons/13-three-topologies.md.
 
-POST /v1/encode takes the body transfer/remote_encoder.py builds (each image's resized RGB bytes, patch grid,
+POST /v1/encode takes the body transfer.py builds (each image's resized RGB bytes, patch grid,
 content hash and compression policy, and the preprocessing constants) and answers with each image's visual
 tokens (and a compressed image's kept coordinates), one safetensors body each way. The service keeps its own
 encoder cache (engine/encoder_cache.py), keyed exactly as an engine's: sha256(image content hash, model
@@ -41,8 +41,8 @@ from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.compression import encode_visual_tokens, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage
 from nanomm.serve.metrics import LATENCY_BUCKETS
-from nanomm.transfer.remote_encoder import PREPROCESSING_KEYS
-from nanomm.transfer.wire import MEDIA_TYPE, pack, unpack
+from nanomm.transfer import PREPROCESSING_KEYS
+from nanomm.transfer import MEDIA_TYPE, pack, unpack
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 

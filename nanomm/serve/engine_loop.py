@@ -72,7 +72,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self.engine.expire_handoffs()
+            if self.engine.expire_handoffs():  # a decode peer never came: its KV blocks are free again
+                self.on_step(self.engine.stats())
             busy = self.engine.has_unfinished_requests()
             self._take_commands(wait_s=0.0 if busy else IDLE_WAIT_S)
             if self.engine.has_unfinished_requests():

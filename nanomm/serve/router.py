@@ -12,7 +12,7 @@ sends it:
    the request (a 400 comes straight back to the client), has its images encoded by the encoder service E,
    runs the prompt, samples the first token, parks the KV and answers with the handoff (engine/handoff.py);
 2. to a decode instance, with the original body and that handoff: it pulls the KV from the prefill instance
-   (transfer/kv_connector.py), replays the first token and streams or returns the answer, which the router
+   (transfer.py), replays the first token and streams or returns the answer, which the router
    passes through to the client unchanged.
 
 Each pool is balanced by its outstanding work, each URL's sum over the requests it holds now: visual tokens
@@ -24,7 +24,6 @@ Failures never hang a client: an empty pool is a 503 at once; a peer that refuse
 the KV of a handoff nobody took, after its own timeout.
 """
 
-import asyncio
 import base64
 import binascii
 import contextlib

@@ -1,0 +1,247 @@
+"""The split engine, in one process: a prefill engine hands a request to a decode engine (engine/handoff.py), and
+an engine with an encoder service runs no tower (transfer.py). The oracle is one integrated
+engine, and the dense reference behind it: the same token ids and the same logprobs, whatever the split.
+The real processes, the router and the faults across processes are tests/test_disagg_processes.py."""
+
+import json
+import shutil
+import socket
+import time
+
+import httpx
+import pytest
+
+from helpers import chat_prompt, random_image, random_workload, reference_tokens, run_to_completion
+from nanomm import LLM, InvalidInputError, SamplingParams
+from nanomm.engine.handoff import Handoff, kv_layout
+from nanomm.errors import PeerError
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.serve.router import Router
+from nanomm.transfer import HttpKVConnector
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def make_llm(ckpt, **kwargs) -> LLM:
+    return LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0, **kwargs)
+
+
+def hand_over(prefill: LLM, decode: LLM, prompt, params: SamplingParams, request_id: str):
+    """One request through a prefill engine, then a decode engine, the KV moved as the HTTP route moves it
+    (export after the decode side took its cached prefix). Returns (final output, the handoff, blocks reused)."""
+    prefill.engine.add_request(prompt, params, request_id=request_id, hand_off=True)
+    parked = run_to_completion(prefill.engine)[request_id]
+    assert parked.outputs[0].finish_reason == "handoff" and parked.outputs[0].token_ids == []
+    handoff = Handoff.from_json({**parked.kv_transfer_params, "remote_url": "in-process"},
+                                decode.model.config.text.vocab_size)
+    cached = decode.engine.take_cached_prefix(handoff)
+    from_token = len(cached) * decode.engine.config.block_size
+    kv, num_tokens = prefill.engine.export_kv(handoff.transfer_id, from_token)
+    assert num_tokens == handoff.num_tokens
+    for name, (dtype, shape) in kv_layout(decode.engine.runner.kv_cache, num_tokens - from_token).items():
+        assert kv[name].dtype == dtype and tuple(kv[name].shape) == shape
+    decode.engine.add_transferred(request_id, None, params, handoff, kv, cached, 0.0)
+    return run_to_completion(decode.engine)[request_id], handoff, len(cached)
+
+
+def same_completion(split, whole) -> None:
+    a, b = split.outputs[0], whole.outputs[0]
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.text == b.text
+    if b.logprobs is not None:
+        for mine, theirs in zip(a.logprobs, b.logprobs):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-5 for t in mine)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_then_decode_gives_the_integrated_engines_tokens(ckpt, params):
+    prefill, decode, whole = make_llm(ckpt), make_llm(ckpt, block_size=4), make_llm(ckpt)  # other block sizes
+    prompts = random_workload(seed=3, num_prompts=4, max_images=2)
+    expected = whole.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, want) in enumerate(zip(prompts, expected)):
+        got, handoff, _ = hand_over(prefill, decode, prompt, params, f"r{i}")
+        same_completion(got, want)
+        assert got.prompt_token_ids == want.prompt_token_ids
+        if params.greedy:
+            assert got.outputs[0].token_ids == reference_tokens(whole, prompt, params)
+    assert prefill.stats()["kv_blocks_used"] == 0 and decode.stats()["kv_blocks_used"] == 0
+
+
+def test_prefix_cache_hits_on_either_side_move_only_what_is_missing(ckpt):
+    """The second time a prompt comes, the prefill side computes only its last block, and the decode side
+    pulls only the positions after the blocks its own prefix cache holds; the tokens do not change."""
+    prefill, decode, whole = make_llm(ckpt), make_llm(ckpt), make_llm(ckpt)
+    prompt = chat_prompt("the cat sat on the mat and looked at the picture " * 3, [random_image(84, 56, 1)])
+    want = whole.generate(prompt, SEEDED, use_tqdm=False)[0]
+    first, handoff, reused = hand_over(prefill, decode, prompt, SEEDED, "a")
+    again, handoff_again, reused_again = hand_over(prefill, decode, prompt, SEEDED, "b")
+    same_completion(first, want), same_completion(again, want)
+    assert reused == 0 and reused_again == handoff.num_tokens // decode.engine.config.block_size > 2
+    assert handoff.num_cached_tokens == 0 and handoff_again.num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("policy", [{"method": "prune", "keep_ratio": 0.5}, {"method": "pool", "keep_ratio": 0.25}])
+def test_compressed_images_hand_over_exactly(ckpt, policy):
+    prefill, decode, whole = (make_llm(ckpt, visual_token_compression=policy) for _ in range(3))
+    prompt = chat_prompt("what is in the picture", [random_image(112, 84, 5), random_image(56, 56, 6)])
+    got, _, _ = hand_over(prefill, decode, prompt, GREEDY, "c")
+    same_completion(got, whole.generate(prompt, GREEDY, use_tqdm=False)[0])
+
+
+def test_an_fp8_kv_cache_travels_as_stored(ckpt):
+    prefill, decode, whole = (make_llm(ckpt, kv_cache_dtype="fp8") for _ in range(3))
+    prompt = chat_prompt("describe it", [random_image(70, 56, 9)])
+    assert set(kv_layout(decode.engine.runner.kv_cache, 1)) == {"codes", "scales"}
+    got, _, _ = hand_over(prefill, decode, prompt, SEEDED, "f")
+    same_completion(got, whole.generate(prompt, SEEDED, use_tqdm=False)[0])
+
+
+def test_speculative_decoding_on_the_decode_side(ckpt):
+    prefill, decode, whole = make_llm(ckpt), make_llm(ckpt, speculative=NGRAM), make_llm(ckpt)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = chat_prompt("a b c a b c a b c a b c", [random_image(56, 56, 2)])
+    got, _, _ = hand_over(prefill, decode, prompt, params, "s")
+    assert got.outputs[0].token_ids == whole.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert decode.stats()["spec_draft_tokens"] > 0
+
+
+def test_prompt_logprobs_stop_rules_and_one_token_answers_carry_over(ckpt):
+    prefill, decode, whole = make_llm(ckpt), make_llm(ckpt), make_llm(ckpt)
+    prompt = chat_prompt("hello there", [random_image(56, 56, 4)])
+    first = whole.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
+    cases = {"prompt logprobs": SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3, ignore_eos=True),
+             "one token": SamplingParams(temperature=0, max_tokens=1),
+             "stops at its first token": SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first])}
+    for name, params in cases.items():
+        want = whole.generate(prompt, params, use_tqdm=False)[0]
+        got, _, _ = hand_over(prefill, decode, prompt, params, name)
+        same_completion(got, want)
+        assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None), name
+        for mine, theirs in zip(got.prompt_logprobs or [], want.prompt_logprobs or []):
+            assert (mine is None and theirs is None) or {t: v.rank for t, v in mine.items()} == \
+                {t: v.rank for t, v in theirs.items()}, name
+
+
+def test_a_handoff_nobody_takes_is_freed_after_its_timeout(ckpt):
+    prefill = make_llm(ckpt, kv_handoff_timeout_s=0.05)
+    prefill.engine.add_request(chat_prompt("hi", [random_image(56, 56, 3)]), GREEDY, request_id="x", hand_off=True)
+    parked = run_to_completion(prefill.engine)["x"]
+    assert prefill.stats()["kv_blocks_used"] > 0 and prefill.stats()["kv_requests_parked"] == 1
+    time.sleep(0.1)
+    assert prefill.engine.expire_handoffs() == 1
+    assert prefill.stats()["kv_blocks_used"] == 0
+    with pytest.raises(InvalidInputError, match="no parked request"):
+        prefill.engine.export_kv(parked.kv_transfer_params["transfer_id"], 0)
+
+
+def test_a_decode_instance_out_of_blocks_fails_the_transferred_request_it_cannot_recompute(ckpt):
+    """Preemption recomputes a request from its prompt; a transferred request has no pixels here, so the decode
+    side fails it with a 503 instead, and frees everything."""
+    prefill, decode = make_llm(ckpt), make_llm(ckpt, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for i in range(2):
+        prompt = chat_prompt("a picture " * 2, [random_image(28, 28, 10 + i)])
+        prefill.engine.add_request(prompt, params, request_id=f"p{i}", hand_off=True)
+        parked = run_to_completion(prefill.engine)[f"p{i}"]
+        handoff = Handoff.from_json({**parked.kv_transfer_params, "remote_url": "x"}, 10**6)
+        kv, _ = prefill.engine.export_kv(handoff.transfer_id, 0)
+        decode.engine.add_transferred(f"p{i}", None, params, handoff, kv, [], 0.0)
+    outs = run_to_completion(decode.engine)
+    reasons = sorted(o.outputs[0].finish_reason for o in outs.values())
+    assert "error" in reasons
+    failed = next(o.outputs[0] for o in outs.values() if o.outputs[0].finish_reason == "error")
+    assert failed.error_status == 503 and "cannot be recomputed" in failed.error
+
+
+def test_bad_handoffs_are_400s_before_anything_is_taken(ckpt):
+    decode = make_llm(ckpt)
+    for bad in ({}, {"transfer_id": "t"}, {"transfer_id": 1, "prompt_token_ids": [1]}):
+        with pytest.raises(InvalidInputError, match="kv_transfer_params"):
+            Handoff.from_json(bad, decode.model.config.text.vocab_size)
+    assert decode.stats()["kv_blocks_used"] == 0
+
+
+# -- the KV connector over HTTP --------------------------------------------------------------------------------
+
+def test_the_http_connector_checks_what_arrives(ckpt):
+    """A prefill instance in fp8 and a decode instance in float32 do not store the same KV: an error that says
+    so, never silent garbage. An unknown transfer id is an error too; the parked blocks are freed either way."""
+    llm = make_llm(ckpt, kv_cache_dtype="fp8")
+    with BackgroundServer(Server(llm, ServerConfig("m", role="prefill"))) as url:
+        llm.engine.add_request(chat_prompt("hi"), GREEDY, request_id="k", hand_off=True)
+        for _ in range(50):
+            if llm.engine.parked:
+                break
+            time.sleep(0.05)
+        transfer_id = next(iter(llm.engine.parked.by_id))
+        plain = make_llm(ckpt)
+        layout = kv_layout(plain.engine.runner.kv_cache, llm.engine.parked.by_id[transfer_id].num_tokens)
+        with pytest.raises(PeerError, match="kv_cache_dtype"):
+            HttpKVConnector(5).pull(url, transfer_id, 0, llm.engine.parked.by_id[transfer_id].num_tokens, layout)
+        with pytest.raises(PeerError, match="404"):
+            HttpKVConnector(5).pull(url, transfer_id, 0, 10, layout)  # taken already: the first pull freed it
+        assert httpx.get(url + "/metrics").status_code == 200
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+# -- an encoder service ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def encoder_url(ckpt):
+    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("policy", [None, {"method": "attention", "keep_ratio": 0.5}])
+def test_an_engine_with_an_encoder_service_gives_the_same_tokens_and_logprobs(ckpt, encoder_url, policy):
+    remote = make_llm(ckpt, encoder_url=encoder_url, visual_token_compression=policy)
+    local = make_llm(ckpt, visual_token_compression=policy)
+    assert remote.model.visual is None  # no tower to run
+    prompts = random_workload(seed=8, num_prompts=4, max_images=2)
+    for params in (GREEDY, SEEDED):
+        for mine, theirs in zip(remote.generate(prompts, params, use_tqdm=False),
+                                local.generate(prompts, params, use_tqdm=False)):
+            same_completion(mine, theirs)
+    stats = remote.stats()
+    assert stats["visual_tokens_encoded"] == 0 and stats["visual_token_bytes_received"] > 0
+    assert local.stats()["visual_tokens_encoded"] > 0
+    encoded = [float(line.split()[-1]) for line in httpx.get(encoder_url + "/metrics").text.splitlines()
+               if line.startswith("nanomm_encoder_visual_tokens_total")]
+    assert encoded == [local.stats()["visual_tokens_encoded"]]  # each picture once: the service caches too
+
+
+def test_an_encoder_service_that_is_gone_fails_only_the_requests_that_need_it(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once the socket closes
+    llm = make_llm(ckpt, encoder_url=dead, encoder_timeout_s=2)
+    with_image, text_only = chat_prompt("what is it", [random_image(56, 56, 1)]), chat_prompt("just text")
+    failed, fine = llm.generate([with_image, text_only], GREEDY, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].error_status == 502
+    assert "encoder service" in failed.outputs[0].error
+    assert fine.outputs[0].finish_reason == "length" and len(fine.outputs[0].token_ids) == 8
+
+
+def test_an_encoder_for_another_preprocessing_is_refused(ckpt, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config["image_mean"] = [0.5, 0.5, 0.5]
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    with BackgroundServer(EncoderServer(load_encoder(str(other)), "m")) as url:
+        llm = make_llm(ckpt, encoder_url=url)
+        out = llm.generate(chat_prompt("x", [random_image(56, 56, 2)]), GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "error" and out.error_status == 502 and "preprocessed with" in out.error
+        for body in (b"not safetensors", b""):
+            answer = httpx.post(url + "/v1/encode", content=body)
+            assert answer.status_code == 400 and "message" in answer.json()["error"]
+
+
+def test_a_router_with_an_empty_pool_answers_503_at_once():
+    with BackgroundServer(Router([], [], [])) as url:
+        answer = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=5)
+    assert answer.status_code == 503 and "no prefill instance" in answer.json()["error"]["message"]
