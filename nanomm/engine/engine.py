@@ -18,9 +18,9 @@ from nanomm.engine.config import EngineConfig
 from nanomm.accel.cuda_graphs import DecodeGraphs
 from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
-from nanomm.engine.handoff import (HANDOFF_STAGES, Handoff, ParkedRequests, decode_generator, encode_generator,
-                                  gather_kv, logprob_entries, new_transfer_id, prompt_logprob_entries,
-                                  prompt_logprobs_from, scatter_kv)
+from nanomm.engine.handoff import (Handoff, ParkedRequests, count_prefill_stages, decode_generator,
+                                  first_token_logprobs, gather_kv, make_handoff, prompt_logprobs_from, scatter_kv,
+                                  transferred_prompt)
 from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache
 from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner, token_slots
@@ -182,11 +182,12 @@ class LLMEngine:
                        completion_index=completion_index, hands_off=request_id in self.hand_offs,
                        encoder_url=self.hand_offs.get(request_id))
 
-    def _add_to_scheduler(self, request: Request) -> None:
+    def _add_to_scheduler(self, request: Request, running: bool = False) -> None:
+        """running: its prompt KV is already in its blocks (a decode instance's transferred request)."""
         self.trace.request_ready(request)
         self.requests[request.request_id] = request
         self.output_processor.add(request)
-        self.scheduler.add(request)
+        (self.scheduler.add_running if running else self.scheduler.add)(request)
 
     def encoder_cache_key_for(self, image) -> str:
         """The encoder-cache key of a preprocessed image on this engine's model."""
@@ -244,6 +245,9 @@ class LLMEngine:
         self.num_steps += 1
         self.step_s += time.perf_counter() - start
         self.trace.counters(self.block_manager, self.encoder_cache)
+        for out in outputs:  # a hand-off request that ended before its prefill (bad image, abort) forgets its mark
+            if out.finished:
+                self.hand_offs.pop(out.request_id, None)
         return self._merge_children(outputs)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
@@ -330,20 +334,12 @@ class LLMEngine:
 
     def _park(self, request: Request, emitted: SampledTokens) -> RequestOutput:
         """The request leaves the scheduler with its first token; its blocks stay taken under a transfer id."""
-        m, stream = request.metrics, self.output_processor.streams[request.request_id]
-        now = time.perf_counter()
-        stages = dict(preprocess_s=m.preprocess_s, queue_s=m.first_scheduled_time - request.prompt.ready_time,
-                      encode_s=m.encode_s, prefill_s=now - m.first_scheduled_time - m.encode_s)
-        handoff = Handoff(new_transfer_id(), list(request.prompt.token_ids),
-                          [(s.start, s.length, s.content_hash) for s in request.prompt.image_spans],
-                          request.prompt.rope_delta, emitted.token_ids[0],
-                          logprob_entries(emitted.logprobs[0] if emitted.logprobs else None),
-                          prompt_logprob_entries(stream.prompt_logprobs), encode_generator(request.generator),
-                          stages, m.num_visual_tokens, m.num_cached_tokens)
+        stream = self.output_processor.streams[request.request_id]
+        handoff = make_handoff(request, emitted.token_ids[0], emitted.logprobs[0] if emitted.logprobs else None,
+                               stream.prompt_logprobs)
         self.parked.park(handoff.transfer_id, request.block_table, request.num_computed_tokens,
                          self.config.kv_handoff_timeout_s)
         self.scheduler.detach(request)
-        self.hand_offs.pop(request.request_id, None)
         self._finish(request, "handoff")
         output = self._output(request, [])
         output.kv_transfer_params = handoff.to_json()
@@ -374,9 +370,8 @@ class LLMEngine:
     def take_cached_prefix(self, handoff: Handoff) -> list[int]:
         """A decode instance, before it pulls: the leading blocks of the prompt its own prefix cache holds, taken
         (so they stay) until `add_transferred` uses them or `free_blocks` returns them."""
-        bs = self.config.block_size
         hashes = self.block_manager.block_hashes(handoff.prompt_token_ids, handoff.spans(),
-                                                 handoff.num_tokens // bs, [])
+                                                 handoff.num_tokens // self.config.block_size, [])
         cached = self.block_manager.find_cached_prefix(hashes)
         self.block_manager.take_cached(cached)
         return cached
@@ -387,73 +382,55 @@ class LLMEngine:
     def add_transferred(self, request_id: str, text: str | None, params: SamplingParams | None, handoff: Handoff,
                         kv: dict[str, torch.Tensor], cached_blocks: list[int], transfer_s: float) -> str:
         """A decode instance takes over a request a prefill instance ran: its KV after the cached blocks is `kv`.
-        The cached blocks are the request's from here on, whatever happens (on an error they are freed)."""
+        The cached blocks are the request's from here on, whatever happens (on an error they are freed). The first
+        token goes through this engine's output processor, as if sampled here; its output is the next step's."""
         try:
             request = self._transferred_request(request_id, text, params, handoff, cached_blocks)
         except BaseException:
             self.free_blocks(cached_blocks)
             raise
-        from_token = len(cached_blocks) * self.config.block_size
-        scatter_kv(self.runner.kv_cache, token_slots(request.block_table, from_token, handoff.num_tokens,
-                                                     self.config.block_size), kv)
+        bs = self.config.block_size
+        scatter_kv(self.runner.kv_cache, token_slots(request.block_table, len(cached_blocks) * bs, handoff.num_tokens,
+                                                     bs), kv)
         request.num_computed_tokens = handoff.num_tokens
         request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
-                                                               handoff.num_tokens // self.config.block_size, [])
+                                                               handoff.num_tokens // bs, [])
         self.block_manager.register(request.block_table, request.block_hashes, handoff.num_tokens)
-        self.requests[request_id] = request
-        self.output_processor.add(request)
+        self._add_to_scheduler(request, running=True)
         self.output_processor.streams[request_id].prompt_logprobs = prompt_logprobs_from(handoff.prompt_logprobs)
-        self.scheduler.add_running(request)
-        self._replay_first_token(request, handoff, transfer_s)
+        tokens, reason = self.output_processor.take_tokens(request, [handoff.first_token],
+                                                           first_token_logprobs(handoff))
+        request.token_ids += tokens
+        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
+        count_prefill_stages(request.metrics, handoff, transfer_s)
+        if reason:
+            self._finish(request, reason)
+        self.intake.early_outputs.append(self._output(request, tokens))
         return request_id
 
     def _transferred_request(self, request_id: str, text: str | None, params, handoff: Handoff,
                              cached_blocks: list[int]) -> Request:
-        """The Request, with blocks for the prompt and the first token, before anything is written."""
+        """The Request, checked, with blocks for the prompt and the first token, before anything is written."""
         name = f"request {request_id}"
         params = _check_params(params, name)
         if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         if params.n > 1:
             raise InvalidInputError(f"{name}: n > 1 is served by an integrated engine only")
+        prompt = transferred_prompt(handoff, text)
         if handoff.num_tokens >= self.config.max_model_len:
             raise InvalidInputError(f"{name}: {handoff.num_tokens} prompt tokens leave no room under "
                                     f"max_model_len={self.config.max_model_len}")
-        now = time.perf_counter()
-        prompt = PreparedPrompt(text, handoff.prompt_token_ids, [], handoff.spans(), None, handoff.rope_delta, now,
-                                arrival_time=now)
         self.intake.check_fits(prompt, params, name)
         new_blocks = self.block_manager.blocks_needed(handoff.num_tokens + 1) - len(cached_blocks)
         if not self.block_manager.can_allocate(new_blocks):
             raise PeerError(f"the decode instance has {self.block_manager.num_free_blocks} free KV blocks; this "
                             f"request needs {new_blocks}: retry shortly", 503)
-        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=handoff.num_tokens,
-                                 num_visual_tokens=handoff.num_visual_tokens,
-                                 num_cached_tokens=handoff.num_cached_tokens)
-        request = Request(request_id, prompt, [], params=params,
-                          generator=decode_generator(handoff.generator_state, self.runner.device),
-                          stop_token_ids=frozenset(stop), metrics=metrics)
+        request = self._make_request(request_id, prompt, params)
+        request.generator = decode_generator(handoff.generator_state, self.runner.device)
+        request.metrics.num_cached_tokens = handoff.num_cached_tokens
         request.block_table = cached_blocks + self.block_manager.allocate(new_blocks)
         return request
-
-    def _replay_first_token(self, request: Request, handoff: Handoff, transfer_s: float) -> None:
-        """The prefill instance's first token goes through this engine's output processor, as if sampled here;
-        its output is the next step's. The TTFT stages are the prefill instance's, plus the transfer."""
-        logprobs = None if handoff.first_logprobs is None else [{t: (v, r) for t, v, r in handoff.first_logprobs}]
-        tokens, reason = self.output_processor.take_tokens(request, [handoff.first_token], logprobs)
-        request.token_ids += tokens
-        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
-        m = request.metrics
-        for stage in HANDOFF_STAGES:
-            setattr(m, stage, handoff.stages.get(stage, 0.0))
-        m.transfer_s = transfer_s
-        m.ttft_s = sum(handoff.stages.get(stage, 0.0) for stage in HANDOFF_STAGES) + transfer_s
-        m.arrival_time = m.first_token_time - m.ttft_s
-        if reason:
-            self._finish(request, reason)
-            m.e2e_s = m.ttft_s
-        self.intake.early_outputs.append(self._output(request, tokens))
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)

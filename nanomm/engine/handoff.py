@@ -32,7 +32,7 @@ import torch
 
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.errors import InvalidInputError
-from nanomm.inputs.prompt import ImageSpan
+from nanomm.inputs.prompt import ImageSpan, PreparedPrompt
 from nanomm.outputs import Logprob
 
 HANDOFF_STAGES = ("preprocess_s", "queue_s", "encode_s", "prefill_s")
@@ -81,8 +81,42 @@ class Handoff:
         return handoff
 
 
-def new_transfer_id() -> str:
-    return uuid.uuid4().hex
+def make_handoff(request, first_token: int, first_logprobs: dict | None, prompt_logprobs) -> Handoff:
+    """A prefilled request's handoff (engine/request.py's Request), the moment its first token is sampled."""
+    m, prompt, now = request.metrics, request.prompt, time.perf_counter()
+    stages = dict(preprocess_s=m.preprocess_s, queue_s=m.first_scheduled_time - prompt.ready_time,
+                  encode_s=m.encode_s, prefill_s=now - m.first_scheduled_time - m.encode_s)
+    return Handoff(uuid.uuid4().hex, list(prompt.token_ids),
+                   [(s.start, s.length, s.content_hash) for s in prompt.image_spans], prompt.rope_delta,
+                   first_token, logprob_entries(first_logprobs), prompt_logprob_entries(prompt_logprobs),
+                   encode_generator(request.generator), stages, m.num_visual_tokens, m.num_cached_tokens)
+
+
+def transferred_prompt(handoff: Handoff, text: str | None) -> PreparedPrompt:
+    """The prompt as a decode instance holds it: token ids and image spans (for block hashes), the rope delta,
+    no images and no positions: it is never computed here (the scheduler fails it rather than recompute it)."""
+    now = time.perf_counter()
+    return PreparedPrompt(text, handoff.prompt_token_ids, [], handoff.spans(), None, handoff.rope_delta, now,
+                          arrival_time=now)
+
+
+def first_token_logprobs(handoff: Handoff) -> list[dict] | None:
+    """The first token's logprobs as the output processor takes them: [{token: (logprob, rank)}]."""
+    if handoff.first_logprobs is None:
+        return None
+    return [{token: (value, rank) for token, value, rank in handoff.first_logprobs}]
+
+
+def count_prefill_stages(metrics, handoff: Handoff, transfer_s: float) -> None:
+    """A transferred request's TTFT: the prefill instance's stages, then the KV transfer; arrival moved back."""
+    for stage in HANDOFF_STAGES:
+        setattr(metrics, stage, handoff.stages.get(stage, 0.0))
+    metrics.transfer_s = transfer_s
+    metrics.num_visual_tokens = handoff.num_visual_tokens
+    metrics.ttft_s = sum(handoff.stages.get(stage, 0.0) for stage in HANDOFF_STAGES) + transfer_s
+    metrics.arrival_time = metrics.first_token_time - metrics.ttft_s
+    if metrics.e2e_s is not None:  # finished at its first token
+        metrics.e2e_s = metrics.ttft_s
 
 
 def encode_generator(generator: torch.Generator | None) -> str | None:
