@@ -129,7 +129,7 @@ def test_load_smallest(tmp_path):
     assert run["completion_tokens"] == 4 * 3  # ignore_eos: every answer is --max-tokens long
     assert run["visual_tokens"] % 4 == 0 and run["visual_tokens"] <= 4 * 4  # 0 or 4 each (56x56: 2x2 merged)
     assert {"p50", "p95", "p99"} == set(run["ttft_s"]) and run["ttft_s"]["p50"] > 0
-    assert set(run["server_ttft_stages_s"]) == {"ttft", "preprocess", "queue", "encode", "prefill"}
+    assert set(run["server_ttft_stages_s"]) == {"ttft", "preprocess", "queue", "encode", "prefill", "transfer"}
     assert results["machine"]["cpu"] and results["command"].startswith("scripts/load.py")
 
 
