@@ -110,20 +110,18 @@ def read_encode_response(body: bytes, images: list, hidden_size: int, dtype: tor
     return out
 
 
-def post(url: str, body: bytes, timeout_s: float, what: str) -> bytes:
-    """POST a safetensors body; the answer's bytes, or a PeerError that says which peer failed and how."""
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": MEDIA_TYPE})
+def fetch(request: "urllib.request.Request | str", timeout_s: float, peer: str) -> bytes:
+    """The answer's bytes (a GET of a URL, or the request given), or a PeerError that says which peer failed
+    and how. The caller's input was checked before it got here: any refusal is this deployment's fault (a 502),
+    or the peer being busy (a 503, passed on); a peer that says nothing in time is a 504."""
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:300].decode(errors="replace")
-        # The caller's input was checked before it got here: any refusal is this deployment's fault (a 502),
-        # or the peer being busy (a 503, passed on).
-        raise PeerError(f"{what} at {url} answered {exc.code}: {detail}", 503 if exc.code == 503 else 502) from None
+        raise PeerError(f"{peer} answered {exc.code}: {detail}", 503 if exc.code == 503 else 502) from None
     except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-        timed_out = "timed out" in str(exc)
-        raise PeerError(f"{what} at {url} did not answer ({exc})", 504 if timed_out else 502) from None
+        raise PeerError(f"{peer} did not answer ({exc})", 504 if "timed out" in str(exc) else 502) from None
 
 
 class RemoteEncoder:
@@ -138,14 +136,16 @@ class RemoteEncoder:
 
     def encode(self, images: list, url: str | None = None) -> list[VisualTokens]:
         """The images' visual tokens from the service at url (None: this engine's default)."""
-        url = (url or self.url).rstrip("/")
-        body = encode_request(images)
+        url, body = (url or self.url).rstrip("/"), encode_request(images)
+        peer = f"the encoder service at {url}"
+        request = urllib.request.Request(f"{url}/v1/encode", data=body, method="POST",
+                                         headers={"Content-Type": MEDIA_TYPE})
         start = time.perf_counter()
-        answer = post(f"{url}/v1/encode", body, self.timeout_s, "the encoder service")
+        answer = fetch(request, self.timeout_s, peer)
         self.wait_s += time.perf_counter() - start
         self.bytes_sent += len(body)
         self.bytes_received += len(answer)
-        tokens = read_encode_response(answer, images, self.hidden_size, self.dtype, f"the encoder service at {url}")
+        tokens = read_encode_response(answer, images, self.hidden_size, self.dtype, peer)
         return [VisualTokens(t.embeds.to(self.device), t.coords) for t in tokens]
 
     def stats(self) -> dict:
@@ -166,20 +166,10 @@ class KVConnector(ABC):
 class HttpKVConnector(KVConnector):
     def __init__(self, timeout_s: float = 30.0):
         self.timeout_s = timeout_s
-        self.bytes_received, self.pull_s = 0, 0.0
 
     def pull(self, remote_url, transfer_id, from_token, num_tokens, layout):
         peer = f"the prefill instance at {remote_url}"
-        url = f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}"
-        start = time.perf_counter()
-        try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                body = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:300].decode(errors="replace")
-            raise PeerError(f"{peer} answered {exc.code}: {detail}", 503 if exc.code == 503 else 502) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise PeerError(f"{peer} did not answer ({exc})", 504 if "timed out" in str(exc) else 502) from None
+        body = fetch(f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}", self.timeout_s, peer)
         tensors, message = unpack(body, peer)
         if message.get("num_tokens") != num_tokens or message.get("from_token") != from_token:
             raise PeerError(f"{peer} sent positions {message.get('from_token')}..{message.get('num_tokens')}, "
@@ -189,6 +179,4 @@ class HttpKVConnector(KVConnector):
                             "(do both use the same kv_cache_dtype?)")
         for name, (dtype, shape) in layout.items():
             expect(tensors[name], name, dtype, shape, peer)
-        self.bytes_received += len(body)
-        self.pull_s += time.perf_counter() - start
         return tensors, len(body)

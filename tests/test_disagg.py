@@ -13,7 +13,7 @@ import pytest
 
 from helpers import chat_prompt, random_image, random_workload, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.engine.handoff import Handoff, kv_layout
+from nanomm.engine.handoff import Handoff, decode_generator, kv_layout
 from nanomm.errors import PeerError
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
@@ -162,6 +162,8 @@ def test_bad_handoffs_are_400s_before_anything_is_taken(ckpt):
     for bad in ({}, {"transfer_id": "t"}, {"transfer_id": 1, "prompt_token_ids": [1]}):
         with pytest.raises(InvalidInputError, match="kv_transfer_params"):
             Handoff.from_json(bad, decode.model.config.text.vocab_size)
+    with pytest.raises(InvalidInputError, match="sampling state"):
+        decode_generator("not base64 at all!", decode.engine.runner.device)
     assert decode.stats()["kv_blocks_used"] == 0
 
 

@@ -393,9 +393,7 @@ class LLMEngine:
         scatter_kv(self.runner.kv_cache, token_slots(request.block_table, len(cached_blocks) * bs, handoff.num_tokens,
                                                      bs), kv)
         request.num_computed_tokens = handoff.num_tokens
-        request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
-                                                               handoff.num_tokens // bs, [])
-        self.block_manager.register(request.block_table, request.block_hashes, handoff.num_tokens)
+        self.scheduler.register_full_blocks(request)
         self._add_to_scheduler(request, running=True)
         self.output_processor.streams[request_id].prompt_logprobs = prompt_logprobs_from(handoff.prompt_logprobs)
         tokens, reason = self.output_processor.take_tokens(request, [handoff.first_token],

@@ -69,14 +69,19 @@ class Handoff:
         try:
             handoff = cls(**{k: v for k, v in params.items() if k != "do_remote_decode"})
             ids = handoff.prompt_token_ids
-            assert isinstance(handoff.transfer_id, str) and isinstance(handoff.remote_url, str)
-            assert isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab_size for t in ids)
-            assert type(handoff.first_token) is int and 0 <= handoff.first_token < vocab_size
-            assert type(handoff.rope_delta) is int and all(type(x) is int for s in handoff.image_spans for x in s[:2])
-            assert all(isinstance(v, (int, float)) for v in handoff.stages.values())
-        except (TypeError, AttributeError, AssertionError, ValueError) as exc:
+            well_formed = (
+                isinstance(handoff.transfer_id, str) and isinstance(handoff.remote_url, str)
+                and isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab_size for t in ids)
+                and type(handoff.first_token) is int and 0 <= handoff.first_token < vocab_size
+                and type(handoff.rope_delta) is int
+                and all(type(x) is int for span in handoff.image_spans for x in span[:2])
+                and all(isinstance(v, (int, float)) for v in handoff.stages.values()))
+        except (TypeError, AttributeError, ValueError) as exc:
             raise InvalidInputError(f"kv_transfer_params is not a handoff from a nanomm prefill instance "
                                     f"({type(exc).__name__} {exc})") from None
+        if not well_formed:
+            raise InvalidInputError("kv_transfer_params is not a handoff from a nanomm prefill instance (a field "
+                                    "has the wrong type, or a token id is outside the vocabulary)")
         handoff.image_spans = [tuple(s) for s in handoff.image_spans]
         return handoff
 
@@ -128,10 +133,9 @@ def decode_generator(state: str | None, device: torch.device) -> torch.Generator
     if state is None:
         return None
     generator = torch.Generator(device)
-    raw = torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
     try:
-        generator.set_state(raw)
-    except RuntimeError as exc:  # a CPU generator's state on a CUDA device, say
+        generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+    except (RuntimeError, ValueError) as exc:  # not base64, or a CPU generator's state on a CUDA device, say
         raise InvalidInputError(f"kv_transfer_params: the sampling state does not fit a {device} generator "
                                 f"({exc})") from None
     return generator

@@ -214,6 +214,10 @@ class Scheduler:
         request = chunk.request
         request.num_computed_tokens = min(chunk.end - num_rejected, request.num_tokens)
         self.block_manager.shrink_to(request.block_table, request.num_computed_tokens)
+        self.register_full_blocks(request)
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Name every block of the request that is full and computed, so that later requests find it."""
         bs = self.block_manager.block_size
         request.block_hashes = self.block_manager.block_hashes(request.token_ids, request.prompt.image_spans,
                                                         request.num_computed_tokens // bs, request.block_hashes)

@@ -40,11 +40,7 @@ from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
 from nanomm.serve.metrics import ServerMetrics
-from nanomm.transfer import HttpKVConnector
-from nanomm.transfer import MEDIA_TYPE, pack
-
-
-ROLES = ("integrated", "prefill", "decode")  # an engine's roles; "encoder" and "router" are servers of their own
+from nanomm.transfer import MEDIA_TYPE, HttpKVConnector, pack
 
 
 @dataclass

@@ -40,6 +40,7 @@ from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.compression import encode_visual_tokens, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage
+from nanomm.serve import protocol
 from nanomm.serve.metrics import LATENCY_BUCKETS
 from nanomm.transfer import PREPROCESSING_KEYS
 from nanomm.transfer import MEDIA_TYPE, pack, unpack
@@ -153,12 +154,13 @@ class EncoderServer:
     async def encode(self, request: Request) -> Response:
         body = await request.body()
         if len(body) > self.max_body_bytes:
-            return JSONResponse({"error": {"message": f"body over {self.max_body_bytes} bytes", "code": 413}}, 413)
+            message = f"the request body is larger than {self.max_body_bytes} bytes"
+            return JSONResponse(protocol.error_body(message, 413), 413)
         self.service.transfer_bytes.labels(direction="received").inc(0)  # the series exists from the start
         try:
             answer = await asyncio.to_thread(self.service.encode, body)
         except InvalidInputError as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}}, 400)
+            return JSONResponse(protocol.error_body(str(exc), 400), 400)
         return Response(answer, media_type=MEDIA_TYPE)
 
     async def health(self, request: Request) -> Response:

@@ -16,13 +16,12 @@ parked request's blocks, and how a decode instance takes its cached prefix, with
 """
 
 import queue
-from concurrent.futures import Future
 import threading
+from concurrent.futures import Future
 from typing import Callable
 
 from nanomm.engine.engine import LLMEngine
 from nanomm.outputs import RequestOutput
-from nanomm.sampling import SamplingParams
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a command before looking again
 
@@ -46,13 +45,9 @@ class EngineLoop:
         self._stopping.set()
         self._thread.join(timeout=30)
 
-    def add(self, request_id: str, prompt, params: SamplingParams, callback: Callable, hand_off: bool = False) -> None:
-        """From any thread. callback(RequestOutput or InvalidInputError) is called on the engine thread."""
-        self.admit(request_id, lambda engine: engine.add_request(prompt, params, request_id=request_id,
-                                                                hand_off=hand_off), callback)
-
     def admit(self, request_id: str, add: Callable[[LLMEngine], object], callback: Callable) -> None:
-        """`add(engine)` adds the request on the engine thread (add_request, or add_transferred); as `add`."""
+        """From any thread: add(engine) adds the request on the engine thread (`add_request`, or a decode
+        instance's `add_transferred`). callback(RequestOutput, or the exception add raised) is called there."""
         self._commands.put(("add", request_id, add, callback))
 
     def call(self, function: Callable[[LLMEngine], object]) -> Future:
@@ -89,18 +84,17 @@ class EngineLoop:
                 self.on_step(self.engine.stats())
 
     def _take_commands(self, wait_s: float) -> None:
-        """Apply every queued command, waiting up to wait_s for the first one; then publish fresh stats (a KV
-        export frees blocks without any step)."""
-        applied = 0
+        """Apply every queued command, waiting up to wait_s for the first one. When no step follows, publish fresh
+        stats here (a KV export frees blocks without any step); a step publishes its own."""
+        applied = False
         try:
             self._apply(self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait())
-            applied += 1
+            applied = True
             while True:
                 self._apply(self._commands.get_nowait())
-                applied += 1
         except queue.Empty:
             pass
-        if applied:
+        if applied and not self.engine.has_unfinished_requests():
             self.on_step(self.engine.stats())
 
     def _apply(self, command: tuple) -> None:
