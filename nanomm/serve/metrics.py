@@ -4,11 +4,13 @@ Lesson: lessons/11-serving-under-load.md (these metrics under load), lessons/07-
 stages), lessons/06-prefix-caching.md (the hit rates).
 
 - Per finished request (from its `RequestMetrics`): histograms of TTFT and of each of its stages (preprocess,
-  queue, encode, prefill; they add up to TTFT), of TPOT and of end-to-end time; counters of prompt, visual and
+  queue, encode, prefill, and on a decode instance the KV transfer; they add up to TTFT), of TPOT and of end-to-end time; counters of prompt, visual and
   generated tokens, and of requests by finish reason. `rate(nanomm_visual_tokens_total[1m])` is the visual
   tokens per second to scale on.
 - The engine's own counters (`LLMEngine.stats()`), read at scrape time from the engine thread's latest snapshot:
   KV blocks used and total, prefix- and encoder-cache hit rates, preemptions, requests running and waiting.
+- What a split engine moves (lesson 13): visual tokens this instance's tower encoded, visual-token bytes
+  received from an encoder service, KV bytes sent to or received from a peer, requests parked for a decode peer.
 
 Every metric lives in this object's own registry (no global state): two servers in one process do not mix.
 """
