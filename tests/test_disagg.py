@@ -6,6 +6,7 @@ The real processes, the router and the faults across processes are tests/test_di
 import json
 import shutil
 import socket
+import threading
 import time
 
 import httpx
@@ -188,6 +189,40 @@ def test_the_http_connector_checks_what_arrives(ckpt):
             HttpKVConnector(5).pull(url, transfer_id, 0, 10, layout)  # taken already: the first pull freed it
         assert httpx.get(url + "/metrics").status_code == 200
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_kv_pull_is_served_while_the_prefill_engine_is_busy(ckpt):
+    """The pull reads the parked blocks on the HTTP thread: it does not wait for the engine thread (here held by
+    a command that blocks) to reach the end of a step. A from_token outside the prompt is refused and leaves
+    the request parked; the blocks go back to the pool on the engine thread afterwards."""
+    llm = make_llm(ckpt)
+    server = Server(llm, ServerConfig("m", role="prefill"))
+    with BackgroundServer(server) as url:
+        llm.engine.add_request(chat_prompt("hi", [random_image(56, 56, 4)]), GREEDY, request_id="b", hand_off=True)
+        for _ in range(100):
+            if llm.engine.parked:
+                break
+            time.sleep(0.05)
+        transfer_id = next(iter(llm.engine.parked.by_id))
+        num_tokens = llm.engine.parked.by_id[transfer_id].num_tokens
+        layout = kv_layout(llm.engine.runner.kv_cache, num_tokens)
+        gate = threading.Event()
+        held = server.engine_loop.call(lambda engine: gate.wait(30))  # the engine thread is busy until the gate opens
+        try:
+            with pytest.raises(PeerError, match="404"):
+                HttpKVConnector(5).pull(url, transfer_id, num_tokens + 1, num_tokens, layout)
+            kv, _ = HttpKVConnector(5).pull(url, transfer_id, 0, num_tokens, layout)  # a 504 if it waited
+            assert llm.stats()["kv_blocks_used"] > 0  # not freed yet: that is the engine thread's to do
+        finally:
+            gate.set()
+        held.result(timeout=30)
+        for _ in range(100):
+            if llm.stats()["kv_blocks_used"] == 0:
+                break
+            time.sleep(0.05)
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.parked
+    assert {name: (t.dtype, tuple(t.shape)) for name, t in kv.items()} == {
+        name: (dtype, tuple(shape)) for name, (dtype, shape) in layout.items()}
 
 
 # -- an encoder service ----------------------------------------------------------------------------------------

@@ -348,17 +348,21 @@ class LLMEngine:
     def export_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int]:
         """A parked request's KV from position from_token on (its tensors, and its number of positions); its
         blocks go back to the pool now. InvalidInputError for an unknown or expired transfer."""
-        parked = self.parked.take(transfer_id)
-        if parked is None:
-            raise InvalidInputError(f"no parked request {transfer_id!r} (never made, already taken, or expired)")
+        tensors, num_tokens, block_table = self.take_parked_kv(transfer_id, from_token)
+        self.free_blocks(block_table)
+        return tensors, num_tokens
+
+    def take_parked_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int, list[int]]:
+        """`export_kv` from any thread, without waiting for a step to end: the request leaves the parked set under
+        its lock, and no step writes a parked request's blocks, so they are read while the engine runs. Its blocks
+        stay taken; the caller frees them on the engine thread (`free_blocks`)."""
+        parked = self.parked.take(transfer_id, from_token)
+        slots = token_slots(parked.block_table, from_token, parked.num_tokens, self.config.block_size)
         try:
-            if not 0 <= from_token <= parked.num_tokens:
-                raise InvalidInputError(f"from_token={from_token} is outside the prompt's {parked.num_tokens} "
-                                        "positions")
-            slots = token_slots(parked.block_table, from_token, parked.num_tokens, self.config.block_size)
-            return gather_kv(self.runner.kv_cache, slots), parked.num_tokens
-        finally:
-            self.block_manager.free(parked.block_table)
+            return gather_kv(self.runner.kv_cache, slots), parked.num_tokens, parked.block_table
+        except BaseException:
+            self.parked.park(transfer_id, parked.block_table, parked.num_tokens, timeout_s=0.0)  # expiry frees it
+            raise
 
     def expire_handoffs(self) -> int:
         """Free the blocks of parked requests whose decode peer never came; how many there were."""

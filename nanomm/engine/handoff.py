@@ -24,6 +24,7 @@ with a 503, so give decode instances KV room for their load (`nanomm-plan`).
 """
 
 import base64
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -199,21 +200,34 @@ class ParkedRequest:
 
 
 class ParkedRequests:
-    """transfer id -> ParkedRequest; `expired` hands back those whose decode peer never came."""
+    """transfer id -> ParkedRequest; `expired` hands back those whose decode peer never came. Thread-safe: a KV
+    export takes its request from an HTTP thread while the engine thread parks and expires others."""
 
     def __init__(self):
         self.by_id: dict[str, ParkedRequest] = {}
+        self.lock = threading.Lock()
 
     def park(self, transfer_id: str, block_table: list[int], num_tokens: int, timeout_s: float) -> None:
-        self.by_id[transfer_id] = ParkedRequest(block_table, num_tokens, time.monotonic() + timeout_s)
+        with self.lock:
+            self.by_id[transfer_id] = ParkedRequest(block_table, num_tokens, time.monotonic() + timeout_s)
 
-    def take(self, transfer_id: str) -> ParkedRequest | None:
-        return self.by_id.pop(transfer_id, None)
+    def take(self, transfer_id: str, from_token: int = 0) -> ParkedRequest:
+        """The parked request, gone from here (its blocks still taken); InvalidInputError, leaving it parked, for an
+        unknown transfer or a from_token outside its prompt."""
+        with self.lock:
+            parked = self.by_id.get(transfer_id)
+            if parked is None:
+                raise InvalidInputError(f"no parked request {transfer_id!r} (never made, already taken, or expired)")
+            if not 0 <= from_token <= parked.num_tokens:
+                raise InvalidInputError(f"from_token={from_token} is outside the prompt's {parked.num_tokens} "
+                                        "positions")
+            return self.by_id.pop(transfer_id)
 
     def expired(self) -> list[ParkedRequest]:
         now = time.monotonic()
-        gone = [t for t, p in self.by_id.items() if p.deadline <= now]
-        return [self.by_id.pop(t) for t in gone]
+        with self.lock:
+            gone = [t for t, p in self.by_id.items() if p.deadline <= now]
+            return [self.by_id.pop(t) for t in gone]
 
     def __len__(self) -> int:
         return len(self.by_id)

@@ -234,11 +234,13 @@ class Server:
         from_token = request.query_params.get("from_token", "0")
         if not from_token.isdigit():
             return _error("from_token must be a non-negative integer", 400)
-        try:
-            tensors, num_tokens = await asyncio.wrap_future(
-                self.engine_loop.call(lambda engine: engine.export_kv(transfer_id, int(from_token))))
+        engine = self.llm.engine
+        try:  # read on this thread: waiting for the engine's step to end would put a step's time into every pull
+            tensors, num_tokens, block_table = await asyncio.to_thread(engine.take_parked_kv, transfer_id,
+                                                                       int(from_token))
         except InvalidInputError as exc:
             return _error(str(exc), 404)
+        self.engine_loop.call(lambda engine: engine.free_blocks(block_table))  # on the engine thread, not awaited
         body = await asyncio.to_thread(pack, tensors, {"from_token": int(from_token), "num_tokens": num_tokens})
         self.metrics.kv_transfer_bytes.labels(direction="sent").inc(len(body))
         return Response(body, media_type=MEDIA_TYPE)
