@@ -115,7 +115,8 @@ def vision_peak_bytes(config: ModelConfig, visual_tokens: int, dtype: str) -> in
     patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     b = ELEMENT_BYTES[dtype]
     pixels = patches * patch_values * (4 + b)
-    mlp = patches * (2 * vision.embed_dim + 3 * vision.mlp_dim) * b
+    temporaries = 4 if vision.intermediate_size else 3  # SwiGLU (Qwen2.5-VL): gate, up, silu(gate), product
+    mlp = patches * (2 * vision.embed_dim + temporaries * vision.mlp_dim) * b
     return int(pixels + mlp)
 
 

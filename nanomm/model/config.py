@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nanomm.errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2")  # Qwen2-VL, and text-only Qwen2 / Qwen2.5
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2")  # Qwen2-VL, Qwen2.5-VL, and text-only Qwen2 / Qwen2.5
 # Rotary variants nanomm computes; others (yarn, dynamic, ...) would silently change the positions.
 SUPPORTED_ROPE_TYPES = ("default", "mrope")
 
@@ -61,6 +61,9 @@ class VisionConfig:
     spatial_merge_size: int = 2
     hidden_act: str = "quick_gelu"
     rope_theta: float = 10_000.0
+    intermediate_size: int | None = None  # Qwen2.5-VL's SwiGLU width; Qwen2-VL's MLP is embed_dim x mlp_ratio
+    window_size: int = 0  # Qwen2.5-VL: blocks attend within windows of this many pixels a side (0: no windows)
+    fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend over whole frames
 
     @property
     def head_dim(self) -> int:
@@ -68,13 +71,20 @@ class VisionConfig:
 
     @property
     def mlp_dim(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
+        return self.intermediate_size or int(self.embed_dim * self.mlp_ratio)
+
+
+# transformers' Qwen2_5_VLVisionConfig class defaults, in nanomm's names (its hidden_size is our embed_dim, its
+# out_hidden_size our hidden_size).
+QWEN2_5_VISION_DEFAULTS = VisionConfig(depth=32, embed_dim=3584, num_heads=16, hidden_size=3584, hidden_act="silu",
+                                       intermediate_size=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     text: TextConfig
     vision: VisionConfig | None  # None: a text-only Qwen2 checkpoint (no vision tower)
+    model_type: str = "qwen2_vl"  # config.json's: which family, and so which vision tower (qwen2_vl.py)
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
@@ -92,22 +102,23 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
-                f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL (model_type 'qwen2_vl') "
-                f"and text-only Qwen2 (model_type 'qwen2', as draft models) only"
+                f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL ('qwen2_vl'), Qwen2.5-VL "
+                f"('qwen2_5_vl') and text-only Qwen2 ('qwen2', as draft models) only"
             )
         text_raw = raw.get("text_config") or raw  # the original checkpoints keep text fields at the top level
         text = _parse_text_config(text_raw, model_type)
         vision = None
-        if model_type == "qwen2_vl":
-            vision = _parse_vision_config(raw.get("vision_config") or {})
+        if model_type != "qwen2":
+            vision = _parse_vision_config(raw.get("vision_config") or {}, model_type)
             if vision.hidden_size != text.hidden_size:
-                raise CheckpointError(f"vision_config.hidden_size={vision.hidden_size} must equal the text "
+                name = "out_hidden_size" if model_type == "qwen2_5_vl" else "hidden_size"
+                raise CheckpointError(f"vision_config.{name}={vision.hidden_size} must equal the text "
                                       f"hidden_size={text.hidden_size}")
         tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
         ids = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                    "vision_end_token_id") if k in raw}  # absent from qwen2: Qwen2-VL's ids
         eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
-        return cls(text=text, vision=vision, tie_word_embeddings=tie, eos_token_ids=_as_tuple(eos),
+        return cls(text=text, vision=vision, model_type=model_type, tie_word_embeddings=tie, eos_token_ids=_as_tuple(eos),
                    torch_dtype=raw.get("torch_dtype", raw.get("dtype", text_raw.get("dtype"))), **ids)
 
     @classmethod
@@ -154,16 +165,26 @@ def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
     return text
 
 
-def _parse_vision_config(raw: dict) -> VisionConfig:
-    fields = {k: raw[k] for k in ("depth", "embed_dim", "num_heads", "mlp_ratio", "hidden_size", "in_channels",
-                                  "patch_size", "temporal_patch_size", "spatial_merge_size", "hidden_act")
-              if raw.get(k) is not None}
+def _parse_vision_config(raw: dict, model_type: str) -> VisionConfig:
+    """The tower's fields, in nanomm's names. The trap: Qwen2.5-VL's `hidden_size` is the tower's own width (Qwen2-VL
+    calls it embed_dim) and its `out_hidden_size` the language model's (Qwen2-VL's `hidden_size`)."""
+    shared = ("depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size",
+              "hidden_act")
+    if model_type == "qwen2_5_vl":
+        keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                "window_size": "window_size", "fullatt_block_indexes": "fullatt_block_indexes"}
+    else:
+        keys = {"embed_dim": "embed_dim", "hidden_size": "hidden_size", "mlp_ratio": "mlp_ratio"}
+    keys.update({k: k for k in shared})
+    fields = {ours: raw[theirs] for theirs, ours in keys.items() if raw.get(theirs) is not None}
+    if "fullatt_block_indexes" in fields:
+        fields["fullatt_block_indexes"] = tuple(int(i) for i in fields["fullatt_block_indexes"])
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise CheckpointError(f"vision rope_type={rope['rope_type']!r} is not supported (Qwen2-VL uses 'axial')")
     if rope.get("rope_theta") is not None:
         fields["rope_theta"] = float(rope["rope_theta"])
-    vision = VisionConfig(**fields)
+    vision = replace(QWEN2_5_VISION_DEFAULTS if model_type == "qwen2_5_vl" else VisionConfig(), **fields)
     if vision.hidden_act not in ("quick_gelu", "gelu", "silu"):
         raise CheckpointError(f"vision hidden_act={vision.hidden_act!r} is not supported")
     if vision.head_dim % 4:

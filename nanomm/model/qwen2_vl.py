@@ -2,6 +2,9 @@
 
 Lessons: lessons/02-vision-encoder.md (images -> visual tokens), lessons/03-mrope.md (positions).
 
+Qwen2.5-VL is the same model with another vision tower (vision_windowed.py: window attention, RMSNorm, SwiGLU);
+its language model, its positions and its glue are Qwen2-VL's, so `config.model_type` only picks the tower.
+
 The glue is two things: visual tokens replace the embeddings of the expanded <|image_pad|> tokens, in
 order, and positions are M-RoPE (3, tokens) ids computed by `rope.mrope_positions`.
 
@@ -17,6 +20,9 @@ from nanomm.model.config import ModelConfig
 from nanomm.model.qwen2 import Qwen2Model
 from nanomm.model.rope import mrope_cos_sin
 from nanomm.model.vision import VisionTransformer
+from nanomm.model.vision_windowed import WindowedVisionTransformer
+
+VISION_TOWERS = {"qwen2_vl": VisionTransformer, "qwen2_5_vl": WindowedVisionTransformer}  # by config.model_type
 
 
 class Qwen2VL(nn.Module):
@@ -24,7 +30,7 @@ class Qwen2VL(nn.Module):
         super().__init__()
         self.config = config
         self.name_or_path = name_or_path  # the folder or hub id it was loaded from: names it in cache keys and errors
-        self.visual = VisionTransformer(config.vision) if config.has_vision else None
+        self.visual = VISION_TOWERS[config.model_type](config.vision) if config.has_vision else None
         self.language_model = Qwen2Model(config.text)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         self.tie_weights()

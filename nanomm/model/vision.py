@@ -122,12 +122,13 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """The projector: LayerNorm each patch, concatenate each 2x2 block of patches, then a 2-layer GELU MLP."""
+    """The projector: normalise each patch (a LayerNorm, unless `norm` says otherwise), concatenate each 2x2 block
+    of patches, then a 2-layer GELU MLP."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, norm: nn.Module | None = None):
         super().__init__()
         merged_dim = cfg.embed_dim * cfg.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.ln_q = norm if norm is not None else nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(merged_dim, merged_dim), nn.GELU(), nn.Linear(merged_dim, cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

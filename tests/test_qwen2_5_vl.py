@@ -1,0 +1,240 @@
+"""Qwen2.5-VL: nanomm against transformers' Qwen2_5_VLForConditionalGeneration in float32, and the engine's levers
+against the dense reference, on random checkpoints that transformers' own classes wrote (tests/hf_checkpoints.py).
+
+What Qwen2.5-VL changes is the vision tower (model/vision_windowed.py): window attention in window order, RMSNorm,
+SwiGLU. Every image here is big enough for several windows, some cut short at the right and bottom edges, so a
+tower that ignored the window order, the full-attention blocks or the norms would give other visual tokens.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import httpx
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint
+from helpers import (assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image,
+                     random_workload)
+from nanomm import LLM, SamplingParams
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.loader import load_model
+from nanomm.model.vision_windowed import WindowedVisionTransformer, window_order
+from nanomm.reference import generate
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.serve.router import Router
+from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
+
+MAX_PIXELS = 28 * 28 * 160  # up to 160 visual tokens: 10x16 tokens is 3x4 windows of 4x4, the last ones cut
+IMAGE_SIZES = [(300, 200), (90, 60), (448, 336)]  # (width, height)
+NUM_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def oracle(folder):
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def images(count: int, seed: int = 0):
+    return [random_image(*IMAGE_SIZES[i], seed + i) for i in range(count)]
+
+
+def expanded_prompt(folder, count: int):
+    tokenizer = Tokenizer.from_pretrained(folder)
+    config = ImageProcessorConfig.from_pretrained(folder)
+    text, found = tokenizer.apply_chat_template([{"role": "user", "content": [
+        *({"type": "image", "image": im} for im in images(count)), {"type": "text", "text": "Describe, then count."}]}])
+    processed = [preprocess_image(im, config, max_pixels=MAX_PIXELS) for im in found]
+    return tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed]), processed
+
+
+def test_the_checkpoint_is_what_the_hub_names(folder):
+    """config.json's architectures and model_type, and the weight names of the real checkpoints."""
+    config = json.loads((folder / "config.json").read_text())
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"] and config["model_type"] == "qwen2_5_vl"
+    assert {"visual.blocks.0.mlp.gate_proj.weight", "visual.blocks.0.norm1.weight", "visual.merger.ln_q.weight",
+            "model.layers.0.self_attn.q_proj.bias", "lm_head.weight"} <= names
+
+
+def test_windows_tile_each_frame_from_the_top_left():
+    # 6x10 tokens in windows of 4x4: a 4x4, a 4x4, a 4x2, then the bottom row 2x4, 2x4, 2x2 (patches: x4).
+    order, lengths = window_order([(1, 12, 20)], 2, 4)
+    assert lengths == [64, 64, 32, 32, 32, 16]
+    assert order[:4].tolist() == [0, 1, 2, 3] and order[4:8].tolist() == [10, 11, 12, 13]
+    assert sorted(order.tolist()) == list(range(60))
+    second, _ = window_order([(1, 4, 4), (2, 4, 4)], 2, 4)  # images and frames follow each other
+    assert second.tolist() == list(range(12))
+
+
+def test_the_vision_tower_matches_transformers_for_batches(folder, oracle):
+    ours = load_model(folder)
+    assert isinstance(ours.visual, WindowedVisionTransformer)
+    config = ImageProcessorConfig.from_pretrained(folder)
+    batch = [preprocess_image(im, config, max_pixels=MAX_PIXELS) for im in images(3, seed=5)]
+    assert any(p.grid_thw[1] // 2 > 4 for p in batch), "no image has more than one window"
+    pixels, grids = torch.cat([p.pixel_values for p in batch]), [p.grid_thw for p in batch]
+    with torch.no_grad():
+        expected = oracle.model.visual(pixels, grid_thw=torch.tensor([list(g) for g in grids])).pooler_output
+        got = ours.encode_images(pixels, grids)
+    assert [t.shape[0] for t in got] == [p.num_tokens for p in batch]
+    rel = ((torch.cat(got) - expected).norm() / expected.norm()).item()
+    assert rel <= 1e-5, f"vision output relative error {rel}"
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 3])
+def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, num_images):
+    ours = load_model(folder)
+    ids, processed = expanded_prompt(folder, num_images)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    result = generate(ours, ids, processed, params, keep_logits=True)
+    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id), NUM_TOKENS)
+    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
+    diffs = [(a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)]
+    assert max(diffs) <= LOGITS_ATOL, diffs
+    assert comparable >= NUM_TOKENS // 2 and logits[0].std() > 0.05
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_3b_widths_match_transformers(tmp_path):
+    """Qwen2.5-VL-3B's widths, real vocabulary and tied head; two decoder layers and two vision blocks (one windowed,
+    one full)."""
+    made = make_hf_checkpoint(tmp_path / "3b", text=QWEN2_5_3B_CUT["text"], vision=QWEN2_5_3B_CUT["vision"],
+                              tie_word_embeddings=True, tokenizer="qwen")
+    ours = load_model(made)
+    assert (ours.config.vision.embed_dim, ours.config.vision.hidden_size) == (1280, 2048)
+    oracle = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        made, dtype=torch.float32, attn_implementation="eager").eval()
+    ids, processed = expanded_prompt(made, 1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    result = generate(ours, ids, processed, params, keep_logits=True)
+    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id), 4)
+    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
+    assert max((a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)) <= LOGITS_ATOL
+
+
+# -- the engine ---------------------------------------------------------------------------------------------------
+
+TIGHT = dict(block_size=4, num_kv_blocks=72, max_num_batched_tokens=24)  # chunks cut images; preemption
+
+
+@pytest.mark.parametrize("settings", [{}, TIGHT], ids=["default", "tight"])
+def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
+    """0-3 images a prompt through the engine (all at once, so they batch, chunk and preempt one another), then again:
+    the second pass hits the prefix cache. Every answer is transformers' greedy answer."""
+    prompts = [chat_prompt("Describe, then count.", images(n, seed=10 * n)) for n in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **settings) as llm:
+        for attempt in range(2):
+            outputs = llm.generate(prompts, params)
+            for prompt, out in zip(prompts, outputs):
+                prepared = llm.engine.prepare(prompt, params)
+                tokens, logits = oracle_greedy(oracle, hf_inputs(prepared.token_ids, prepared.images,
+                                                                 llm.model.config.image_token_id), NUM_TOKENS)
+                got = out.outputs[0].token_ids
+                comparable = steps_fed_the_same_tokens(got, tokens, logits)
+                assert got[:comparable] == tokens[:comparable]
+        stats = llm.stats()
+        assert stats["prefix_cache_hit_tokens"] > 0
+        if settings:
+            assert stats["preemptions"] > 0
+
+
+LEVERS = {
+    "compression-attention": dict(visual_token_compression={"method": "attention", "keep_ratio": 0.5}),
+    "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "int8-weights": dict(quantization="int8"),
+    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+def test_each_lever_matches_the_dense_reference(folder, lever):
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **LEVERS[lever]) as llm:
+        prompts = random_workload(seed=3, num_prompts=6)
+        params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
+                                 max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: from the caches
+        stats = llm.stats()
+        assert stats["encoder_cache_hits"] > 0 if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_attention_compression_reads_the_last_block_in_grid_order(folder):
+    """The attention each visual token receives comes back in grid order: within a windowed last block, each
+    window's patches receive one query-average of attention in all, so the tokens of each window sum to 1/4
+    (four patches a token) wherever the window lies. Read in window order, the sums would mix windows."""
+    ours = load_model(folder)
+    last = len(ours.visual.blocks) - 1
+    ours.visual.cfg = replace(ours.visual.cfg, fullatt_block_indexes=tuple(
+        i for i in ours.visual.cfg.fullatt_block_indexes if i != last))  # the last block windowed
+    p = preprocess_image(random_image(300, 200, 3), ImageProcessorConfig.from_pretrained(folder), max_pixels=MAX_PIXELS)
+    _, (received,) = ours.encode_images(p.pixel_values, [p.grid_thw], received_attention=True)
+    _, rows, cols = p.token_grid
+    grid = received.view(rows, cols)
+    for top in range(0, rows, 4):
+        for left in range(0, cols, 4):
+            assert grid[top:top + 4, left:left + 4].sum().item() == pytest.approx(0.25, abs=1e-5)
+
+
+# -- serving: the chat, the server, and the split roles -------------------------------------------------------
+
+def test_the_chat_serves_a_local_qwen2_5_vl_folder(folder, tmp_path):
+    picture = tmp_path / "p.png"
+    random_image(300, 200, 1).save(picture)
+    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
+                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
+                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    with LLM(str(folder), device="cpu", dtype="float32") as llm:  # the chat's defaults: greedy, the checkpoint's cap
+        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
+                                                          {"type": "text", "text": "Describe it"}]}],
+                            SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
+    assert expected.strip() and expected.strip() in run.stdout.decode()
+
+
+def test_the_server_the_encoder_service_and_a_prefill_decode_pair_answer_alike(folder):
+    """nanomm-serve FOLDER, and the same model split into encoder, prefill and decode instances behind a router:
+    the same greedy tokens for a chat about a picture several windows wide."""
+    picture = random_image(300, 200, 2)
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    chat = {"model": "m", "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}},
+        {"type": "text", "text": "what is it"}]}]}
+    kwargs = dict(device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
+    with BackgroundServer(EncoderServer(load_encoder(str(folder)), "m")) as encoder_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m"))) as whole_url, \
+            BackgroundServer(Server(LLM(str(folder), encoder_url=encoder_url, **kwargs),
+                                    ServerConfig("m", role="prefill", encoder_urls=(encoder_url,)))) as prefill_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m", role="decode"))) as decode_url, \
+            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
+        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        encoded = [line for line in httpx.get(encoder_url + "/metrics").text.splitlines()
+                   if line.startswith("nanomm_encoder_visual_tokens_total")]
+    assert whole["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
+    assert [whole["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == \
+        [split["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
+    assert float(encoded[0].split()[-1]) == whole["usage"]["visual_tokens"] > 16  # the service ran the windowed tower
