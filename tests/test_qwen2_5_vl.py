@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 
@@ -26,7 +27,11 @@ from helpers import (assert_engine_matches_reference, chat_prompt, data_url, hf_
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
-from nanomm.model.loader import load_model
+from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
+from nanomm.model.config import ModelConfig
+from nanomm.model.loader import canonical_name, load_model
+from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm.planner import load_configs
 from nanomm.model.vision_windowed import WindowedVisionTransformer, window_order
 from nanomm.reference import generate
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
@@ -238,3 +243,35 @@ def test_the_server_the_encoder_service_and_a_prefill_decode_pair_answer_alike(f
     assert [whole["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == \
         [split["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
     assert float(encoded[0].split()[-1]) == whole["usage"]["visual_tokens"] > 16  # the service ran the windowed tower
+
+
+# -- the real checkpoint's files (tests/data/Qwen2.5-VL-3B-Instruct: public copies of the hub files) ----------
+
+REAL_3B = Path(__file__).parent / "data" / "Qwen2.5-VL-3B-Instruct"
+
+
+def test_the_real_3b_config_and_weight_names_load_into_nanomm_s_model():
+    """Qwen2.5-VL-3B-Instruct's config.json parses into the right shapes, and the 824 names of its
+    model.safetensors.index.json are exactly the tensors nanomm's model has (the head is tied: no lm_head)."""
+    config = ModelConfig.from_pretrained(REAL_3B)
+    assert config.model_type == "qwen2_5_vl" and config.tie_word_embeddings
+    v = config.vision
+    assert (v.embed_dim, v.hidden_size, v.mlp_dim, v.depth, v.window_size) == (1280, 2048, 3420, 32, 112)
+    assert v.fullatt_block_indexes == (7, 15, 23, 31) and config.text.mrope_section == (16, 24, 24)
+    assert config.eos_token_ids == (151645, 151643)  # generation_config.json
+    names = json.loads((REAL_3B / "model.safetensors.index.json").read_text())["weight_map"]
+    with torch.device("meta"):
+        model = Qwen2VL(config)
+    ours = set(model.state_dict()) - {"lm_head.weight"}
+    assert {canonical_name(n) for n in names} == ours and len(names) == 824
+    assert sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight") * 2 == \
+        json.loads((REAL_3B / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    processor = ImageProcessorConfig.from_pretrained(REAL_3B)
+    assert (processor.patch_size, processor.merge_size, processor.max_pixels) == (14, 2, 12845056)
+
+
+def test_the_planner_reads_the_real_3b_files():
+    config, images = load_configs(str(REAL_3B))
+    assert image_tokens(1024, 768, replace(images, max_pixels=1_003_520)) == 27 * 37  # 14-px patches, 2x2 merge
+    assert kv_bytes_per_token(config.text.num_hidden_layers, config.text.num_key_value_heads, config.text.head_dim,
+                              torch.bfloat16) == 2 * 36 * 2 * 128 * 2
