@@ -3,8 +3,10 @@
     python scripts/load.py --mix thumbnails --rate 1 2 4          # starts nanomm-serve on the tiny checkpoint
     python scripts/load.py --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
     python scripts/load.py --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
+    python scripts/load.py --demo --topology 1e1p1d --rate 2 --slo-ttft 0.5 --slo-tpot 0.05   # a split engine
 
-Lesson: lessons/11-serving-under-load.md (why requests per second lie, and what to scale on instead).
+Lessons: lessons/11-serving-under-load.md (why requests per second lie, and what to scale on instead),
+lessons/13-three-topologies.md (one engine against encoder, prefill and decode instances).
 
 For each request rate: `--num-requests` arrivals with exponential gaps (a Poisson process, seeded), each a
 streamed chat request with the images its mix entry says, sent on schedule whether or not the server keeps up
@@ -12,13 +14,20 @@ streamed chat request with the images its mix entry says, sent on schedule wheth
 new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos). What comes back, per rate:
 
 - TTFT p50/p95/p99 (send -> first streamed token, at the client) and TPOT (the rest of the answer per token);
-- goodput: requests per second that met the TTFT SLO (`--slo-ttft`), and the share that did;
+- goodput: requests per second that met the TTFT SLO (`--slo-ttft`), and with `--slo-tpot` the TPOT SLO too,
+  and the share that did;
 - visual tokens per second, offered (the rate x the visual tokens per request) and served;
-- where the server says TTFT went: the mean of each stage (preprocess, queue, encode, prefill), from /metrics.
+- where the server says TTFT went: the mean of each stage (preprocess, queue, encode, prefill, and a decode
+  instance's KV transfer), from /metrics;
+- the bytes that moved between instances (visual tokens, KV), read from every instance's /metrics.
 
-Without `--url` the server is started here, as its own process (`python -m nanomm.serve.app`), so that the load
-generator and the engine do not share an interpreter. Not a test: the smallest run is in tests/test_scripts.py,
-and nothing asserts a timing.
+Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.app`), so that
+the load generator and the engines do not share an interpreter, on free ports of 127.0.0.1; `--topology` says
+which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower) or
+`1e1p1d` (an encoder, a prefill and a decode instance behind the router, which takes the load). All of them
+are stopped at the end. Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
+timing. The JSON holds every request as the client saw it (`records`), so a run can be replayed elsewhere
+(the simulator in lesson 13 replays them).
 """
 
 import argparse
@@ -26,6 +35,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
 import shlex
 import socket
@@ -187,15 +197,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float) -> dict:
-    """The run's figures. Duration: from the first send to the last answer (or the last send, if later)."""
+def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float, slo_tpot_s: float | None = None) -> dict:
+    """The run's figures. Duration: from the first send to the last answer (or the last send, if later). A good
+    request met the TTFT SLO, and the TPOT SLO too when one is given (a one-token answer has no TPOT: it meets it)."""
     done = [r for r in records if r.error is None and r.finished_at is not None]
     ends = [r.finished_at for r in done] + [r.sent_at for r in records]
     duration = max(ends) - min(r.sent_at for r in records)
     ttfts = [r.ttft_s for r in done]
     tpots = [r.tpot_s for r in done if r.tpot_s is not None]
     visual = sum(r.visual_tokens for r in done)
-    within_slo = sum(t <= slo_ttft_s for t in ttfts)
+    within_slo = sum(r.ttft_s <= slo_ttft_s and (slo_tpot_s is None or r.tpot_s is None or r.tpot_s <= slo_tpot_s)
+                     for r in done)
     mean_visual = visual / len(done) if done else 0.0
     sends = sorted(r.sent_at for r in records)
     span = sends[-1] - sends[0]
@@ -203,11 +215,12 @@ def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float) -> d
     return {
         "rate": rate, "arrival_rate": arrival_rate, "requests": len(records), "completed": len(done),
         "errors": len(records) - len(done),
-        "first_errors": [r.error for r in records if r.error][:3], "duration_s": duration,
+        "first_errors": [r.error for r in records if r.error][:3], "duration_s": duration, "arrival_span_s": span,
         "throughput_rps": len(done) / duration if duration else 0.0,
         "ttft_s": {f"p{q}": percentile(ttfts, q) for q in (50, 95, 99)},
         "tpot_s": {f"p{q}": percentile(tpots, q) for q in (50, 95)},
-        "slo_ttft_s": slo_ttft_s, "within_slo": within_slo, "slo_attainment": within_slo / len(records),
+        "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s, "within_slo": within_slo,
+        "slo_attainment": within_slo / len(records),
         "goodput_rps": within_slo / duration if duration else 0.0,
         "visual_tokens": visual, "visual_tokens_per_request": mean_visual,
         "offered_visual_tokens_per_s": arrival_rate * mean_visual,
@@ -220,6 +233,28 @@ def scrape(url: str) -> dict[str, float]:
     """Every unlabelled sample of the server's /metrics, by name (a histogram's _sum and _count among them)."""
     families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
     return {sample.name: sample.value for family in families for sample in family.samples if not sample.labels}
+
+
+TRANSFER_METRICS = {"kv": "nanomm_kv_transfer_bytes_total", "visual": "nanomm_visual_token_transfer_bytes_total"}
+
+
+def transfer_bytes(url: str) -> dict[str, float]:
+    """{"kv sent": bytes, "visual received": ...}: an instance's transfer counters (the ones it has)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+    names = {metric: what for what, metric in TRANSFER_METRICS.items()}
+    return {f"{names[sample.name]} {sample.labels['direction']}": sample.value for family in families
+            for sample in family.samples if sample.name in names and "direction" in sample.labels}
+
+
+def transfer_delta(urls: dict[str, str], before: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Each role's bytes moved since `before` (that role's transfer_bytes then); roles that moved none are left out."""
+    out = {}
+    for role, url in urls.items():
+        after = transfer_bytes(url)
+        moved = {k: v - before.get(role, {}).get(k, 0.0) for k, v in after.items()}
+        if any(moved.values()):
+            out[role] = {k: v for k, v in moved.items() if v}
+    return out
 
 
 def ttft_stage_sums(url: str) -> dict[str, tuple[float, float]]:
@@ -246,34 +281,102 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(checkpoint: Path, model: str, extra: list[str], log) -> tuple[subprocess.Popen, str]:
-    """nanomm-serve as its own process on 127.0.0.1; returns once /health answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanomm.serve.app", str(checkpoint), "--port", str(port),
-           "--served-model-name", model, "--log-level", "warning", *extra]
-    log(f"starting: {' '.join(shlex.quote(c) for c in cmd)}")
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"nanomm-serve exited with code {server.returncode}")
+TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d")
+
+
+def server_command(port: int, role_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
+
+
+def topology_commands(topology: str, checkpoint: Path, model: str, extra: list[str],
+                      peer_timeout_s: float = 600.0) -> tuple[dict[str, list[str]], str]:
+    """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. `extra` goes
+    to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
+    ports = {role: free_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
+    url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    served = [str(checkpoint), "--served-model-name", model, *extra]
+    if topology == "integrated":
+        return {"integrated": server_command(ports["integrated"], served)}, "integrated"
+    encoder = server_command(ports["encoder"], [*served, "--role", "encoder"])
+    if topology == "1e1pd":  # one engine whose images go to the encoder service
+        return {"encoder": encoder, "lm": server_command(
+            ports["integrated"], [*served, "--encoder-url", url["encoder"]])}, "lm"
+    return {"encoder": encoder,
+            "prefill": server_command(ports["prefill"],
+                                      [*served, "--role", "prefill", "--encoder-url", url["encoder"]]),
+            "decode": server_command(ports["decode"], [*served, "--role", "decode"]),
+            "router": server_command(ports["router"], [
+                "--role", "router", "--encoder-url", url["encoder"], "--prefill-url", url["prefill"],
+                "--decode-url", url["decode"], "--peer-timeout", str(peer_timeout_s)])}, "router"
+
+
+def url_of(command: list[str]) -> str:
+    return f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+
+
+def start_servers(commands: dict[str, list[str]], log, timeout_s: float = 180.0,
+                  threads: int | None = None) -> dict[str, tuple]:
+    """Start every instance at once, each its own process (with `threads` torch threads, if given), then wait
+    until each answers /health. {role: (process, url)}; on any failure the ones started are stopped and the
+    error says which one failed."""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    started = {}
+    for role, cmd in commands.items():
+        log(f"starting {role}: {'' if threads is None else f'OMP_NUM_THREADS={threads} '}"
+            f"{' '.join(shlex.quote(c) for c in cmd)}")
+        started[role] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env), url_of(cmd))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for role, (process, url) in started.items():
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"nanomm-serve ({role}) exited with code {process.returncode}")
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"nanomm-serve ({role}) did not answer /health within {timeout_s:g} s")
+                time.sleep(0.2)
+    except BaseException:
+        stop_servers(started)
+        raise
+    return started
+
+
+def stop_servers(started: dict[str, tuple]) -> None:
+    """Stop the instances this script started (the front first, so no request is left half way)."""
+    for process, _ in reversed(list(started.values())):
+        if process.poll() is None:
+            process.terminate()
+    for process, _ in started.values():
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.terminate()
-    raise RuntimeError("nanomm-serve did not answer /health within 180 s")
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def start_server(checkpoint: Path, model: str, extra: list[str], log) -> tuple[subprocess.Popen, str]:
+    """One integrated nanomm-serve as its own process on 127.0.0.1; returns once /health answers."""
+    commands, front = topology_commands("integrated", checkpoint, model, extra)
+    return start_servers(commands, log)[front]
 
 
 def report_line(s: dict) -> str:
     """One rate's progress line; the Markdown table at the end has the rest."""
     ttft = " / ".join("-" if v is None else f"{v * 1000:,.0f}" for v in s["ttft_s"].values())
+    tpot = "-" if s["tpot_s"]["p50"] is None else f"{s['tpot_s']['p50'] * 1000:,.1f}"
+    moved = s.get("transfer_bytes_per_request", {})
+    moved = "" if not any(moved.values()) else ", bytes moved per request: " + ", ".join(
+        f"{what.split()[0]} {v:,.0f}" for what, v in moved.items() if v)
+    other = s.get("other_cpu_share")
+    other = "" if other is None or other < 0.05 else f" [other processes used {other:.0%} of the CPU: noisy]"
     return (f"rate {s['rate']:g} req/s (arrived at {s['arrival_rate']:.2f}): {s['completed']}/{s['requests']} "
-            f"done, TTFT p50/p95/p99 {ttft} ms, goodput {s['goodput_rps']:.2f} req/s, visual tokens/s offered "
-            f"{s['offered_visual_tokens_per_s']:,.0f}, served {s['served_visual_tokens_per_s']:,.0f}")
+            f"done, TTFT p50/p95/p99 {ttft} ms, TPOT p50 {tpot} ms, goodput {s['goodput_rps']:.2f} req/s "
+            f"({s['slo_attainment']:.0%} within SLO), visual tokens/s offered {s['offered_visual_tokens_per_s']:,.0f}, "
+            f"served {s['served_visual_tokens_per_s']:,.0f}{moved}{other}")
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -293,17 +396,56 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def sweep(url: str, args, log) -> list[dict]:
+def cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
+    """(CPU seconds the whole machine spent busy, CPU seconds of these processes) so far; None off Linux."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # all but idle and iowait
+        own = 0
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            own += sum(int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13])  # utime, stime
+        return busy / ticks, own / ticks
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def other_cpu_share(before, after, wall_s: float) -> float | None:
+    """The share of the machine's CPU time that processes other than the load and its servers used in a run:
+    above a few percent, something else ran and the timings are not this topology's alone."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    other = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, other) / (wall_s * (os.cpu_count() or 1))
+
+
+def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
+          pids: list[int] | None = None) -> list[dict]:
+    """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
+    that finishes requests (its TTFT stage histograms); pids: this run's processes, for other_cpu_share."""
+    role_urls, stages_url = role_urls or {}, stages_url or url
     mix = parse_mix(args.mix)
     asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix), max_tokens=2, seed=0,
                          content_seed=-1))  # warm-up: one-off costs (first kernels, allocations) paid here
     results = []
     for i, rate in enumerate(args.rate):
-        before = ttft_stage_sums(url)
+        before = ttft_stage_sums(stages_url)
+        moved_before = {role: transfer_bytes(u) for role, u in role_urls.items()}
+        cpu_before, start = cpu_seconds([os.getpid(), *(pids or [])]), time.monotonic()
         records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
                                        seed=args.seed, content_seed=args.seed + 1 + i))  # new pictures per rate
-        summary = summarize(records, rate, args.slo_ttft)
-        summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(url))
+        wall_s = time.monotonic() - start
+        cpu_after = cpu_seconds([os.getpid(), *(pids or [])])
+        summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
+        summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(stages_url))
+        moved = transfer_delta(role_urls, moved_before)
+        summary["transfer_bytes"] = moved
+        summary["transfer_bytes_per_request"] = {
+            what: sum(v.get(what, 0.0) for v in moved.values()) / max(1, summary["completed"])
+            for what in ("visual received", "kv received")}
+        summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
+        summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))
         results.append(summary)
     return results
@@ -316,12 +458,23 @@ def parse_args(argv=None):
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="the TTFT SLO for goodput (s)")
+    p.add_argument("--slo-tpot", type=float, help="a TPOT SLO (s): goodput counts requests within both SLOs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--url", help="a running server (default: start one here on the checkpoint)")
+    p.add_argument("--url", help="a running server (default: start the --topology here on the checkpoint)")
+    p.add_argument("--metrics-url", action="append", default=[],
+                   help="with --url: another instance whose /metrics has transfer bytes to report (repeatable)")
+    p.add_argument("--topology", default="integrated", choices=TOPOLOGIES,
+                   help="what to start without --url: one engine, encoder + engine, or encoder + prefill + "
+                        "decode behind the router")
     p.add_argument("--model", default="load", help="the model name the server serves")
     p.add_argument("--preset", default="tiny"), p.add_argument("--cache-dir", default="checkpoints/load")
-    p.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
-    p.add_argument("--server-arg", action="append", default=[], help="passed on to nanomm-serve (repeatable)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
+    which.add_argument("--demo", action="store_true", help="serve the trained demo model instead of the preset")
+    p.add_argument("--instance-threads", type=int, help="torch threads of each instance started here (default: "
+                   "torch's, one per core: several instances on one machine then oversubscribe its cores)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="passed on to every nanomm-serve that loads the model (repeatable)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     try:
@@ -330,6 +483,8 @@ def parse_args(argv=None):
         p.error(str(exc))
     if min(args.rate) <= 0 or args.num_requests < 1:
         p.error("--rate must be > 0 and --num-requests >= 1")
+    if args.url and args.topology != "integrated":
+        p.error("--topology starts servers: it cannot go with --url (point --url at the router instead)")
     return args
 
 
@@ -339,22 +494,33 @@ def main(argv=None) -> int:
     machine = machine_info()
     print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
           f"{machine['memory_gib']} GiB; mix {args.mix}: {parse_mix(args.mix)}", flush=True)
-    server = None
-    url = args.url
+    started, url = {}, args.url
+    role_urls = {f"metrics {i + 1}": u for i, u in enumerate(args.metrics_url)}
     if url is None:
-        checkpoint = load_checkpoint(args, print)
-        server, url = start_server(checkpoint, args.model, [a for s in args.server_arg for a in shlex.split(s)],
-                                   print)
+        if args.demo:
+            from nanomm import demo_checkpoint
+            checkpoint = demo_checkpoint()
+        else:
+            checkpoint = load_checkpoint(args, print)
+        commands, front = topology_commands(args.topology, checkpoint, args.model,
+                                            [a for s in args.server_arg for a in shlex.split(s)])
+        started = start_servers(commands, print, threads=args.instance_threads)
+        role_urls = {role: u for role, (_, u) in started.items() if role != "router"}
+        url = started[front][1]
+    else:
+        role_urls = {"front": url, **role_urls}
+    stages_url = started["decode"][1] if "decode" in started else url  # the instance that finishes requests
     try:
-        results = sweep(url, args, lambda line: print(line, flush=True))
+        results = sweep(url, args, lambda line: print(line, flush=True), role_urls, stages_url,
+                        [p.pid for p, _ in started.values()])
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+        stop_servers(started)
     print(markdown_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(command=command, machine=machine, mix=args.mix,
                                                    mix_entries=[asdict(e) for e in parse_mix(args.mix)],
+                                                   topology=args.topology if args.url is None else None,
+                                                   instance_threads=args.instance_threads,
                                                    max_tokens=args.max_tokens, results=results), indent=1))
     return 0 if all(r["errors"] == 0 for r in results) else 1
 

@@ -5,6 +5,7 @@
     python scripts/simulate_topologies.py --search --max-workers 8 --rate 150 --mix 4x896x896:1,0x0x0:3
     python scripts/simulate_topologies.py --gpu l4 --save-costs l4.json      # write derived costs to edit, or
     python scripts/simulate_topologies.py --costs l4.json                    # feed costs measured elsewhere
+    python scripts/simulate_topologies.py --costs costs.json --replay load.json --pools 1 1,1,1 --slo-tpot 0.05
 
 A discrete-event simulation, standard library only. A pool spec's length names its topology:
   integrated  `--pools 3`: N identical workers, continuous batching: each step runs every running decode plus FCFS
@@ -24,6 +25,9 @@ Cost model (StageCosts, seconds; b = sequences in the decode batch):
                      + (decode_s_per_step + b * decode_s_per_sequence if b > 0)
   link transfer    = bytes / link_bytes_per_s + link_latency_s   (visual tokens * visual_bytes_per_token, or
                                                                   prompt tokens * kv_bytes_per_token)
+  shared_cpu_workers (0 unless set: a device per worker) = K: the workers share one machine's processors, and
+                     with n > max(1, K) of them busy each stage runs at K / n of its speed (processor sharing);
+                     for instances on one CPU (scripts/measure_stage_costs.py measures K)
 StageCosts.for_gpu("qwen2-vl-2b", gpu) derives them (peak = dense bf16 FLOP/s, HBM = bytes/s, from GPUS):
   prefill_s_per_token       = 2 * 1.5e9 LM params / (peak * 0.5)        compute bound at 50% of peak
   encode_s_per_visual_token = 2 * 675e6 vision params * 4 patches / (peak * 0.5)   (2x2 patches make one token)
@@ -33,6 +37,12 @@ StageCosts.for_gpu("qwen2-vl-2b", gpu) derives them (peak = dense bf16 FLOP/s, H
   kv_bytes_per_token = 2 * 28 layers * 2 KV heads * 128 * 2 bytes = 28,672;  visual_bytes_per_token = 1536 * 2
   step_overhead_s = 0.5 ms; link = 25 GB/s (a 200 Gb/s NIC) + 50 us.  Assumed: attention FLOPs ignored, nothing
   overlaps inside a step. A roofline sketch, not a prediction.
+
+Replay (`--replay`): instead of drawing requests from --mix, take every answered request of a scripts/load.py
+JSON (its `records`: send time, visual tokens, prompt and output tokens), one simulation per rate it ran, so a
+prediction and a measurement see the same arrivals and the same pictures (lesson 13 compares them). A
+request's visual tokens are split evenly over its images. `--factor` is the pixels per visual token's side
+(28 for Qwen2-VL; 14 for the demo model, whose patches are 7 pixels).
 
 Metrics: TTFT = first token at the user - arrival. TPOT = (finish - first token) / (output tokens - 1), 0 for one
 output token. Good = TTFT <= --slo-ttft and TPOT <= --slo-tpot. Goodput = good requests / arrival span, the span
@@ -75,6 +85,10 @@ class StageCosts:
     kv_bytes_per_token: float
     link_bytes_per_s: float
     link_latency_s: float
+    # Workers that share one machine's processors: how many of them can be busy at once at their full speed
+    # (0: every worker has a device of its own, as on GPUs). With n > 1 busy, each runs at
+    # min(1, shared_cpu_workers / n) of its speed alone (processor sharing; utilisation counts the work alone).
+    shared_cpu_workers: float = 0.0
 
     @classmethod
     def for_gpu(cls, model: str = "qwen2-vl-2b", gpu: str = "h200", compute_efficiency: float = 0.5,
@@ -96,7 +110,8 @@ class StageCosts:
     def from_json(cls, path: str) -> "StageCosts":
         with open(path) as f:
             values = json.load(f)
-        return cls(**{f.name: float(values[f.name]) for f in fields(cls)})  # KeyError names a missing cost
+        return cls(**{f.name: float(values[f.name]) for f in fields(cls)  # KeyError names a missing cost
+                      if f.name in values or f.name != "shared_cpu_workers"})
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -117,9 +132,9 @@ def smart_resize(height: int, width: int, factor: int = FACTOR, min_pixels: int 
     return h_bar, w_bar
 
 
-def visual_tokens(width: int, height: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> int:
-    h, w = smart_resize(height, width, max_pixels=max_pixels)
-    return h * w // (FACTOR * FACTOR)  # 14x14 patches, 2x2 of them merge into one token
+def visual_tokens(width: int, height: int, max_pixels: int = DEFAULT_MAX_PIXELS, factor: int = FACTOR) -> int:
+    h, w = smart_resize(height, width, factor, max_pixels=max_pixels)
+    return h * w // (factor * factor)  # 2x2 patches (14x14 pixels in Qwen2-VL) merge into one token
 
 
 @dataclass(frozen=True)
@@ -149,15 +164,29 @@ def parse_mix(text: str) -> list[tuple[int, int, int, float]]:
 
 
 def make_requests(mix: str | list, rate: float, num_requests: int, seed: int = 0, text_tokens: int = 64,
-                  output_tokens: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS) -> list[SimRequest]:
+                  output_tokens: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
+                  factor: int = FACTOR) -> list[SimRequest]:
     """Poisson arrivals at `rate` per second from t=0; each request's kind drawn from the mix by weight."""
     mix = parse_mix(mix) if isinstance(mix, str) else mix
     rng, now, requests = random.Random(seed), 0.0, []
     for i in range(num_requests):
         now += rng.expovariate(rate)
         count, width, height, _ = rng.choices(mix, weights=[m[3] for m in mix])[0]
-        images = tuple(visual_tokens(width, height, max_pixels) for _ in range(count))
+        images = tuple(visual_tokens(width, height, max_pixels, factor) for _ in range(count))
         requests.append(SimRequest(i, now, images, text_tokens, output_tokens))
+    return requests
+
+
+def requests_from_load(result: dict) -> list[SimRequest]:
+    """The answered requests of one rate of a scripts/load.py JSON (its `records`), arrivals from t=0."""
+    done = [r for r in result["records"] if r["error"] is None and r["completion_tokens"]]
+    start = min(r["sent_at"] for r in result["records"])
+    requests = []
+    for i, r in enumerate(sorted(done, key=lambda r: r["sent_at"])):
+        n, tokens = r["num_images"], r["visual_tokens"]
+        images = tuple(tokens // n + (k < tokens % n) for k in range(n)) if n else ()
+        requests.append(SimRequest(i, r["sent_at"] - start, images, r["prompt_tokens"] - tokens,
+                                   r["completion_tokens"]))
     return requests
 
 
@@ -179,9 +208,18 @@ class _Clock:
     def __init__(self, costs: StageCosts, token_budget: int):
         self.costs, self.token_budget, self.now = costs, token_budget, 0.0
         self._events, self._order = [], itertools.count()
+        self.cpu = _SharedCPU(self, costs.shared_cpu_workers) if costs.shared_cpu_workers else None
 
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def work(self, seconds: float, fn, *args) -> None:
+        """A worker's stage of `seconds` (its cost alone), then fn(*args): on a device of its own, or sharing
+        the machine's processors with the other busy workers."""
+        if self.cpu is None:
+            self.at(self.now + seconds, fn, *args)
+        else:
+            self.cpu.run(seconds, lambda: fn(*args))
 
     def after_link(self, nbytes: float, fn) -> None:
         self.at(self.now + nbytes / self.costs.link_bytes_per_s + self.costs.link_latency_s, fn)
@@ -190,6 +228,46 @@ class _Clock:
         while self._events:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
+
+
+class _SharedCPU:
+    """Processor sharing: with n > 1 stages running, each advances at min(1, capacity / n) of its speed alone."""
+
+    def __init__(self, clock: "_Clock", capacity: float):
+        self.clock, self.capacity = clock, capacity
+        self.jobs: dict[int, list] = {}  # id -> [seconds of work left (at full speed), then]
+        self.ids, self.since, self.version = itertools.count(), 0.0, 0
+
+    def speed(self) -> float:
+        n = len(self.jobs)
+        return 1.0 if n <= 1 else min(1.0, self.capacity / n)  # one stage alone runs as it was measured
+
+    def run(self, seconds: float, then) -> None:
+        self._advance()
+        self.jobs[next(self.ids)] = [seconds, then]
+        self._next_finish()
+
+    def _advance(self) -> None:
+        done = (self.clock.now - self.since) * self.speed()
+        for job in self.jobs.values():
+            job[0] -= done
+        self.since = self.clock.now
+
+    def _next_finish(self) -> None:
+        self.version += 1  # an earlier finish event, computed at another speed, is stale
+        if self.jobs:
+            left = min(job[0] for job in self.jobs.values())
+            self.clock.at(self.clock.now + max(0.0, left) / self.speed(), self._finish, self.version)
+
+    def _finish(self, version: int) -> None:
+        if version != self.version:
+            return
+        self._advance()
+        finished = [i for i, job in self.jobs.items() if job[0] <= 1e-12]
+        thens = [self.jobs.pop(i)[1] for i in finished]
+        self._next_finish()
+        for then in thens:
+            then()
 
 
 class _Encoder:
@@ -211,7 +289,7 @@ class _Encoder:
         track = self.queue.popleft()
         cost = self.clock.costs.step_overhead_s + encode_s(self.clock.costs, track.request)
         self.busy, self.busy_s = True, self.busy_s + cost
-        self.clock.at(self.clock.now + cost, self._done, track)
+        self.clock.work(cost, self._done, track)
 
     def _done(self, track: _Track) -> None:
         self.busy, track.encoded = False, True
@@ -255,7 +333,7 @@ class _Engine:
         if decoding:
             cost += costs.decode_s_per_step + len(decoding) * costs.decode_s_per_sequence
         self.busy, self.busy_s = True, self.busy_s + cost
-        self.clock.at(self.clock.now + cost, self._done, decoding, chunks)
+        self.clock.work(cost, self._done, decoding, chunks)
 
     def _done(self, decoding: list, chunks: list) -> None:
         for track in decoding:
@@ -421,6 +499,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    p.add_argument("--factor", type=int, default=FACTOR, help="pixels per visual token's side (the demo model: 14)")
+    p.add_argument("--replay", metavar="LOAD_JSON", help="simulate the requests a scripts/load.py run sent (its "
+                   "arrivals, pictures and lengths; one run per rate in it) instead of drawing them")
     p.add_argument("--rate", type=float, nargs="+", default=[50.0, 100.0, 200.0], help="requests/s")
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
@@ -445,9 +526,13 @@ def main(argv=None) -> dict:
     print(f"{'topology':<11} {'pools':<14} {'rate':>7} {'TTFT p50':>8} {'p90 (s)':>8} {'TPOT p50':>8} "
           f"{'p90 (ms)':>8} {'in SLO':>7} {'goodput':>8}  utilisation")
     results = []
-    for rate in args.rate:
-        requests = make_requests(args.mix, rate, args.num_requests, args.seed, args.text_tokens,
-                                 args.output_tokens, args.max_pixels)
+    if args.replay:
+        with open(args.replay) as f:
+            replayed = {run["rate"]: requests_from_load(run) for run in json.load(f)["results"]}
+    for rate in (replayed if args.replay else args.rate):
+        requests = replayed[rate] if args.replay else make_requests(
+            args.mix, rate, args.num_requests, args.seed, args.text_tokens, args.output_tokens, args.max_pixels,
+            args.factor)
         if args.search:
             runs = [(canonical(t), search_pools(t, costs, requests, *slo, args.max_workers, args.target_share,
                                                 args.token_budget)) for t in args.topologies]

@@ -133,6 +133,44 @@ def test_load_smallest(tmp_path):
     assert results["machine"]["cpu"] and results["command"].startswith("scripts/load.py")
 
 
+def test_load_split_engine_smallest(tmp_path):
+    """--topology 1e1p1d: an encoder, a prefill and a decode instance behind the router, each its own process,
+    all stopped at the end; the bytes they moved come from their /metrics."""
+    results = run_script("load", [*SMALL, "--topology", "1e1p1d", "--instance-threads", "1", "--mix", "1x56x56:1",
+                                  "--rate", "50", "--num-requests", "3", "--max-tokens", "3", "--slo-tpot", "1"],
+                         tmp_path)
+    (run,) = results["results"]
+    assert results["topology"] == "1e1p1d" and results["instance_threads"] == 1
+    assert (run["requests"], run["completed"], run["errors"]) == (3, 3, 0)
+    assert run["completion_tokens"] == 3 * 3 and run["slo_tpot_s"] == 1.0
+    assert run["visual_tokens"] == 3 * 4  # 56x56: 2x2 merged tokens each
+    moved = run["transfer_bytes"]
+    assert moved["encoder"]["visual sent"] == moved["prefill"]["visual received"] > 0
+    assert moved["prefill"]["kv sent"] == moved["decode"]["kv received"] > 0
+    assert run["transfer_bytes_per_request"]["kv received"] == moved["decode"]["kv received"] / 3
+    assert run["server_ttft_stages_s"]["transfer"] > 0  # from the decode instance, which finishes the requests
+    assert len(run["records"]) == 3 and all(r["error"] is None for r in run["records"])
+
+
+def test_measure_stage_costs_quick_feeds_the_simulator(tmp_path):
+    """--quick on the demo model: every cost the simulator's StageCosts needs, in a file its --costs reads."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "measure_stage_costs.py"), "--quick", "--threads", "1",
+           "--json", "costs.json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert costs["visual_bytes_per_token"] == 256 * 4 and costs["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4
+    assert costs["prefill_s_per_token"] > 0 and costs["encode_s_per_visual_token"] > 0
+    assert costs["link_bytes_per_s"] > 0 and costs["shared_cpu_workers"] > 0 and costs["machine"]["cpu"]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_topologies.py"), "--costs", "costs.json",
+                           "--pools", "1", "1,1,1", "--rate", "2", "--num-requests", "20", "--factor", "14",
+                           "--max-pixels", "28224", "--mix", "1x224x224:1,0x0x0:1", "--json", "sim.json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["topology"] for r in json.loads((tmp_path / "sim.json").read_text())["results"]] == ["integrated", "epd"]
+
+
 def test_soak_serve_smallest(tmp_path):
     results = run_script("soak_serve", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
     assert results["requests"] >= 4 and results["errors"] == 0, results["first_errors"]
