@@ -56,7 +56,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     image_embeds, compressed = None, None
     if images:
         visual = encode_visual_tokens(model, images)  # each image compressed by its own policy, if it has one
-        image_embeds = torch.cat([v.embeds for v in visual])
+        image_embeds = torch.cat([v.embeds for v in visual], dim=-2)  # (tokens, hidden); DeepStack: (levels, ...)
         compressed = [None if v.coords is None else (im.position_extent, v.coords)
                       for v, im in zip(visual, images)]
     if cfg.has_vision:

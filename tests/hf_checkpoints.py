@@ -37,20 +37,34 @@ QWEN2_5_3B_CUT = dict(
                 window_size=112, fullatt_block_indexes=[1], hidden_act="silu", patch_size=14, spatial_merge_size=2,
                 temporal_patch_size=2, in_channels=3, tokens_per_second=2),
     tie_word_embeddings=True)
-FAMILIES = {"qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration)}
+# Qwen3-VL: 16-px patches, an 8x8 learned position grid, DeepStack from blocks 0 and 2; a Qwen3 decoder whose
+# head_dim (24) is not hidden / heads (16), with interleaved M-RoPE sections summing to head_dim / 2.
+QWEN3_TEXT_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=24, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                       hidden_act="silu", attention_bias=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 4, 4],
+                                        "mrope_interleaved": True})
+QWEN3_VISION_TINY = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+                         hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                         in_channels=3, num_position_embeddings=64, deepstack_visual_indexes=[0, 2])
+FAMILIES = {"qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                           TEXT_TINY, QWEN2_5_VISION_TINY),
+            "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration,
+                         QWEN3_TEXT_TINY, QWEN3_VISION_TINY)}
+QWEN3_PIXELS = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's normalisation
 
 
 def make_hf_checkpoint(out, family: str = "qwen2_5_vl", *, text: dict | None = None, vision: dict | None = None,
                        tie_word_embeddings: bool = False, seed: int = 0, tokenizer: str = "tiny") -> Path:
     """Write a random checkpoint of `family` with transformers' save_pretrained, plus tokenizer, preprocessor and
     generation files; returns the folder."""
-    config_class, model_class = FAMILIES[family]
+    config_class, model_class, text_tiny, vision_tiny = FAMILIES[family]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids, tokenizer_size = (write_tiny_tokenizer if tokenizer == "tiny" else write_qwen_tokenizer)(out)
-    text = {"vocab_size": tokenizer_size, **(text or TEXT_TINY),
+    text = {"vocab_size": tokenizer_size, **(text or text_tiny),
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
-    vision = vision or QWEN2_5_VISION_TINY
+    vision = vision or vision_tiny
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
@@ -58,9 +72,10 @@ def make_hf_checkpoint(out, family: str = "qwen2_5_vl", *, text: dict | None = N
     redraw_weights(model, seed, text["hidden_size"])
     model.save_pretrained(out)
     write_json(out / "generation_config.json", generation_config(ids))
-    write_json(out / "preprocessor_config.json", preprocessor_config({"vision_config": {
+    processor = preprocessor_config({"vision_config": {
         "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
-        "spatial_merge_size": vision["spatial_merge_size"]}}, "old"))
+        "spatial_merge_size": vision["spatial_merge_size"]}}, "old")
+    write_json(out / "preprocessor_config.json", {**processor, **(QWEN3_PIXELS if family == "qwen3_vl" else {})})
     return out
 
 

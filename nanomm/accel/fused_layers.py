@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanomm.model.attention import AttentionBackend
-from nanomm.model.qwen2 import MLP, Attention, DecoderLayer, Qwen2Model, RMSNorm
+from nanomm.model.qwen2 import MLP, Attention, DecoderLayer, DeepStack, Qwen2Model, RMSNorm
 
 MLP_PASS_BYTES = 16 * 2**20  # read at every call: the benchmark scripts may set it for their process
 
@@ -87,12 +87,16 @@ class FusedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_proj = stacked_linear(attn.q_proj, attn.k_proj, attn.v_proj)  # rows: q heads, then k, then v
         self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3 only
 
     def forward(self, x, cos, sin_rolled, attention: AttentionBackend, layer: int, residual) -> torch.Tensor:
         """residual + attention output (tokens, hidden)."""
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)  # q heads, then k, then v
-        qk = apply_rotary_rolled(qkv[:, :heads + kv_heads], cos, sin_rolled)  # q and k rotated in one pass
+        qk = qkv[:, :heads + kv_heads]
+        if self.q_norm is not None:  # Qwen3: each head of q and of k normalised before the rotation
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = apply_rotary_rolled(qk, cos, sin_rolled)  # q and k rotated in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         out = attention.attend(layer, q, k, v)  # (n, heads, head_dim)
         return residual_linear(residual, self.o_proj, out.reshape(n, -1))
@@ -150,10 +154,13 @@ class FusedQwen2Model(nn.Module):
             model.layers[i] = nn.Identity()
         self.norm = FastRMSNorm(model.norm)
 
-    def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend,
+                deepstack: DeepStack | None = None) -> torch.Tensor:
         sin_rolled = roll_layout_sin(sin)  # once per forward, for every layer's rotary
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin_rolled, attention, i)
+            if deepstack is not None:
+                x = deepstack.add(i, x)
         return self.norm(x)
 
 

@@ -1,4 +1,8 @@
-"""Model configuration: every hyper-parameter of a Qwen2-VL checkpoint in two small dataclasses.
+"""Model configuration: every hyper-parameter of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint in two dataclasses.
+
+`model_type` picks the family. Each family's config.json names some fields its own way (Qwen2.5-VL and Qwen3-VL
+call the tower's width `hidden_size` and the language model's `out_hidden_size`); they parse into nanomm's names,
+and a field a file leaves out takes that family's transformers class default.
 
 Real checkpoints store `config.json` in two layouts (see lessons/02-vision-encoder.md and the reference
 notes): the original flat one (text fields at the top level, `rope_scaling: {"type": "mrope", ...}`) and the
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from nanomm.errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2")  # Qwen2-VL, Qwen2.5-VL, and text-only Qwen2 / Qwen2.5
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2")  # the VL families, and text-only Qwen2
 # Rotary variants nanomm computes; others (yarn, dynamic, ...) would silently change the positions.
 SUPPORTED_ROPE_TYPES = ("default", "mrope")
 
@@ -36,10 +40,14 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = (16, 24, 24)  # rotary bands driven by the t, h, w positions
     max_position_embeddings: int = 32768
     hidden_act: str = "silu"
+    attention_bias: bool = True  # q/k/v biases (Qwen2); Qwen3 has none
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before the rotation
+    mrope_interleaved: bool = False  # Qwen3-VL: rotary bands cycle t, h, w instead of three contiguous runs
+    explicit_head_dim: int | None = None  # config.json's head_dim where it is not hidden_size / heads (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
 
 # transformers' Qwen2Config class defaults, which differ from Qwen2-VL's text defaults above.
@@ -64,6 +72,8 @@ class VisionConfig:
     intermediate_size: int | None = None  # Qwen2.5-VL's SwiGLU width; Qwen2-VL's MLP is embed_dim x mlp_ratio
     window_size: int = 0  # Qwen2.5-VL: blocks attend within windows of this many pixels a side (0: no windows)
     fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend over whole frames
+    num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings, resampled per image
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose outputs feed the first decoder layers
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +88,18 @@ class VisionConfig:
 # out_hidden_size our hidden_size).
 QWEN2_5_VISION_DEFAULTS = VisionConfig(depth=32, embed_dim=3584, num_heads=16, hidden_size=3584, hidden_act="silu",
                                        intermediate_size=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
+
+
+# transformers' Qwen3VL class defaults, in nanomm's names.
+QWEN3_TEXT_DEFAULTS = TextConfig(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500_000.0,
+                                 mrope_section=(24, 20, 20), max_position_embeddings=128000, attention_bias=False,
+                                 qk_norm=True, mrope_interleaved=True, explicit_head_dim=128)
+QWEN3_VISION_DEFAULTS = VisionConfig(depth=27, embed_dim=1152, num_heads=16, hidden_size=3584, patch_size=16,
+                                     hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
+                                     num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24))
+TEXT_DEFAULTS = {"qwen2": QWEN2_TEXT_DEFAULTS, "qwen3_vl": QWEN3_TEXT_DEFAULTS}  # others: TextConfig()
+VISION_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VISION_DEFAULTS, "qwen3_vl": QWEN3_VISION_DEFAULTS}  # others: VisionConfig()
 
 
 @dataclass(frozen=True)
@@ -103,7 +125,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL ('qwen2_vl'), Qwen2.5-VL "
-                f"('qwen2_5_vl') and text-only Qwen2 ('qwen2', as draft models) only"
+                f"('qwen2_5_vl'), Qwen3-VL ('qwen3_vl') and text-only Qwen2 ('qwen2', as draft models) only"
             )
         text_raw = raw.get("text_config") or raw  # the original checkpoints keep text fields at the top level
         text = _parse_text_config(text_raw, model_type)
@@ -111,7 +133,7 @@ class ModelConfig:
         if model_type != "qwen2":
             vision = _parse_vision_config(raw.get("vision_config") or {}, model_type)
             if vision.hidden_size != text.hidden_size:
-                name = "out_hidden_size" if model_type == "qwen2_5_vl" else "hidden_size"
+                name = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
                 raise CheckpointError(f"vision_config.{name}={vision.hidden_size} must equal the text "
                                       f"hidden_size={text.hidden_size}")
         tie = bool(raw.get("tie_word_embeddings", False) or text_raw.get("tie_word_embeddings", False))
@@ -136,7 +158,9 @@ def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
     """The language model's fields; the ones `raw` lacks take the class defaults of `model_type`."""
     fields = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                   "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-                                  "max_position_embeddings", "hidden_act") if raw.get(k) is not None}
+                                  "max_position_embeddings", "hidden_act", "attention_bias") if raw.get(k) is not None}
+    if raw.get("head_dim") is not None:
+        fields["explicit_head_dim"] = int(raw["head_dim"])
     if "num_key_value_heads" not in fields and "num_attention_heads" in fields:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     # rope lives in `rope_parameters` (new), `rope_scaling` + top-level `rope_theta` (original), or nowhere.
@@ -151,15 +175,12 @@ def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
         fields["mrope_section"] = tuple(int(s) for s in rope["mrope_section"])
     if raw.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
-    text = replace(QWEN2_TEXT_DEFAULTS if model_type == "qwen2" else TextConfig(), **fields)
+    text = replace(TEXT_DEFAULTS.get(model_type, TextConfig()), **fields)
     if model_type == "qwen2":
         # 1-D RoPE: M-RoPE with every band on the first axis. A stray mrope_section is ignored, as in transformers.
         text = replace(text, mrope_section=(text.head_dim // 2, 0, 0))
     if text.hidden_act != "silu":
         raise CheckpointError(f"text hidden_act={text.hidden_act!r} is not supported (Qwen2 uses 'silu')")
-    if raw.get("head_dim") not in (None, text.head_dim):
-        raise CheckpointError(f"head_dim={raw['head_dim']} is not supported: nanomm needs head_dim = "
-                              f"hidden_size / num_attention_heads = {text.head_dim}")
     if sum(text.mrope_section) * 2 != text.head_dim:
         raise CheckpointError(f"mrope_section {text.mrope_section} must sum to head_dim/2 = {text.head_dim // 2}")
     return text
@@ -173,19 +194,24 @@ def _parse_vision_config(raw: dict, model_type: str) -> VisionConfig:
     if model_type == "qwen2_5_vl":
         keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
                 "window_size": "window_size", "fullatt_block_indexes": "fullatt_block_indexes"}
+    elif model_type == "qwen3_vl":
+        keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                "num_position_embeddings": "num_position_embeddings",
+                "deepstack_visual_indexes": "deepstack_visual_indexes"}
     else:
         keys = {"embed_dim": "embed_dim", "hidden_size": "hidden_size", "mlp_ratio": "mlp_ratio"}
     keys.update({k: k for k in shared})
     fields = {ours: raw[theirs] for theirs, ours in keys.items() if raw.get(theirs) is not None}
-    if "fullatt_block_indexes" in fields:
-        fields["fullatt_block_indexes"] = tuple(int(i) for i in fields["fullatt_block_indexes"])
+    for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if name in fields:
+            fields[name] = tuple(int(i) for i in fields[name])
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise CheckpointError(f"vision rope_type={rope['rope_type']!r} is not supported (Qwen2-VL uses 'axial')")
     if rope.get("rope_theta") is not None:
         fields["rope_theta"] = float(rope["rope_theta"])
-    vision = replace(QWEN2_5_VISION_DEFAULTS if model_type == "qwen2_5_vl" else VisionConfig(), **fields)
-    if vision.hidden_act not in ("quick_gelu", "gelu", "silu"):
+    vision = replace(VISION_DEFAULTS.get(model_type, VisionConfig()), **fields)
+    if vision.hidden_act not in ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu"):
         raise CheckpointError(f"vision hidden_act={vision.hidden_act!r} is not supported")
     if vision.head_dim % 4:
         raise CheckpointError(f"vision head_dim={vision.head_dim} must be a multiple of 4 (2-D rotary)")

@@ -2,6 +2,10 @@
 
 Lesson: lessons/03-mrope.md.
 
+Qwen2.5-VL uses it as it is. Qwen3-VL's decoder is the same with three changes, each a config field: no q/k/v
+biases, an RMSNorm over each head of q and of k before the rotation (`qk_norm`), and a head_dim of its own; and
+its DeepStack adds extra levels of visual features to the visual positions after the first layers (`DeepStack`).
+
 Tokens are flat: a forward pass takes (num_tokens, hidden) with no batch dimension, the layout a serving
 engine packs many sequences into. Who sees whom is not decided here: each attention layer hands its rotated
 q, k, v to an *attention backend* (`attention.attend(layer, q, k, v)`, model/attention.py), which stores k/v in
@@ -37,13 +41,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """q/k/v with biases (Qwen2) or without, and for Qwen3 an RMSNorm over each head of q and of k."""
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention: AttentionBackend, layer: int) -> torch.Tensor:
         """x (tokens, hidden) -> (tokens, hidden)."""
@@ -51,6 +61,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention.attend(layer, q, k, v)  # (n, heads, head_dim)
         return self.o_proj(out.reshape(n, -1))
@@ -93,8 +105,27 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend,
+                deepstack: "DeepStack | None" = None) -> torch.Tensor:
         """x: input embeddings (tokens, hidden); cos/sin: M-RoPE angles (tokens, head_dim)."""
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attention, i)
+            if deepstack is not None:
+                x = deepstack.add(i, x)
         return self.norm(x)
+
+
+class DeepStack:
+    """Qwen3-VL: after decoder layer i, the visual positions get the i-th extra level of visual features (the
+    outputs of earlier vision blocks, each through its own merger). levels (L, image tokens, hidden); image_mask
+    (tokens,) marks the visual positions, as for the embeddings."""
+
+    def __init__(self, levels: torch.Tensor, image_mask: torch.Tensor):
+        self.levels, self.image_mask = levels, image_mask
+
+    def add(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if layer >= self.levels.shape[0]:
+            return x
+        x = x.clone()
+        x[self.image_mask] += self.levels[layer].to(x.dtype)
+        return x

@@ -17,12 +17,14 @@ from torch import nn
 
 from nanomm.model.attention import AttentionBackend
 from nanomm.model.config import ModelConfig
-from nanomm.model.qwen2 import Qwen2Model
+from nanomm.model.qwen2 import DeepStack, Qwen2Model
 from nanomm.model.rope import mrope_cos_sin
 from nanomm.model.vision import VisionTransformer
+from nanomm.model.vision_deepstack import DeepStackVisionTransformer
 from nanomm.model.vision_windowed import WindowedVisionTransformer
 
-VISION_TOWERS = {"qwen2_vl": VisionTransformer, "qwen2_5_vl": WindowedVisionTransformer}  # by config.model_type
+VISION_TOWERS = {"qwen2_vl": VisionTransformer, "qwen2_5_vl": WindowedVisionTransformer,  # by config.model_type
+                 "qwen3_vl": DeepStackVisionTransformer}
 
 
 class Qwen2VL(nn.Module):
@@ -71,11 +73,17 @@ class Qwen2VL(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (tokens,), positions (3, tokens) -> final hidden states (tokens, hidden)."""
+        """input_ids (tokens,), positions (3, tokens) -> final hidden states (tokens, hidden).
+
+        image_embeds: (image tokens, hidden), or for a DeepStack model (1 + levels, image tokens, hidden): level 0
+        replaces the embeddings, level i is added after decoder layer i - 1."""
+        deepstack = None
+        if image_embeds is not None and image_embeds.dim() == 3:
+            image_embeds, deepstack = image_embeds[0], DeepStack(image_embeds[1:], image_mask)
         x = self.embed(input_ids, image_embeds, image_mask)
         t = self.config.text
-        cos, sin = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, x.dtype)
-        return self.language_model(x, cos, sin, attention)
+        cos, sin = mrope_cos_sin(positions, t.head_dim, t.rope_theta, t.mrope_section, x.dtype, t.mrope_interleaved)
+        return self.language_model(x, cos, sin, attention, deepstack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows given (only the positions that sample: the head is the widest matmul)."""

@@ -92,19 +92,32 @@ def _next_index(ids: list[int], value: int, start: int) -> int:
         return len(ids)
 
 
-def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section, dtype: torch.dtype):
+def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_section, dtype: torch.dtype,
+                  interleaved: bool = False):
     """cos/sin (tokens, head_dim) for M-RoPE positions (3, tokens), cast to the activation dtype.
 
     Band j of the head_dim/2 frequency bands takes its angle from the t, h or w axis according to
     mrope_section; the second half of head_dim mirrors the first (rotate_half layout). A band may be empty:
     text-only Qwen2 uses (head_dim/2, 0, 0), every band on the t axis, which is plain 1-D RoPE.
+    Qwen2-VL's sections are three contiguous runs (t t ... h h ... w w ...); Qwen3-VL's are interleaved
+    (t h w t h w ..., then t for the rest), so every axis gets high and low frequencies alike.
     """
     inv_freq = inverse_frequencies(head_dim, theta, positions.device)
     angles = positions[..., None].float() * inv_freq  # (3, tokens, head_dim/2)
-    bands = angles.split(list(mrope_section), dim=-1)
-    angles = torch.cat([band[axis] for axis, band in enumerate(bands)], dim=-1)  # (tokens, head_dim/2)
+    axis = band_axes(head_dim // 2, mrope_section, interleaved).to(positions.device)  # (head_dim/2,)
+    angles = angles.gather(0, axis.expand(1, angles.shape[1], -1))[0]  # (tokens, head_dim/2): band j from axis[j]
     angles = torch.cat((angles, angles), dim=-1)  # (tokens, head_dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def band_axes(num_bands: int, mrope_section, interleaved: bool) -> torch.Tensor:
+    """Which position axis (0 t, 1 h, 2 w) drives each rotary band."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section)))
+    axes = torch.zeros(num_bands, dtype=torch.long)
+    for a in (1, 2):  # h on bands 1, 4, 7, ... and w on 2, 5, 8, ..., each for its section's count
+        axes[a:3 * mrope_section[a]:3] = a
+    return axes
 
 
 # ----------------------------------------------------------------------------------------------------------

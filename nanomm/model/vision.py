@@ -21,6 +21,7 @@ from nanomm.model.rope import apply_rotary, vision_cos_sin
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # the original CLIP activation, not exact GELU
     "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Qwen3-VL
     "silu": F.silu,
 }
 
@@ -110,15 +111,17 @@ class PatchEmbed(nn.Module):
     over the flattened patch, which is the same sum of products.
     """
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias: bool = False):
         super().__init__()
         t, p = cfg.temporal_patch_size, cfg.patch_size
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_channels, t, p, p))
+        self.proj.bias = nn.Parameter(torch.empty(cfg.embed_dim)) if bias else None  # Qwen3-VL's has one
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight.flatten(1)  # (embed_dim, 3*2*14*14)
-        return pixel_values.to(weight.dtype) @ weight.T  # (num_patches, embed_dim)
+        out = pixel_values.to(weight.dtype) @ weight.T  # (num_patches, embed_dim)
+        return out if self.proj.bias is None else out + self.proj.bias
 
 
 class PatchMerger(nn.Module):
