@@ -44,9 +44,6 @@ class LLM:
         if not self.model.config.has_vision:
             raise CheckpointError(f"{model} is a text-only Qwen2 model; nanomm serves Qwen2-VL (a Qwen2 checkpoint "
                                   "can be the draft model of speculative decoding)")
-        if self.model.config.model_type == "qwen3_vl":
-            raise CheckpointError(f"{model} is a Qwen3-VL model: its DeepStack levels do not travel through the "
-                                  "engine's caches and chunks yet; nanomm.reference.generate runs it")
         if config.encoder_url is not None:  # the encoder service runs the tower: this engine holds none
             self.model.visual = None
         self.draft_model = None

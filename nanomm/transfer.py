@@ -94,13 +94,15 @@ def encode_request(images: list) -> bytes:
     return pack(tensors, message)
 
 
-def read_encode_response(body: bytes, images: list, hidden_size: int, dtype: torch.dtype, peer: str
-                         ) -> list[VisualTokens]:
-    """The visual tokens of each image, checked against what this engine expects of them."""
+def read_encode_response(body: bytes, images: list, hidden_size: int, dtype: torch.dtype, peer: str,
+                         levels: int = 1) -> list[VisualTokens]:
+    """The visual tokens of each image, checked against what this engine expects of them: (tokens, hidden), or
+    for a DeepStack model (levels, tokens, hidden), every level."""
     tensors, message = unpack(body, peer)
     out = []
     for i, im in enumerate(images):
-        embeds = expect(tensors.get(f"embeds.{i}"), f"embeds.{i}", dtype, (im.num_tokens, hidden_size), peer)
+        shape = (im.num_tokens, hidden_size) if levels == 1 else (levels, im.num_tokens, hidden_size)
+        embeds = expect(tensors.get(f"embeds.{i}"), f"embeds.{i}", dtype, shape, peer)
         coords = tensors.get(f"coords.{i}")
         if im.compression is not None:
             coords = expect(coords, f"coords.{i}", torch.long, (3, im.num_tokens), peer)
@@ -128,9 +130,10 @@ class RemoteEncoder:
     """`encode(images) -> [VisualTokens]` over HTTP, with the byte and time counters `/metrics` shows."""
 
     def __init__(self, url: str, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, levels: int = 1):
         self.url = url.rstrip("/")
         self.hidden_size, self.dtype, self.device, self.timeout_s = hidden_size, dtype, device, timeout_s
+        self.levels = levels  # 1 + a DeepStack model's extra levels
         self.bytes_sent = self.bytes_received = 0
         self.wait_s = 0.0
 
@@ -145,7 +148,7 @@ class RemoteEncoder:
         self.wait_s += time.perf_counter() - start
         self.bytes_sent += len(body)
         self.bytes_received += len(answer)
-        tokens = read_encode_response(answer, images, self.hidden_size, self.dtype, peer)
+        tokens = read_encode_response(answer, images, self.hidden_size, self.dtype, peer, self.levels)
         return [VisualTokens(t.embeds.to(self.device), t.coords) for t in tokens]
 
     def stats(self) -> dict:

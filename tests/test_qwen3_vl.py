@@ -7,16 +7,20 @@ images), interleaved M-RoPE sections (the logits after an image), a Qwen3 decode
 biases and a head_dim that is not hidden / heads (every logit).
 """
 
+import io
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import transformers
 
 from hf_checkpoints import make_hf_checkpoint
-from helpers import hf_inputs, random_image
+from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
+from nanomm import LLM
 from nanomm.accel.fused_layers import fuse_language_model
+from nanomm.inputs.compression import CompressionPolicy, compress
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.config import ModelConfig
@@ -26,6 +30,9 @@ from nanomm.model.rope import band_axes
 from nanomm.model.vision_deepstack import DeepStackVisionTransformer, position_grid_taps
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.serve.router import Router
 from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
 
 MAX_PIXELS = 32 * 32 * 60  # up to 60 visual tokens of 32x32 px
@@ -123,11 +130,107 @@ def test_deepstack_moves_the_logits(folder):
     assert not torch.allclose(with_levels, without, atol=1e-3)
 
 
-def test_the_engine_refuses_qwen3_vl_until_it_carries_deepstack_levels(folder):
-    from nanomm import LLM
-    from nanomm.errors import CheckpointError
-    with pytest.raises(CheckpointError, match="DeepStack"):
-        LLM(str(folder), device="cpu", dtype="float32")
+# -- the engine: DeepStack levels through the encoder cache, chunks that cut images, compression, the services ----
+
+TIGHT = dict(block_size=4, num_kv_blocks=30, max_num_batched_tokens=20)  # chunks cut images and their levels
+
+
+@pytest.mark.parametrize("settings", [{}, TIGHT], ids=["default", "tight"])
+def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
+    """0-3 images a prompt through the engine at once, then again (the prefix cache): transformers' greedy answers.
+    Tight settings cut images (and so every DeepStack level) across chunks and preempt."""
+    pictures = [random_image(*IMAGE_SIZES[i], 10 + i) for i in range(3)]
+    prompts = [chat_prompt("Describe, then count.", pictures[:n]) for n in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **settings) as llm:
+        for _ in range(2):
+            for prompt, out in zip(prompts, llm.generate(prompts, params)):
+                prepared = llm.engine.prepare(prompt, params)
+                tokens, logits = oracle_greedy(oracle, hf_inputs(prepared.token_ids, prepared.images,
+                                                                 llm.model.config.image_token_id), NUM_TOKENS)
+                got = out.outputs[0].token_ids
+                assert got[:steps_fed_the_same_tokens(got, tokens, logits)] == \
+                    tokens[:steps_fed_the_same_tokens(got, tokens, logits)]
+        stats = llm.stats()
+        assert stats["prefix_cache_hit_tokens"] > 0
+        if settings:
+            assert stats["preemptions"] > 0
+
+
+LEVERS = {
+    "compression-attention": dict(visual_token_compression={"method": "attention", "keep_ratio": 0.5}),
+    "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
+    "compression-prune": dict(visual_token_compression={"method": "prune", "keep_ratio": 0.5}),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "int8-weights": dict(quantization="int8"),
+    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+def test_each_lever_matches_the_dense_reference(folder, lever):
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **LEVERS[lever]) as llm:
+        prompts = random_workload(seed=3, num_prompts=6)
+        params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
+                                 max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: from the caches
+        stats = llm.stats()
+        assert stats["encoder_cache_hits"] > 0 if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["pool", "prune", "attention"])
+def test_compression_keeps_the_same_tokens_at_every_level(folder, method):
+    """Level i of a compressed image is what the policy makes of level i alone when it keeps level 0's choice:
+    the kept coordinates are level 0's, and each level is pooled, picked or merged the same way."""
+    ours = load_model(folder)
+    image = preprocess_image(random_image(300, 200, 4), ImageProcessorConfig.from_pretrained(folder),
+                             max_pixels=MAX_PIXELS)
+    (levels,), (attention,) = ours.encode_images(image.pixel_values, [image.grid_thw], received_attention=True)
+    policy = CompressionPolicy(method, 0.5)
+    together = compress(levels, image.token_grid, policy, attention=attention)
+    alone = compress(levels[0], image.token_grid, policy, attention=attention)
+    assert torch.equal(together.coords, alone.coords) and torch.allclose(together.embeds[0], alone.embeds)
+    if method != "attention":  # a pure selection or average: each level's own result, at the same places
+        for level in range(1, levels.shape[0]):
+            if method == "pool":
+                own = compress(levels[level], image.token_grid, policy).embeds
+            else:
+                own = levels[level][[int(i) for i in _kept_indices(together.coords, image.token_grid)]]
+            assert torch.allclose(together.embeds[level], own)
+
+
+def _kept_indices(coords, grid):
+    _, h, w = grid
+    return coords[0] * h * w + coords[1] * w + coords[2]
+
+
+def test_an_encoder_service_and_a_prefill_decode_pair_carry_every_level(folder):
+    """An engine that gets its visual tokens from an encoder service, and a prefill/decode pair behind the router,
+    give the integrated engine's tokens: the service sends all 1 + levels tensors of each image."""
+    picture = random_image(300, 200, 2)
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    chat = {"model": "m", "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}},
+        {"type": "text", "text": "what is it"}]}]}
+    kwargs = dict(device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
+    with BackgroundServer(EncoderServer(load_encoder(str(folder), max_pixels=MAX_PIXELS), "m")) as encoder_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m"))) as whole_url, \
+            BackgroundServer(Server(LLM(str(folder), encoder_url=encoder_url, **kwargs),
+                                    ServerConfig("m", role="prefill", encoder_urls=(encoder_url,)))) as prefill_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m", role="decode"))) as decode_url, \
+            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
+        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        received = [line for line in httpx.get(prefill_url + "/metrics").text.splitlines()
+                    if line.startswith('nanomm_visual_token_transfer_bytes_total{direction="received"}')]
+    assert whole["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
+    visual = whole["usage"]["visual_tokens"]
+    assert float(received[0].split()[-1]) > 3 * visual * 64 * 4  # three levels of float32 tokens, and a header
 
 
 # -- the real checkpoint's files (tests/data/Qwen3-VL-2B-Instruct: public copies of the hub files) ------------

@@ -34,13 +34,13 @@ def encoder_cache_key(image_content_hash: str, model_identity: str) -> str:
 
 @dataclass
 class CacheEntry:
-    embeds: torch.Tensor  # (tokens, hidden)
+    embeds: torch.Tensor  # (tokens, hidden), or a DeepStack model's (1 + levels, tokens, hidden)
     coords: torch.Tensor | None = None  # (3, tokens) grid (t, h, w) of a compressed image's tokens (compression.py)
     holders: int = 0  # running requests whose prefill still needs these tokens
 
     @property
     def num_tokens(self) -> int:
-        return self.embeds.shape[0]
+        return self.embeds.shape[-2]
 
 
 class EncoderCache:
@@ -76,7 +76,7 @@ class EncoderCache:
         the engine trims at the end of the step."""
         if key not in self.entries:
             self.entries[key] = CacheEntry(embeds, coords)
-            self.num_tokens += embeds.shape[0]
+            self.num_tokens += embeds.shape[-2]
 
     def hold(self, key: str) -> None:
         """A running request will need this entry's tokens: it is not evicted until released."""

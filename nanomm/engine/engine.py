@@ -64,7 +64,8 @@ class LLMEngine:
         graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
                               config.max_num_seqs, longest) if use_graphs else None
         remote_encoder = None if config.encoder_url is None else RemoteEncoder(
-            config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s)
+            config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s,
+            levels=1 + len(model.config.vision.deepstack_visual_indexes))
         self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                   decode_graphs=graphs, remote_encoder=remote_encoder)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,

@@ -194,7 +194,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
             meta=StepMetadata(new_slots, context_slots, prefills[0], short),
-            visual_tokens=torch.cat(visual) if visual else None,  # (image tokens in this step, hidden)
+            visual_tokens=torch.cat(visual, dim=-2) if visual else None,  # ([levels,] image tokens in this step, hidden)
             image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _split_runs(self, chunks: list[ScheduledChunk], query_starts: list[int], slots: torch.Tensor):
@@ -271,7 +271,7 @@ class ModelRunner:
             rows = span.clip(chunk.start, chunk.end)
             if rows:
                 key = request.held_images[i]
-                out.append(self.encoder_cache.embeds(key)[rows.start - span.start:rows.stop - span.start])
+                out.append(self.encoder_cache.embeds(key)[..., rows.start - span.start:rows.stop - span.start, :])
                 coords = self.encoder_cache.coords(key)
                 if coords is not None:
                     grid_offsets.append((range(offset + rows.start - chunk.start, offset + rows.stop - chunk.start),

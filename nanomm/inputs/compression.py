@@ -124,22 +124,30 @@ def kept_layout(grid: tuple[int, int, int], policy: CompressionPolicy | None) ->
 
 
 def compress(embeds: torch.Tensor, grid: tuple[int, int, int], policy: CompressionPolicy | None, seed: int = 0,
-             attention: torch.Tensor | None = None) -> VisualTokens:
+             attention: torch.Tensor | None = None, similarity_width: int | None = None) -> VisualTokens:
     """embeds (T*H*W, hidden) of one image whose token grid is (T, H, W) -> the tokens its policy keeps.
     seed: for "random"; attention (T*H*W,): the attention each token received in the vision tower's last layer,
-    for "attention"."""
+    for "attention". A DeepStack model's embeds are (levels, T*H*W, hidden): the policy judges the tokens by
+    level 0 (what the decoder's input gets) and keeps, pools or merges the same tokens at every level.
+    similarity_width: compare tokens by their first so many features only (level 0 of such a model)."""
     if policy is None:
         return VisualTokens(embeds)
+    if embeds.dim() == 3:
+        levels, n, hidden = embeds.shape
+        wide = embeds.transpose(0, 1).reshape(n, levels * hidden)  # (tokens, levels x hidden): level 0 first
+        out = compress(wide, grid, policy, seed, attention, similarity_width=hidden)
+        return VisualTokens(out.embeds.view(-1, levels, hidden).transpose(0, 1), out.coords)
+    width = similarity_width or embeds.shape[1]
     num_kept, _ = kept_layout(grid, policy)
     if policy.method == "pool":
         return _pool(embeds, grid, pool_window(policy.keep_ratio))
     if policy.method == "attention":
-        return _dominant_and_contextual(embeds, grid, attention, num_kept)
+        return _dominant_and_contextual(embeds, grid, attention, num_kept, width)
     if policy.method == "random":
         generator = torch.Generator().manual_seed(seed)
         kept = torch.randperm(embeds.shape[0], generator=generator)[:num_kept]
     else:  # "prune"
-        kept = max_min_diverse(embeds, num_kept).cpu()
+        kept = max_min_diverse(embeds[:, :width], num_kept).cpu()
     kept = kept.sort().values  # in raster order, as the uncompressed tokens were
     return VisualTokens(embeds[kept.to(embeds.device)], grid_positions(*grid)[:, kept])
 
@@ -199,7 +207,7 @@ def _nearest_neighbour_distances(unit: torch.Tensor, rows_per_chunk: int = 1024)
 
 
 def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], attention: torch.Tensor,
-                             num_kept: int) -> VisualTokens:
+                             num_kept: int, width: int) -> VisualTokens:
     """VisionZip's two kinds of token: the most attended-to tokens as they are ("dominant"), and num_kept / 6
     "contextual" tokens spread evenly over the rest, each the average of itself and the remaining tokens most
     similar to it (cosine similarity of the projector's output). Every kept token keeps its own position."""
@@ -212,7 +220,8 @@ def _dominant_and_contextual(embeds: torch.Tensor, grid: tuple[int, int, int], a
     kept = torch.cat([dominant, targets]).sort().values  # in raster order
     tokens = embeds[kept.to(embeds.device)].clone()  # (num_kept, hidden)
     if num_contextual:
-        similarity = F.normalize(embeds[rest].float(), dim=-1) @ F.normalize(embeds[targets].float(), dim=-1).T
+        similarity = (F.normalize(embeds[rest, :width].float(), dim=-1) @  # by the first `width` features
+                      F.normalize(embeds[targets, :width].float(), dim=-1).T)
         owner = similarity.argmax(dim=1)  # (n - dominant,) the target each remaining token joins
         owner[torch.searchsorted(rest, targets).to(owner.device)] = torch.arange(num_contextual, device=owner.device)
         sums = torch.zeros(num_contextual, embeds.shape[1], device=embeds.device).index_add_(

@@ -122,9 +122,9 @@ class DeepStackVisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grids: list[tuple[int, int, int]],
                 received_attention: bool = False):
-        """pixel_values (num_patches, 3*2*16*16) of all images -> per image (1 + levels, tokens, hidden_size)."""
-        if received_attention:
-            raise NotImplementedError("attention-based compression is not available for DeepStack towers yet")
+        """pixel_values (num_patches, 3*2*16*16) of all images -> per image (1 + levels, tokens, hidden_size)
+        (and with received_attention, per image the attention each token receives in the last block, as
+        `vision.VisionTransformer` gives it)."""
         cfg = self.cfg
         cos, sin = vision_cos_sin(image_grids, cfg.head_dim, cfg.rope_theta, cfg.spatial_merge_size,
                                   pixel_values.device)
@@ -133,9 +133,14 @@ class DeepStackVisionTransformer(nn.Module):
         x = x + self.position_embeddings(image_grids).to(x.dtype)
         levels = []
         for i, block in enumerate(self.blocks):
+            if received_attention and i == len(self.blocks) - 1:
+                last = block.attn.received_attention(block.norm1(x), cos, sin, segment_lengths)  # (num_patches,)
             x = block(x, cos, sin, segment_lengths)
             if i in cfg.deepstack_visual_indexes:
                 levels.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
         tokens = torch.stack([self.merger(x), *levels])  # (1 + levels, num_patches / 4, hidden_size)
         per_image = [t * h * w // cfg.spatial_merge_size ** 2 for t, h, w in image_grids]
-        return list(tokens.split(per_image, dim=1))
+        if not received_attention:
+            return list(tokens.split(per_image, dim=1))
+        last = last.view(-1, cfg.spatial_merge_size ** 2).mean(dim=1)  # (patches,) -> (tokens,): a merge block
+        return list(tokens.split(per_image, dim=1)), list(last.split(per_image))
