@@ -194,7 +194,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
             meta=StepMetadata(new_slots, context_slots, prefills[0], short),
-            visual_tokens=torch.cat(visual, dim=-2) if visual else None,  # ([levels,] image tokens in this step, hidden)
+            visual_tokens=torch.cat(visual, dim=-2) if visual else None,  # ([levels,] this step's image tokens, hidden)
             image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _split_runs(self, chunks: list[ScheduledChunk], query_starts: list[int], slots: torch.Tensor):

@@ -92,8 +92,9 @@ QWEN2_5_VISION_DEFAULTS = VisionConfig(depth=32, embed_dim=3584, num_heads=16, h
 
 # transformers' Qwen3VL class defaults, in nanomm's names.
 QWEN3_TEXT_DEFAULTS = TextConfig(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500_000.0,
-                                 mrope_section=(24, 20, 20), max_position_embeddings=128000, attention_bias=False,
+                                 num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
+                                 rope_theta=500_000.0, mrope_section=(24, 20, 20), max_position_embeddings=128000,
+                                 attention_bias=False,
                                  qk_norm=True, mrope_interleaved=True, explicit_head_dim=128)
 QWEN3_VISION_DEFAULTS = VisionConfig(depth=27, embed_dim=1152, num_heads=16, hidden_size=3584, patch_size=16,
                                      hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
@@ -140,7 +141,8 @@ class ModelConfig:
         ids = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                    "vision_end_token_id") if k in raw}  # absent from qwen2: Qwen2-VL's ids
         eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
-        return cls(text=text, vision=vision, model_type=model_type, tie_word_embeddings=tie, eos_token_ids=_as_tuple(eos),
+        return cls(text=text, vision=vision, model_type=model_type, tie_word_embeddings=tie,
+                   eos_token_ids=_as_tuple(eos),
                    torch_dtype=raw.get("torch_dtype", raw.get("dtype", text_raw.get("dtype"))), **ids)
 
     @classmethod

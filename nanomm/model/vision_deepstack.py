@@ -116,7 +116,8 @@ class DeepStackVisionTransformer(nn.Module):
         for t, h, w in image_grids:
             index, weight = position_grid_taps(h, w, side)
             order = merge_block_order(h, w, self.cfg.spatial_merge_size)
-            index, weight = index[order].to(self.pos_embed.weight.device), weight[order].to(self.pos_embed.weight.device)
+            device = self.pos_embed.weight.device
+            index, weight = index[order].to(device), weight[order].to(device)
             out.append((self.pos_embed(index) * weight[:, :, None]).sum(1).repeat(t, 1))  # (t*h*w, embed_dim)
         return torch.cat(out)
 
