@@ -10,6 +10,7 @@ would hide a loader that drops them): each tensor from its own generator seeded 
 rules of nanomm.tools.weights.random_weights.
 """
 
+import json
 import math
 from pathlib import Path
 
@@ -95,3 +96,12 @@ def redraw_weights(model: torch.nn.Module, seed: int, hidden_size: int) -> None:
         else:
             x = x.mul_(1.0 / math.sqrt(math.prod(param.shape[1:])))
         param.copy_(x)
+
+
+def render_hub_chat_template(folder: Path, messages: list[dict]) -> str:
+    """A conversation rendered by a checkpoint's own chat_template.json, the way transformers renders it (a sandboxed
+    jinja2 environment with trim_blocks and lstrip_blocks), with the generation prompt."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    template = json.loads((folder / "chat_template.json").read_text())["chat_template"]
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=True)

@@ -21,7 +21,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint
+from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint, render_hub_chat_template
 from helpers import (assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image,
                      random_workload)
 from nanomm import LLM, SamplingParams
@@ -276,3 +276,11 @@ def test_the_planner_reads_the_real_3b_files():
     assert image_tokens(1024, 768, replace(images, max_pixels=1_003_520)) == 27 * 37  # 14-px patches, 2x2 merge
     assert kv_bytes_per_token(config.text.num_hidden_layers, config.text.num_key_value_heads, config.text.head_dim,
                               torch.bfloat16) == 2 * 36 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize("turns", [1, 3])
+def test_the_chat_renders_as_the_real_qwen2_5_vl_template(folder, turns):
+    conversation = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}]},
+                    {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "And?"}][:turns]
+    text, _ = Tokenizer.from_pretrained(folder).apply_chat_template(conversation)
+    assert text == render_hub_chat_template(REAL_3B, conversation)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from hf_checkpoints import make_hf_checkpoint
+from hf_checkpoints import make_hf_checkpoint, render_hub_chat_template
 from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM
 from nanomm.accel.fused_layers import fuse_language_model
@@ -253,3 +253,19 @@ def test_the_real_2b_config_and_weights_fit_nanomm_s_model():
     assert {canonical_name(n): tuple(s) for n, s in shapes.items()} == ours and len(shapes) == 625
     processor = ImageProcessorConfig.from_pretrained(REAL_2B)
     assert (processor.patch_size, processor.factor, processor.image_mean) == (16, 32, (0.5, 0.5, 0.5))
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What is it?"}]}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two:"}, {"type": "image", "image": "a.png"},
+                                  {"type": "image", "image": "b.png"}]},
+     {"role": "assistant", "content": "A cat and a dog."}, {"role": "user", "content": "Which is bigger?"}],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["image", "system", "turns"])
+def test_the_chat_renders_as_the_real_qwen3_vl_template(folder, conversation):
+    """Qwen3-VL's template (tests/data, the hub's) adds no default system turn, unlike Qwen2-VL's and Qwen2.5-VL's."""
+    text, _ = Tokenizer.from_pretrained(folder).apply_chat_template(conversation)
+    assert text == render_hub_chat_template(REAL_2B, conversation)

@@ -24,7 +24,8 @@ from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.model.config import read_checkpoint_json
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # Qwen2-VL's and Qwen2.5-VL's templates add it; Qwen3-VL's not
+NO_DEFAULT_SYSTEM_PROMPT = ("qwen3_vl",)  # config.json model types whose chat template adds no system turn
 ROLES = ("system", "user", "assistant")
 
 # The Qwen2-VL-*-Instruct chat template, verbatim. It is written into tokenizer_config.json by
@@ -53,8 +54,10 @@ class Tokenizer:
     """The Qwen2-VL tokenizer of one checkpoint folder, with its special-token ids."""
 
     def __init__(self, tokenizer: HFTokenizer, *, image_token_id: int, vision_start_token_id: int,
-                 vision_end_token_id: int, eos_token_ids: list[int], pad_token_id: int | None):
+                 vision_end_token_id: int, eos_token_ids: list[int], pad_token_id: int | None,
+                 default_system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
         self.tokenizer = tokenizer
+        self.default_system_prompt = default_system_prompt  # the system turn a chat without one gets, if any
         self.image_token_id = image_token_id
         self.vision_start_token_id = vision_start_token_id
         self.vision_end_token_id = vision_end_token_id
@@ -95,7 +98,8 @@ class Tokenizer:
                    vision_start_token_id=token_id("<|vision_start|>", vision_start_token_id),
                    vision_end_token_id=token_id("<|vision_end|>", vision_end_token_id),
                    eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
-                   pad_token_id=pad)
+                   pad_token_id=pad, default_system_prompt=None if config.get("model_type") in
+                   NO_DEFAULT_SYSTEM_PROMPT else DEFAULT_SYSTEM_PROMPT)
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (<|im_start|>, <|image_pad|>, ...) become single ids because
@@ -116,8 +120,8 @@ class Tokenizer:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         pieces, images = [], []
-        if _message_role(messages[0], 0) != "system":
-            pieces.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+        if _message_role(messages[0], 0) != "system" and self.default_system_prompt is not None:
+            pieces.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
         for i, message in enumerate(messages):
             role = _message_role(message, i)
             if "content" not in message:
