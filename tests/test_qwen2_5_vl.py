@@ -280,7 +280,8 @@ def test_the_planner_reads_the_real_3b_files():
 
 @pytest.mark.parametrize("turns", [1, 3])
 def test_the_chat_renders_as_the_real_qwen2_5_vl_template(folder, turns):
-    conversation = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}]},
+    picture_and_question = [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}]
+    conversation = [{"role": "user", "content": picture_and_question},
                     {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "And?"}][:turns]
     text, _ = Tokenizer.from_pretrained(folder).apply_chat_template(conversation)
     assert text == render_hub_chat_template(REAL_3B, conversation)
