@@ -9,6 +9,10 @@ biases and a head_dim that is not hidden / heads (every logit).
 
 import io
 import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -20,6 +24,7 @@ from hf_checkpoints import make_hf_checkpoint, render_hub_chat_template
 from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM
 from nanomm.accel.fused_layers import fuse_language_model
+from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, compress
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
@@ -27,6 +32,7 @@ from nanomm.model.config import ModelConfig
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import band_axes
+from nanomm.planner import load_configs
 from nanomm.model.vision_deepstack import DeepStackVisionTransformer, position_grid_taps
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
@@ -269,3 +275,27 @@ def test_the_chat_renders_as_the_real_qwen3_vl_template(folder, conversation):
     """Qwen3-VL's template (tests/data, the hub's) adds no default system turn, unlike Qwen2-VL's and Qwen2.5-VL's."""
     text, _ = Tokenizer.from_pretrained(folder).apply_chat_template(conversation)
     assert text == render_hub_chat_template(REAL_2B, conversation)
+
+
+def test_the_chat_serves_a_local_qwen3_vl_folder(folder, tmp_path):
+    picture = tmp_path / "p.png"
+    random_image(300, 200, 1).save(picture)
+    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
+                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
+                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    with LLM(str(folder), device="cpu", dtype="float32") as llm:
+        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
+                                                          {"type": "text", "text": "Describe it"}]}],
+                            SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
+    assert expected.strip() and expected.strip() in run.stdout.decode()
+
+
+def test_the_planner_counts_32_pixel_tokens_for_the_real_2b():
+    """The same photo at the same pixel cap: 16-px patches (32-px tokens) give about (28/32)^2 of Qwen2-VL's tokens."""
+    config, images = load_configs(str(REAL_2B))
+    qwen3 = image_tokens(1024, 768, replace(images, max_pixels=1_003_520))
+    assert qwen3 == 24 * 32  # 768x1024 is under the cap: it only rounds to multiples of 32 px
+    assert kv_bytes_per_token(config.text.num_hidden_layers, config.text.num_key_value_heads, config.text.head_dim,
+                              torch.bfloat16) == 2 * 28 * 8 * 128 * 2

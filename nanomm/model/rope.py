@@ -104,8 +104,12 @@ def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, mrope_se
     """
     inv_freq = inverse_frequencies(head_dim, theta, positions.device)
     angles = positions[..., None].float() * inv_freq  # (3, tokens, head_dim/2)
-    axis = band_axes(head_dim // 2, mrope_section, interleaved).to(positions.device)  # (head_dim/2,)
-    angles = angles.gather(0, axis.expand(1, angles.shape[1], -1))[0]  # (tokens, head_dim/2): band j from axis[j]
+    if interleaved:
+        axis = band_axes(head_dim // 2, mrope_section, interleaved).to(positions.device)  # (head_dim/2,)
+        angles = angles.gather(0, axis.expand(1, angles.shape[1], -1))[0]  # (tokens, head_dim/2): band j from axis[j]
+    else:  # three contiguous runs: fewer kernels a step than the gather (lesson A3 counts them)
+        bands = angles.split(list(mrope_section), dim=-1)
+        angles = torch.cat([band[axis] for axis, band in enumerate(bands)], dim=-1)  # (tokens, head_dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (tokens, head_dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
