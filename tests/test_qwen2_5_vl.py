@@ -6,38 +6,29 @@ SwiGLU. Every image here is big enough for several windows, some cut short at th
 tower that ignored the window order, the full-attention blocks or the norms would give other visual tokens.
 """
 
-import io
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
 
+from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
+                           lever_matches_reference, metric, reference_matches_transformers,
+                           split_and_integrated_answers)
 from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint, render_hub_chat_template
-from helpers import (assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image,
-                     random_workload)
-from nanomm import LLM, SamplingParams
+from helpers import chat_prompt, random_image
+from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
-from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
-from nanomm.planner import load_configs
 from nanomm.model.vision_windowed import WindowedVisionTransformer, window_order
-from nanomm.reference import generate
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
-from nanomm.serve.encoder_server import EncoderServer, load_encoder
-from nanomm.serve.router import Router
-from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
+from nanomm.planner import load_configs
 
 MAX_PIXELS = 28 * 28 * 160  # up to 160 visual tokens: 10x16 tokens is 3x4 windows of 4x4, the last ones cut
 IMAGE_SIZES = [(300, 200), (90, 60), (448, 336)]  # (width, height)
@@ -57,15 +48,6 @@ def oracle(folder):
 
 def images(count: int, seed: int = 0):
     return [random_image(*IMAGE_SIZES[i], seed + i) for i in range(count)]
-
-
-def expanded_prompt(folder, count: int):
-    tokenizer = Tokenizer.from_pretrained(folder)
-    config = ImageProcessorConfig.from_pretrained(folder)
-    text, found = tokenizer.apply_chat_template([{"role": "user", "content": [
-        *({"type": "image", "image": im} for im in images(count)), {"type": "text", "text": "Describe, then count."}]}])
-    processed = [preprocess_image(im, config, max_pixels=MAX_PIXELS) for im in found]
-    return tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed]), processed
 
 
 def test_the_checkpoint_is_what_the_hub_names(folder):
@@ -105,15 +87,8 @@ def test_the_vision_tower_matches_transformers_for_batches(folder, oracle):
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])
 def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, num_images):
-    ours = load_model(folder)
-    ids, processed = expanded_prompt(folder, num_images)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    result = generate(ours, ids, processed, params, keep_logits=True)
-    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id), NUM_TOKENS)
-    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
-    diffs = [(a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)]
-    assert max(diffs) <= LOGITS_ATOL, diffs
-    assert comparable >= NUM_TOKENS // 2 and logits[0].std() > 0.05
+    ids, processed = expanded_prompt(folder, images(num_images), MAX_PIXELS)
+    assert reference_matches_transformers(load_model(folder), oracle, ids, processed, NUM_TOKENS) >= NUM_TOKENS // 2
 
 
 @pytest.mark.slow
@@ -126,12 +101,8 @@ def test_qwen2_5_vl_3b_widths_match_transformers(tmp_path):
     assert (ours.config.vision.embed_dim, ours.config.vision.hidden_size) == (1280, 2048)
     oracle = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         made, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, processed = expanded_prompt(made, 1)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    result = generate(ours, ids, processed, params, keep_logits=True)
-    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id), 4)
-    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
-    assert max((a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)) <= LOGITS_ATOL
+    ids, processed = expanded_prompt(made, images(1), MAX_PIXELS)
+    assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
@@ -144,46 +115,15 @@ def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
     """0-3 images a prompt through the engine (all at once, so they batch, chunk and preempt one another), then again:
     the second pass hits the prefix cache. Every answer is transformers' greedy answer."""
     prompts = [chat_prompt("Describe, then count.", images(n, seed=10 * n)) for n in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             **settings) as llm:
-        for attempt in range(2):
-            outputs = llm.generate(prompts, params)
-            for prompt, out in zip(prompts, outputs):
-                prepared = llm.engine.prepare(prompt, params)
-                tokens, logits = oracle_greedy(oracle, hf_inputs(prepared.token_ids, prepared.images,
-                                                                 llm.model.config.image_token_id), NUM_TOKENS)
-                got = out.outputs[0].token_ids
-                comparable = steps_fed_the_same_tokens(got, tokens, logits)
-                assert got[:comparable] == tokens[:comparable]
-        stats = llm.stats()
-        assert stats["prefix_cache_hit_tokens"] > 0
-        if settings:
-            assert stats["preemptions"] > 0
-
-
-LEVERS = {
-    "compression-attention": dict(visual_token_compression={"method": "attention", "keep_ratio": 0.5}),
-    "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
-    "fp8-kv": dict(kv_cache_dtype="fp8"),
-    "int8-weights": dict(quantization="int8"),
-    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
-    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
-}
+    stats = engine_gives_transformers_tokens(folder, oracle, prompts, NUM_TOKENS, MAX_PIXELS, **settings)
+    assert stats["prefix_cache_hit_tokens"] > 0
+    if settings:
+        assert stats["preemptions"] > 0
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))
 def test_each_lever_matches_the_dense_reference(folder, lever):
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             **LEVERS[lever]) as llm:
-        prompts = random_workload(seed=3, num_prompts=6)
-        params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
-                                 max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
-        assert_engine_matches_reference(llm, prompts, params)
-        assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: from the caches
-        stats = llm.stats()
-        hits = stats["encoder_cache_hits"] if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"]
-        assert hits > 0
+    lever_matches_reference(folder, lever, MAX_PIXELS)
 
 
 def test_attention_compression_reads_the_last_block_in_grid_order(folder):
@@ -206,44 +146,18 @@ def test_attention_compression_reads_the_last_block_in_grid_order(folder):
 # -- serving: the chat, the server, and the split roles -------------------------------------------------------
 
 def test_the_chat_serves_a_local_qwen2_5_vl_folder(folder, tmp_path):
-    picture = tmp_path / "p.png"
-    random_image(300, 200, 1).save(picture)
-    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
-                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
-                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
-    with LLM(str(folder), device="cpu", dtype="float32") as llm:  # the chat's defaults: greedy, the checkpoint's cap
-        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
-                                                          {"type": "text", "text": "Describe it"}]}],
-                            SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
-    assert expected.strip() and expected.strip() in run.stdout.decode()
+    chat_cli_answers_as_the_engine(folder, tmp_path)
 
 
 def test_the_server_the_encoder_service_and_a_prefill_decode_pair_answer_alike(folder):
     """nanomm-serve FOLDER, and the same model split into encoder, prefill and decode instances behind a router:
     the same greedy tokens for a chat about a picture several windows wide."""
-    picture = random_image(300, 200, 2)
-    buffer = io.BytesIO()
-    picture.save(buffer, "PNG")
-    chat = {"model": "m", "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}},
-        {"type": "text", "text": "what is it"}]}]}
-    kwargs = dict(device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
-    with BackgroundServer(EncoderServer(load_encoder(str(folder)), "m")) as encoder_url, \
-            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m"))) as whole_url, \
-            BackgroundServer(Server(LLM(str(folder), encoder_url=encoder_url, **kwargs),
-                                    ServerConfig("m", role="prefill", encoder_urls=(encoder_url,)))) as prefill_url, \
-            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m", role="decode"))) as decode_url, \
-            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
-        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
-        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
-        encoded = [line for line in httpx.get(encoder_url + "/metrics").text.splitlines()
-                   if line.startswith("nanomm_encoder_visual_tokens_total")]
+    whole, split, encoder_metrics, _ = split_and_integrated_answers(folder, MAX_PIXELS)
     assert whole["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
     assert [whole["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == \
         [split["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
-    assert float(encoded[0].split()[-1]) == whole["usage"]["visual_tokens"] > 16  # the service ran the windowed tower
+    encoded = metric(encoder_metrics, "nanomm_encoder_visual_tokens_total")
+    assert encoded == whole["usage"]["visual_tokens"] > 16  # the service ran the windowed tower
 
 
 # -- the real checkpoint's files (tests/data/Qwen2.5-VL-3B-Instruct: public copies of the hub files) ----------

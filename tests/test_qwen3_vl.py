@@ -7,22 +7,19 @@ images), interleaved M-RoPE sections (the logits after an image), a Qwen3 decode
 biases and a head_dim that is not hidden / heads (every logit).
 """
 
-import io
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import transformers
 
+from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
+                           lever_matches_reference, metric, reference_matches_transformers,
+                           split_and_integrated_answers)
 from hf_checkpoints import make_hf_checkpoint, render_hub_chat_template
-from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
-from nanomm import LLM
+from helpers import chat_prompt, random_image
 from nanomm.accel.fused_layers import fuse_language_model
 from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, compress
@@ -32,14 +29,10 @@ from nanomm.model.config import ModelConfig
 from nanomm.model.loader import canonical_name, load_model
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.model.rope import band_axes
-from nanomm.planner import load_configs
 from nanomm.model.vision_deepstack import DeepStackVisionTransformer, position_grid_taps
+from nanomm.planner import load_configs
 from nanomm.reference import generate
 from nanomm.sampling import SamplingParams
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
-from nanomm.serve.encoder_server import EncoderServer, load_encoder
-from nanomm.serve.router import Router
-from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
 
 MAX_PIXELS = 32 * 32 * 60  # up to 60 visual tokens of 32x32 px
 IMAGE_SIZES = [(300, 200), (90, 60), (40, 260)]  # (width, height)
@@ -58,14 +51,8 @@ def oracle(folder):
         folder, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def expanded_prompt(folder, count: int):
-    tokenizer = Tokenizer.from_pretrained(folder)
-    config = ImageProcessorConfig.from_pretrained(folder)
-    pictures = [random_image(*IMAGE_SIZES[i], i) for i in range(count)]
-    text, found = tokenizer.apply_chat_template([{"role": "user", "content": [
-        *({"type": "image", "image": im} for im in pictures), {"type": "text", "text": "Describe, then count."}]}])
-    processed = [preprocess_image(im, config, max_pixels=MAX_PIXELS) for im in found]
-    return tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed]), processed
+def pictures(count: int) -> list:
+    return [random_image(*IMAGE_SIZES[i], i) for i in range(count)]
 
 
 def test_interleaved_sections_cycle_the_axes():
@@ -101,32 +88,21 @@ def test_the_vision_tower_and_its_deepstack_levels_match_transformers(folder, or
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])
 def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, num_images):
-    ours = load_model(folder)
-    ids, processed = expanded_prompt(folder, num_images)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    result = generate(ours, ids, processed, params, keep_logits=True)
-    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, ours.config.image_token_id), NUM_TOKENS)
-    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
-    diffs = [(a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)]
-    assert max(diffs) <= LOGITS_ATOL, diffs
-    assert comparable >= NUM_TOKENS // 2 and logits[0].std() > 0.05
+    ids, processed = expanded_prompt(folder, pictures(num_images), MAX_PIXELS)
+    assert reference_matches_transformers(load_model(folder), oracle, ids, processed, NUM_TOKENS) >= NUM_TOKENS // 2
 
 
 def test_the_fused_layers_the_engine_serves_keep_the_q_k_norms_and_deepstack(folder, oracle):
     fused = load_model(folder)
     fuse_language_model(fused)
-    ids, processed = expanded_prompt(folder, 2)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    result = generate(fused, ids, processed, params, keep_logits=True)
-    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, fused.config.image_token_id), 4)
-    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
-    assert max((a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)) <= LOGITS_ATOL
+    ids, processed = expanded_prompt(folder, pictures(2), MAX_PIXELS)
+    assert reference_matches_transformers(fused, oracle, ids, processed, 4) >= 2
 
 
 def test_deepstack_moves_the_logits(folder):
     """Without its levels the same prompt gives other logits: the comparison above would see a dropped DeepStack."""
     ours = load_model(folder)
-    ids, processed = expanded_prompt(folder, 1)
+    ids, processed = expanded_prompt(folder, pictures(1), MAX_PIXELS)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     with_levels = generate(ours, ids, processed, params, keep_logits=True).logits[0]
     for merger in ours.visual.deepstack_merger_list:
@@ -147,46 +123,15 @@ def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
     Tight settings cut images (and so every DeepStack level) across chunks and preempt."""
     pictures = [random_image(*IMAGE_SIZES[i], 10 + i) for i in range(3)]
     prompts = [chat_prompt("Describe, then count.", pictures[:n]) for n in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             **settings) as llm:
-        for _ in range(2):
-            for prompt, out in zip(prompts, llm.generate(prompts, params)):
-                prepared = llm.engine.prepare(prompt, params)
-                tokens, logits = oracle_greedy(oracle, hf_inputs(prepared.token_ids, prepared.images,
-                                                                 llm.model.config.image_token_id), NUM_TOKENS)
-                got = out.outputs[0].token_ids
-                assert got[:steps_fed_the_same_tokens(got, tokens, logits)] == \
-                    tokens[:steps_fed_the_same_tokens(got, tokens, logits)]
-        stats = llm.stats()
-        assert stats["prefix_cache_hit_tokens"] > 0
-        if settings:
-            assert stats["preemptions"] > 0
-
-
-LEVERS = {
-    "compression-attention": dict(visual_token_compression={"method": "attention", "keep_ratio": 0.5}),
-    "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
-    "compression-prune": dict(visual_token_compression={"method": "prune", "keep_ratio": 0.5}),
-    "fp8-kv": dict(kv_cache_dtype="fp8"),
-    "int8-weights": dict(quantization="int8"),
-    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
-    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
-}
+    stats = engine_gives_transformers_tokens(folder, oracle, prompts, NUM_TOKENS, MAX_PIXELS, **settings)
+    assert stats["prefix_cache_hit_tokens"] > 0
+    if settings:
+        assert stats["preemptions"] > 0
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))
 def test_each_lever_matches_the_dense_reference(folder, lever):
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             **LEVERS[lever]) as llm:
-        prompts = random_workload(seed=3, num_prompts=6)
-        params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
-                                 max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
-        assert_engine_matches_reference(llm, prompts, params)
-        assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: from the caches
-        stats = llm.stats()
-        hits = stats["encoder_cache_hits"] if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"]
-        assert hits > 0
+    lever_matches_reference(folder, lever, MAX_PIXELS)
 
 
 @pytest.mark.parametrize("method", ["pool", "prune", "attention"])
@@ -218,26 +163,10 @@ def _kept_indices(coords, grid):
 def test_an_encoder_service_and_a_prefill_decode_pair_carry_every_level(folder):
     """An engine that gets its visual tokens from an encoder service, and a prefill/decode pair behind the router,
     give the integrated engine's tokens: the service sends all 1 + levels tensors of each image."""
-    picture = random_image(300, 200, 2)
-    buffer = io.BytesIO()
-    picture.save(buffer, "PNG")
-    chat = {"model": "m", "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}},
-        {"type": "text", "text": "what is it"}]}]}
-    kwargs = dict(device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
-    with BackgroundServer(EncoderServer(load_encoder(str(folder), max_pixels=MAX_PIXELS), "m")) as encoder_url, \
-            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m"))) as whole_url, \
-            BackgroundServer(Server(LLM(str(folder), encoder_url=encoder_url, **kwargs),
-                                    ServerConfig("m", role="prefill", encoder_urls=(encoder_url,)))) as prefill_url, \
-            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m", role="decode"))) as decode_url, \
-            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
-        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
-        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
-        received = [line for line in httpx.get(prefill_url + "/metrics").text.splitlines()
-                    if line.startswith('nanomm_visual_token_transfer_bytes_total{direction="received"}')]
+    whole, split, _, prefill_metrics = split_and_integrated_answers(folder, MAX_PIXELS)
     assert whole["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
-    visual = whole["usage"]["visual_tokens"]
-    assert float(received[0].split()[-1]) > 3 * visual * 64 * 4  # three levels of float32 tokens, and a header
+    received = metric(prefill_metrics, 'nanomm_visual_token_transfer_bytes_total{direction="received"}')
+    assert received > 3 * whole["usage"]["visual_tokens"] * 64 * 4  # three levels of float32 tokens, and a header
 
 
 # -- the real checkpoint's files (tests/data/Qwen3-VL-2B-Instruct: public copies of the hub files) ------------
@@ -278,18 +207,7 @@ def test_the_chat_renders_as_the_real_qwen3_vl_template(folder, conversation):
 
 
 def test_the_chat_serves_a_local_qwen3_vl_folder(folder, tmp_path):
-    picture = tmp_path / "p.png"
-    random_image(300, 200, 1).save(picture)
-    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
-                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
-                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
-    with LLM(str(folder), device="cpu", dtype="float32") as llm:
-        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
-                                                          {"type": "text", "text": "Describe it"}]}],
-                            SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
-    assert expected.strip() and expected.strip() in run.stdout.decode()
+    chat_cli_answers_as_the_engine(folder, tmp_path)
 
 
 def test_the_planner_counts_32_pixel_tokens_for_the_real_2b():

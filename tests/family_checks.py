@@ -1,0 +1,127 @@
+"""Checks every model family passes through the engine, shared by tests/test_qwen2_5_vl.py and tests/test_qwen3_vl.py:
+transformers' greedy tokens under given engine settings, each lever against the dense reference, the chat CLI, and
+the split roles against the integrated server."""
+
+import io
+import os
+import subprocess
+import sys
+
+import httpx
+
+from helpers import assert_engine_matches_reference, data_url, hf_inputs, random_image, random_workload
+from nanomm import LLM, SamplingParams
+from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
+from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.reference import generate
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.serve.router import Router
+from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
+
+LEVERS = {
+    "compression-attention": dict(visual_token_compression={"method": "attention", "keep_ratio": 0.5}),
+    "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
+    "compression-prune": dict(visual_token_compression={"method": "prune", "keep_ratio": 0.5}),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "int8-weights": dict(quantization="int8"),
+    "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+    "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+}
+
+
+def engine_gives_transformers_tokens(folder, oracle, prompts, num_tokens: int, max_pixels: int, **settings) -> dict:
+    """Every prompt through the engine at once, twice (the second pass hits the prefix cache); each answer must be
+    transformers' greedy answer up to a near-tie. Returns the engine's stats."""
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
+             **settings) as llm:
+        for _ in range(2):
+            for prompt, out in zip(prompts, llm.generate(prompts, params)):
+                prepared = llm.engine.prepare(prompt, params)
+                tokens, logits = oracle_greedy(oracle, hf_inputs(prepared.token_ids, prepared.images,
+                                                                 llm.model.config.image_token_id), num_tokens)
+                got = out.outputs[0].token_ids
+                comparable = steps_fed_the_same_tokens(got, tokens, logits)
+                assert got[:comparable] == tokens[:comparable]
+        return llm.stats()
+
+
+def lever_matches_reference(folder, lever: str, max_pixels: int) -> None:
+    """A mixed workload (greedy and seeded) with one lever on equals the dense reference, and again from the caches."""
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
+             **LEVERS[lever]) as llm:
+        prompts = random_workload(seed=3, num_prompts=6)
+        params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
+                                 max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        assert_engine_matches_reference(llm, prompts[:3], params[:3])
+        stats = llm.stats()
+        hits = stats["encoder_cache_hits"] if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"]
+        assert hits > 0
+
+
+def chat_cli_answers_as_the_engine(folder, tmp_path) -> None:
+    """`nanomm-chat --model FOLDER` (greedy by default) answers about a picture as `LLM.chat` does."""
+    picture = tmp_path / "p.png"
+    random_image(300, 200, 1).save(picture)
+    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
+                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
+                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    with LLM(str(folder), device="cpu", dtype="float32") as llm:
+        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
+                                                          {"type": "text", "text": "Describe it"}]}],
+                            SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
+    assert expected.strip() and expected.strip() in run.stdout.decode()
+
+
+def split_and_integrated_answers(folder, max_pixels: int) -> tuple[dict, dict, str, str]:
+    """One greedy chat about a picture, to an integrated server and to encoder + prefill + decode behind a router:
+    (integrated answer, split answer, the encoder's /metrics, the prefill instance's /metrics)."""
+    picture = random_image(300, 200, 2)
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    chat = {"model": "m", "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}},
+        {"type": "text", "text": "what is it"}]}]}
+    kwargs = dict(device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0)
+    with BackgroundServer(EncoderServer(load_encoder(str(folder), max_pixels=max_pixels), "m")) as encoder_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m"))) as whole_url, \
+            BackgroundServer(Server(LLM(str(folder), encoder_url=encoder_url, **kwargs),
+                                    ServerConfig("m", role="prefill", encoder_urls=(encoder_url,)))) as prefill_url, \
+            BackgroundServer(Server(LLM(str(folder), **kwargs), ServerConfig("m", role="decode"))) as decode_url, \
+            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
+        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        return whole, split, httpx.get(encoder_url + "/metrics").text, httpx.get(prefill_url + "/metrics").text
+
+
+def metric(text: str, prefix: str) -> float:
+    """The value of the one sample line of a /metrics text that starts with prefix."""
+    (line,) = [line for line in text.splitlines() if line.startswith(prefix)]
+    return float(line.split()[-1])
+
+
+def expanded_prompt(folder, pictures: list, max_pixels: int):
+    """A chat about the pictures, rendered, tokenized and expanded: (token ids, ProcessedImages)."""
+    tokenizer = Tokenizer.from_pretrained(folder)
+    config = ImageProcessorConfig.from_pretrained(folder)
+    text, found = tokenizer.apply_chat_template([{"role": "user", "content": [
+        *({"type": "image", "image": im} for im in pictures), {"type": "text", "text": "Describe, then count."}]}])
+    processed = [preprocess_image(im, config, max_pixels=max_pixels) for im in found]
+    return tokenizer.expand_image_placeholders(tokenizer.encode(text), [p.num_tokens for p in processed]), processed
+
+
+def reference_matches_transformers(model, oracle, ids, processed, num_tokens: int) -> int:
+    """nanomm's dense reference on `model` against transformers' greedy generation from the same prompt: every
+    step's logits within LOGITS_ATOL up to the first near-tie. Returns how many steps were compared."""
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    result = generate(model, ids, processed, params, keep_logits=True)
+    tokens, logits = oracle_greedy(oracle, hf_inputs(ids, processed, model.config.image_token_id), num_tokens)
+    comparable = steps_fed_the_same_tokens(result.token_ids, tokens, logits)
+    diffs = [(a - b).abs().max().item() for a, b in zip(result.logits[:comparable], logits)]
+    assert max(diffs) <= LOGITS_ATOL, diffs
+    assert logits[0].std() > 0.05, "random weights too small to make the comparison meaningful"
+    return comparable
