@@ -1,6 +1,7 @@
 """The Qwen3-VL vision tower: 16-px patches, a learned position grid on top of the 2-D rotary, and DeepStack.
 
-Lesson: lessons/02-vision-encoder.md (the Qwen2-VL tower, which this one changes).
+Lessons: lessons/14-model-generations.md (what each generation changed for serving), and
+lessons/02-vision-encoder.md (the Qwen2-VL tower, which this one changes).
 
 What changed from Qwen2-VL (vision.py), and why it matters to a server:
 

@@ -1,6 +1,7 @@
 """The Qwen2.5-VL vision tower: Qwen2-VL's tower (vision.py) with window attention, RMSNorm and a SwiGLU MLP.
 
-Lesson: lessons/02-vision-encoder.md (the Qwen2-VL tower, which this one changes).
+Lessons: lessons/14-model-generations.md (what each generation changed for serving), and
+lessons/02-vision-encoder.md (the Qwen2-VL tower, which this one changes).
 
 What changed from Qwen2-VL, and why it matters to a server:
 
