@@ -25,6 +25,7 @@ LEVERS = {
     "compression-prune": dict(visual_token_compression={"method": "prune", "keep_ratio": 0.5}),
     "fp8-kv": dict(kv_cache_dtype="fp8"),
     "int8-weights": dict(quantization="int8"),
+    "int4-weights": dict(quantization="int4", quantization_group_size=32),
     "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
     "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
 }
