@@ -12,6 +12,7 @@ rules of nanomm.tools.weights.random_weights.
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -105,3 +106,25 @@ def render_hub_chat_template(folder: Path, messages: list[dict]) -> str:
     template = json.loads((folder / "chat_template.json").read_text())["chat_template"]
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return environment.from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+def make_qwen3_text_draft(vl_folder: Path, out) -> Path:
+    """A text-only Qwen3 checkpoint (transformers' Qwen3ForCausalLM, model_type "qwen3") holding a Qwen3-VL
+    checkpoint's own decoder and head, with its tokenizer: a draft that agrees with its target on text."""
+    vl = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl_folder, dtype=torch.float32)
+    t = vl.config.text_config
+    config = transformers.Qwen3Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=vl.config.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": t.rope_parameters["rope_theta"]},
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id)
+    draft = transformers.Qwen3ForCausalLM(config)
+    draft.model.load_state_dict(vl.model.language_model.state_dict())
+    draft.lm_head.load_state_dict(vl.lm_head.state_dict())
+    out = Path(out)
+    draft.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
+        shutil.copyfile(Path(vl_folder) / name, out / name)
+    return out

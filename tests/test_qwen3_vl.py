@@ -18,8 +18,9 @@ import transformers
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
                            lever_matches_reference, metric, reference_matches_transformers,
                            split_and_integrated_answers)
-from hf_checkpoints import make_hf_checkpoint, render_hub_chat_template
-from helpers import chat_prompt, random_image
+from hf_checkpoints import make_hf_checkpoint, make_qwen3_text_draft, render_hub_chat_template
+from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload
+from nanomm import LLM
 from nanomm.accel.fused_layers import fuse_language_model
 from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
 from nanomm.inputs.compression import CompressionPolicy, compress
@@ -132,6 +133,22 @@ def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
 @pytest.mark.parametrize("lever", list(LEVERS))
 def test_each_lever_matches_the_dense_reference(folder, lever):
     lever_matches_reference(folder, lever, MAX_PIXELS)
+
+
+def test_a_qwen3_text_draft_speculates_for_its_target(folder, tmp_path):
+    """A text-only Qwen3 checkpoint (Qwen3ForCausalLM: q/k norms, its own head_dim, 1-D RoPE) holding the target's
+    own decoder: on text it is the target exactly, so every proposal is accepted; on image prompts it reads the
+    image pads as text (no tower, no DeepStack), guesses worse, and the output is still the target's."""
+    draft = make_qwen3_text_draft(folder, tmp_path / "draft")
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS,
+             speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 3}) as llm:
+        assert llm.engine.proposer.model.config.model_type == "qwen3" and llm.engine.proposer.model.visual is None
+        text = assert_engine_matches_reference(llm, [chat_prompt("the cat sat on the mat")], [params])[0]
+        assert text.metrics.acceptance_rate == 1.0
+        prompts = random_workload(seed=6, num_prompts=4, max_images=2)
+        outputs = assert_engine_matches_reference(llm, prompts, [params] * len(prompts))
+        assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
 
 
 @pytest.mark.parametrize("method", ["pool", "prune", "attention"])

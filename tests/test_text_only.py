@@ -159,13 +159,13 @@ def test_rope_scaling_nanomm_does_not_compute_is_refused(rope):
                                "rope_scaling": rope})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", None])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama", None])
 def test_other_model_types_say_what_is_supported(tmp_path, model_type):
     folder = shutil.copytree(make_checkpoint(tmp_path / "t", text_only=True), tmp_path / "edited")
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = model_type
     (folder / "config.json").write_text(json.dumps(config))
-    supported = r".*'qwen2_vl'.*'qwen2_5_vl'.*'qwen3_vl'.*'qwen2'"
+    supported = r".*'qwen2_vl'.*'qwen2_5_vl'.*'qwen3_vl'.*'qwen2'.*'qwen3'"
     with pytest.raises(CheckpointError, match=rf"model_type={model_type!r}{supported}"):
         load_model(folder)
 

@@ -10,9 +10,9 @@ nested one newer transformers writes (`text_config`, `vision_config`, `rope_para
 the same `ModelConfig`. Missing fields take transformers' class defaults, so a sparse config means the same
 model here as there.
 
-Text-only Qwen2 checkpoints (model_type "qwen2", transformers' Qwen2ForCausalLM) parse into the same
-`ModelConfig` with `vision=None`: they serve as draft models for speculative decoding. Their language model
-is Qwen2-VL's minus M-RoPE; with `mrope_section = (head_dim/2, 0, 0)` every rotary band follows the first
+Text-only Qwen2 and Qwen3 checkpoints (model_type "qwen2" / "qwen3": Qwen2ForCausalLM, Qwen3ForCausalLM) parse
+into the same `ModelConfig` with `vision=None`: they serve as draft models for speculative decoding. Their
+language model is Qwen2-VL's (or Qwen3-VL's) minus M-RoPE; with `mrope_section = (head_dim/2, 0, 0)` every rotary band follows the first
 position axis, which is ordinary 1-D RoPE.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from nanomm.errors import CheckpointError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2")  # the VL families, and text-only Qwen2
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")  # the VL families; text-only drafts
+TEXT_ONLY_TYPES = ("qwen2", "qwen3")  # Qwen2ForCausalLM, Qwen3ForCausalLM: draft models, 1-D RoPE, no tower
 # Rotary variants nanomm computes; others (yarn, dynamic, ...) would silently change the positions.
 SUPPORTED_ROPE_TYPES = ("default", "mrope")
 
@@ -99,7 +100,11 @@ QWEN3_TEXT_DEFAULTS = TextConfig(vocab_size=151936, hidden_size=4096, intermedia
 QWEN3_VISION_DEFAULTS = VisionConfig(depth=27, embed_dim=1152, num_heads=16, hidden_size=3584, patch_size=16,
                                      hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
                                      num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24))
-TEXT_DEFAULTS = {"qwen2": QWEN2_TEXT_DEFAULTS, "qwen3_vl": QWEN3_TEXT_DEFAULTS}  # others: TextConfig()
+# transformers' Qwen3Config (the text-only Qwen3 family, draft models for Qwen3-VL).
+QWEN3_TEXT_ONLY_DEFAULTS = replace(QWEN3_TEXT_DEFAULTS, rope_theta=10_000.0, max_position_embeddings=32768,
+                                   mrope_interleaved=False)
+TEXT_DEFAULTS = {"qwen2": QWEN2_TEXT_DEFAULTS, "qwen3_vl": QWEN3_TEXT_DEFAULTS,  # others: TextConfig()
+                 "qwen3": QWEN3_TEXT_ONLY_DEFAULTS}
 VISION_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VISION_DEFAULTS, "qwen3_vl": QWEN3_VISION_DEFAULTS}  # others: VisionConfig()
 
 
@@ -126,12 +131,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"config.json has model_type={model_type!r}; nanomm serves Qwen2-VL ('qwen2_vl'), Qwen2.5-VL "
-                f"('qwen2_5_vl'), Qwen3-VL ('qwen3_vl') and text-only Qwen2 ('qwen2', as draft models) only"
+                f"('qwen2_5_vl'), Qwen3-VL ('qwen3_vl') and text-only Qwen2 or Qwen3 ('qwen2', 'qwen3', as "
+                f"draft models) only"
             )
         text_raw = raw.get("text_config") or raw  # the original checkpoints keep text fields at the top level
         text = _parse_text_config(text_raw, model_type)
         vision = None
-        if model_type != "qwen2":
+        if model_type not in TEXT_ONLY_TYPES:
             vision = _parse_vision_config(raw.get("vision_config") or {}, model_type)
             if vision.hidden_size != text.hidden_size:
                 name = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
@@ -178,7 +184,7 @@ def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
     if raw.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
     text = replace(TEXT_DEFAULTS.get(model_type, TextConfig()), **fields)
-    if model_type == "qwen2":
+    if model_type in TEXT_ONLY_TYPES:
         # 1-D RoPE: M-RoPE with every band on the first axis. A stray mrope_section is ignored, as in transformers.
         text = replace(text, mrope_section=(text.head_dim // 2, 0, 0))
     if text.hidden_act != "silu":
