@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
                            lever_matches_reference, metric, reference_matches_transformers,
-                           split_and_integrated_answers)
+                           split_and_integrated_answers, static_decode_matches_reference)
 from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint, render_hub_chat_template
 from helpers import chat_prompt, random_image
 from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
@@ -119,6 +119,10 @@ def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
     assert stats["prefix_cache_hit_tokens"] > 0
     if settings:
         assert stats["preemptions"] > 0
+
+
+def test_the_static_decode_path_cuda_graphs_record_matches_the_dense_reference(folder):
+    static_decode_matches_reference(folder, MAX_PIXELS)
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))

@@ -17,7 +17,7 @@ import transformers
 
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
                            lever_matches_reference, metric, reference_matches_transformers,
-                           split_and_integrated_answers)
+                           split_and_integrated_answers, static_decode_matches_reference)
 from hf_checkpoints import make_hf_checkpoint, make_qwen3_text_draft, render_hub_chat_template
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload
 from nanomm import LLM
@@ -128,6 +128,10 @@ def test_the_engine_gives_transformers_greedy_tokens(folder, oracle, settings):
     assert stats["prefix_cache_hit_tokens"] > 0
     if settings:
         assert stats["preemptions"] > 0
+
+
+def test_the_static_decode_path_cuda_graphs_record_matches_the_dense_reference(folder):
+    static_decode_matches_reference(folder, MAX_PIXELS)
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))

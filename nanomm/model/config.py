@@ -12,8 +12,8 @@ model here as there.
 
 Text-only Qwen2 and Qwen3 checkpoints (model_type "qwen2" / "qwen3": Qwen2ForCausalLM, Qwen3ForCausalLM) parse
 into the same `ModelConfig` with `vision=None`: they serve as draft models for speculative decoding. Their
-language model is Qwen2-VL's (or Qwen3-VL's) minus M-RoPE; with `mrope_section = (head_dim/2, 0, 0)` every rotary band follows the first
-position axis, which is ordinary 1-D RoPE.
+language model is Qwen2-VL's (or Qwen3-VL's) minus M-RoPE; with `mrope_section = (head_dim/2, 0, 0)` every
+rotary band follows the first position axis, which is ordinary 1-D RoPE.
 """
 
 import json
