@@ -39,6 +39,18 @@ QWEN2_5_3B_CUT = dict(
                 window_size=112, fullatt_block_indexes=[1], hidden_act="silu", patch_size=14, spatial_merge_size=2,
                 temporal_patch_size=2, in_channels=3, tokens_per_second=2),
     tie_word_embeddings=True)
+# Qwen3-VL-2B's widths (text 2048 / 16 heads / 8 kv heads / head_dim 128, SwiGLU 6144; vision 1024 / 16 heads,
+# 4096, a 48x48 position grid), depths cut: 3 decoder layers, 4 vision blocks, DeepStack from the last three.
+QWEN3_2B_CUT = dict(
+    text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=3, num_attention_heads=16,
+              num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+              hidden_act="silu", attention_bias=False, vocab_size=QWEN_VOCAB_SIZE,
+              rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                               "mrope_interleaved": True}),
+    vision=dict(depth=4, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                in_channels=3, num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3]),
+    tie_word_embeddings=True)
 # Qwen3-VL: 16-px patches, an 8x8 learned position grid, DeepStack from blocks 0 and 2; a Qwen3 decoder whose
 # head_dim (24) is not hidden / heads (16), with interleaved M-RoPE sections summing to head_dim / 2.
 QWEN3_TEXT_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -18,7 +18,7 @@ import transformers
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
                            lever_matches_reference, metric, reference_matches_transformers,
                            split_and_integrated_answers, static_decode_matches_reference)
-from hf_checkpoints import make_hf_checkpoint, make_qwen3_text_draft, render_hub_chat_template
+from hf_checkpoints import QWEN3_2B_CUT, make_hf_checkpoint, make_qwen3_text_draft, render_hub_chat_template
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload
 from nanomm import LLM
 from nanomm.accel.fused_layers import fuse_language_model
@@ -91,6 +91,21 @@ def test_the_vision_tower_and_its_deepstack_levels_match_transformers(folder, or
 def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, num_images):
     ids, processed = expanded_prompt(folder, pictures(num_images), MAX_PIXELS)
     assert reference_matches_transformers(load_model(folder), oracle, ids, processed, NUM_TOKENS) >= NUM_TOKENS // 2
+
+
+@pytest.mark.slow
+def test_qwen3_vl_2b_widths_match_transformers(tmp_path):
+    """Qwen3-VL-2B's widths, real vocabulary and tied head, its 48x48 position grid and three DeepStack levels; three
+    decoder layers and four vision blocks."""
+    made = make_hf_checkpoint(tmp_path / "2b", "qwen3_vl", text=QWEN3_2B_CUT["text"], vision=QWEN3_2B_CUT["vision"],
+                              tie_word_embeddings=True, tokenizer="qwen")
+    ours = load_model(made)
+    assert (ours.config.text.head_dim, ours.config.vision.embed_dim, len(ours.visual.deepstack_merger_list)) == \
+        (128, 1024, 3)
+    oracle = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        made, dtype=torch.float32, attn_implementation="eager").eval()
+    ids, processed = expanded_prompt(made, pictures(1), MAX_PIXELS)
+    assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
 
 
 def test_the_fused_layers_the_engine_serves_keep_the_q_k_norms_and_deepstack(folder, oracle):
