@@ -9,8 +9,7 @@ import sys
 
 import httpx
 
-from helpers import (assert_engine_matches_reference, data_url, hf_inputs, random_image, random_workload,
-                     reference_tokens)
+from helpers import assert_engine_matches_reference, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
@@ -132,15 +131,6 @@ def reference_matches_transformers(model, oracle, ids, processed, num_tokens: in
 def static_decode_matches_reference(folder, max_pixels: int) -> None:
     """The padded, static decode path that CUDA graphs record (run here without recording: a CPU has no graphs)
     gives the dense reference's tokens, greedy and seeded, batches padded to their bucket."""
-    from test_cuda_graphs import with_static_decode
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels)
-    graphs, scratch = with_static_decode(llm)
-    prompts = random_workload(seed=2, num_prompts=7)  # 7 decodes pad to a bucket of 8
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=5 + 2 * i, ignore_eos=True)
-              for i in range(7)]
-    outputs = llm.generate(prompts, params)
-    assert graphs.replays > 0 and any(batch > 1 for batch, _ in graphs.recorded)
-    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
-        assert out.outputs[0].token_ids == reference_tokens(llm, prompt, p), f"prompt {i} differs"
-    llm.engine.block_manager.free([scratch])
-    llm.close()
+    from test_cuda_graphs import assert_static_decode_matches_reference
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels) as llm:
+        assert_static_decode_matches_reference(llm)
