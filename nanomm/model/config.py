@@ -106,6 +106,8 @@ QWEN3_TEXT_ONLY_DEFAULTS = replace(QWEN3_TEXT_DEFAULTS, rope_theta=10_000.0, max
 TEXT_DEFAULTS = {"qwen2": QWEN2_TEXT_DEFAULTS, "qwen3_vl": QWEN3_TEXT_DEFAULTS,  # others: TextConfig()
                  "qwen3": QWEN3_TEXT_ONLY_DEFAULTS}
 VISION_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VISION_DEFAULTS, "qwen3_vl": QWEN3_VISION_DEFAULTS}  # others: VisionConfig()
+NEWER_VISION_FIELDS = {"qwen2_5_vl": ("window_size", "fullatt_block_indexes"),  # each newer tower's own fields
+                       "qwen3_vl": ("num_position_embeddings", "deepstack_visual_indexes")}
 
 
 @dataclass(frozen=True)
@@ -197,18 +199,15 @@ def _parse_text_config(raw: dict, model_type: str) -> TextConfig:
 def _parse_vision_config(raw: dict, model_type: str) -> VisionConfig:
     """The tower's fields, in nanomm's names. The trap: Qwen2.5-VL's `hidden_size` is the tower's own width (Qwen2-VL
     calls it embed_dim) and its `out_hidden_size` the language model's (Qwen2-VL's `hidden_size`)."""
-    shared = ("depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size",
-              "hidden_act")
-    if model_type == "qwen2_5_vl":
-        keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-                "window_size": "window_size", "fullatt_block_indexes": "fullatt_block_indexes"}
-    elif model_type == "qwen3_vl":
-        keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-                "num_position_embeddings": "num_position_embeddings",
-                "deepstack_visual_indexes": "deepstack_visual_indexes"}
-    else:
-        keys = {"embed_dim": "embed_dim", "hidden_size": "hidden_size", "mlp_ratio": "mlp_ratio"}
-    keys.update({k: k for k in shared})
+    same = ["depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size", "spatial_merge_size",
+            "hidden_act"]  # the same name in every family
+    if model_type == "qwen2_vl":
+        same += ["embed_dim", "hidden_size", "mlp_ratio"]
+        keys = {}
+    else:  # their config name -> ours
+        same += ["intermediate_size", *NEWER_VISION_FIELDS[model_type]]
+        keys = {"hidden_size": "embed_dim", "out_hidden_size": "hidden_size"}
+    keys.update({k: k for k in same})
     fields = {ours: raw[theirs] for theirs, ours in keys.items() if raw.get(theirs) is not None}
     for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
         if name in fields:

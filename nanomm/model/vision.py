@@ -90,14 +90,17 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-LayerNorm transformer block (LayerNorm with bias, eps fixed at 1e-6 by the reference)."""
+    """Pre-norm transformer block: LayerNorm with bias, eps fixed at 1e-6 by the reference, and `VisionMLP`. The
+    newer towers keep the block and swap its parts: make_norm builds each norm (Qwen2.5-VL: RMSNorm), mlp is the
+    MLP module (Qwen2.5-VL: SwiGLU; Qwen3-VL: its own layer names)."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, make_norm=None, mlp: nn.Module | None = None):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        make_norm = make_norm or (lambda: nn.LayerNorm(cfg.embed_dim, eps=1e-6))
+        self.norm1 = make_norm()
+        self.norm2 = make_norm()
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = mlp if mlp is not None else VisionMLP(cfg)
 
     def forward(self, x, cos, sin, segment_lengths):
         x = x + self.attn(self.norm1(x), cos, sin, segment_lengths)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from nanomm.model.config import VisionConfig
-from nanomm.model.rope import vision_cos_sin
-from nanomm.model.vision import ACTIVATIONS, PatchEmbed, VisionAttention
+from nanomm.model.rope import vision_cos_sin, vision_patch_positions
+from nanomm.model.vision import ACTIVATIONS, PatchEmbed, VisionBlock
 
 NORM_EPS = 1e-6
 
@@ -48,13 +48,9 @@ def position_grid_taps(grid_h: int, grid_w: int, side: int) -> tuple[torch.Tenso
     return index.reshape(-1, 4), weight.reshape(-1, 4)
 
 
-def merge_block_order(grid_h: int, grid_w: int, merge: int) -> torch.Tensor:
-    """Raster indices of a grid_h x grid_w grid in the pixel rows' merge-block-major order (vision.py)."""
-    raster = torch.arange(grid_h * grid_w).view(grid_h // merge, merge, grid_w // merge, merge)
-    return raster.permute(0, 2, 1, 3).flatten()  # (h/m, m, w/m, m) -> (h/m, w/m, m, m)
-
-
 class VisionMLP(nn.Module):
+    """vision.VisionMLP under Qwen3-VL's layer names (linear_fc1, linear_fc2)."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.embed_dim, cfg.mlp_dim)
@@ -63,19 +59,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
-
-    def forward(self, x, cos, sin, segment_lengths):
-        x = x + self.attn(self.norm1(x), cos, sin, segment_lengths)
-        return x + self.mlp(self.norm2(x))
 
 
 class Merger(nn.Module):
@@ -105,7 +88,7 @@ class DeepStackVisionTransformer(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.embed_dim)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg, mlp=VisionMLP(cfg)) for _ in range(cfg.depth))
         self.merger = Merger(cfg, norm_after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(Merger(cfg, norm_after_concat=True)
                                                    for _ in cfg.deepstack_visual_indexes)
@@ -116,7 +99,8 @@ class DeepStackVisionTransformer(nn.Module):
         out = []
         for t, h, w in image_grids:
             index, weight = position_grid_taps(h, w, side)
-            order = merge_block_order(h, w, self.cfg.spatial_merge_size)
+            rows, cols = vision_patch_positions([(1, h, w)], self.cfg.spatial_merge_size).unbind(1)
+            order = rows * w + cols  # raster index of each patch, in the pixel rows' merge-block-major order
             device = self.pos_embed.weight.device
             index, weight = index[order].to(device), weight[order].to(device)
             out.append((self.pos_embed(index) * weight[:, :, None]).sum(1).repeat(t, 1))  # (t*h*w, embed_dim)

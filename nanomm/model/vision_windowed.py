@@ -17,6 +17,8 @@ What changed from Qwen2-VL, and why it matters to a server:
 - The rotary embedding, the patch embedding, the attention and the merger's MLP are Qwen2-VL's.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,7 @@ from torch import nn
 from nanomm.model.config import VisionConfig
 from nanomm.model.qwen2 import RMSNorm
 from nanomm.model.rope import vision_cos_sin
-from nanomm.model.vision import PatchEmbed, PatchMerger, VisionAttention
+from nanomm.model.vision import PatchEmbed, PatchMerger, VisionBlock
 
 NORM_EPS = 1e-6  # fixed by the reference, as in Qwen2-VL's tower
 
@@ -68,28 +70,14 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class WindowedVisionBlock(nn.Module):
-    """Pre-RMSNorm block; whether it attends within windows or over whole frames is decided by its caller."""
-
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.embed_dim, NORM_EPS)
-        self.norm2 = RMSNorm(cfg.embed_dim, NORM_EPS)
-        self.attn = VisionAttention(cfg)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x, cos, sin, segment_lengths):
-        x = x + self.attn(self.norm1(x), cos, sin, segment_lengths)
-        return x + self.mlp(self.norm2(x))
-
-
 class WindowedVisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(WindowedVisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg, norm=RMSNorm(cfg.embed_dim, NORM_EPS))
+        rms_norm = partial(RMSNorm, cfg.embed_dim, NORM_EPS)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, make_norm=rms_norm, mlp=SwiGLU(cfg)) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, norm=rms_norm())
 
     def forward(self, pixel_values: torch.Tensor, image_grids: list[tuple[int, int, int]],
                 received_attention: bool = False):
