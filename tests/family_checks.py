@@ -4,8 +4,6 @@ the split roles against the integrated server."""
 
 import io
 import os
-import subprocess
-import sys
 
 import httpx
 
@@ -63,19 +61,18 @@ def lever_matches_reference(folder, lever: str, max_pixels: int) -> None:
 
 
 def chat_cli_answers_as_the_engine(folder, tmp_path) -> None:
-    """`nanomm-chat --model FOLDER` (greedy by default) answers about a picture as `LLM.chat` does."""
+    """`nanomm-chat --model FOLDER` (greedy by default) answers about a picture as `LLM.chat` does, on one line."""
+    from test_chat import chat
     picture = tmp_path / "p.png"
     random_image(300, 200, 1).save(picture)
-    run = subprocess.run([sys.executable, "-m", "nanomm.chat", "--model", str(folder), "--device", "cpu",
-                          "--dtype", "float32", "--image", str(picture), "--max-tokens", "5"],
-                         input=b"Describe it\n", capture_output=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    rc, replies, err = chat(["--model", str(folder), "--image", str(picture), "--max-tokens", "5"], "Describe it\n",
+                            {**os.environ, "HF_HUB_OFFLINE": "1"}, tmp_path)
+    assert rc == 0, err
     with LLM(str(folder), device="cpu", dtype="float32") as llm:
         expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": str(picture)},
                                                           {"type": "text", "text": "Describe it"}]}],
                             SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].text
-    assert expected.strip() and expected.strip() in run.stdout.decode()
+    assert expected.strip() and replies == [" ".join(expected.splitlines())]
 
 
 def split_and_integrated_answers(folder, max_pixels: int) -> tuple[dict, dict, str, str]:
