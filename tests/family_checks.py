@@ -6,6 +6,7 @@ import io
 import os
 
 import httpx
+import torch
 
 from helpers import assert_engine_matches_reference, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM, SamplingParams
@@ -29,12 +30,17 @@ LEVERS = {
 }
 
 
-def engine_gives_transformers_tokens(folder, oracle, prompts, num_tokens: int, max_pixels: int, **settings) -> dict:
+def engine_gives_transformers_tokens(folder, oracle, prompts, num_tokens: int, max_pixels: int,
+                                     num_logprobs: int | None = None, **settings) -> dict:
     """Every prompt through the engine at once, twice (the second pass hits the prefix cache); each answer must be
-    transformers' greedy answer up to a near-tie. Returns the engine's stats."""
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    transformers' greedy answer up to a near-tie, and every comparable step's logits must be transformers' within
+    LOGITS_ATOL. The engine shows its logits as logprobs: log_softmax, which is the logits up to one constant a
+    row, the part sampling never sees; over the whole vocabulary, or its num_logprobs most likely tokens (a real
+    vocabulary's 151,936 a step would be slow to compare in Python). Returns the engine's stats."""
     with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
              **settings) as llm:
+        num_logprobs = num_logprobs or llm.model.config.text.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=num_logprobs)
         for _ in range(2):
             for prompt, out in zip(prompts, llm.generate(prompts, params)):
                 prepared = llm.engine.prepare(prompt, params)
@@ -43,7 +49,19 @@ def engine_gives_transformers_tokens(folder, oracle, prompts, num_tokens: int, m
                 got = out.outputs[0].token_ids
                 comparable = steps_fed_the_same_tokens(got, tokens, logits)
                 assert got[:comparable] == tokens[:comparable]
+                for step in range(comparable):
+                    assert_logprobs_match(out.outputs[0].logprobs[step], logits[step], step, num_logprobs)
         return llm.stats()
+
+
+def assert_logprobs_match(engine_row: dict, oracle_logits: torch.Tensor, step: int, num_logprobs: int) -> None:
+    """The engine's logprobs for num_logprobs tokens or more (its top ones, and the token it chose) equal
+    log_softmax of transformers' logits."""
+    assert len(engine_row) >= num_logprobs, f"step {step}: logprobs for {len(engine_row)} tokens"
+    tokens = list(engine_row)
+    ours = torch.tensor([engine_row[token].logprob for token in tokens], dtype=torch.float64)
+    diff = (ours - torch.log_softmax(oracle_logits.double(), dim=-1)[tokens]).abs().max().item()
+    assert diff <= LOGITS_ATOL, f"step {step}: logprobs differ from transformers' by {diff}"
 
 
 def lever_matches_reference(folder, lever: str, max_pixels: int) -> None:

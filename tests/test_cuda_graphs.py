@@ -189,12 +189,22 @@ def test_the_recorded_region_never_reads_a_value_back_to_the_host(ckpt, monkeypa
     assert_no_leaks(llm)
 
 
+@pytest.fixture(params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def family_ckpt(request, ckpt, tmp_path_factory):
+    """A tiny checkpoint of each family: the graphs record Qwen3-VL's q/k norms and interleaved M-RoPE too."""
+    if request.param == "qwen2_vl":
+        return ckpt
+    from hf_checkpoints import make_hf_checkpoint
+    return make_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(ckpt, dtype, monkeypatch):
+def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(family_ckpt, dtype, monkeypatch):
     """Bit for bit on the same (padded) inputs; token for token end to end in float32. An eager step runs its real
     rows only, a graph the padded bucket: in bfloat16 a matmul of 8 rows may round differently from one of 6, so
-    whole generations are compared in float32 only."""
+    whole generations are compared in float32 only. Each family: Qwen2-VL, Qwen2.5-VL, Qwen3-VL."""
+    ckpt = family_ckpt
     prompts = random_workload(seed=4, num_prompts=6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # Every bucket's inputs are views of the front of one shared buffer, which holds only the last step's: keep

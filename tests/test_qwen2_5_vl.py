@@ -94,7 +94,7 @@ def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, 
 @pytest.mark.slow
 def test_qwen2_5_vl_3b_widths_match_transformers(tmp_path):
     """Qwen2.5-VL-3B's widths, real vocabulary and tied head; two decoder layers and two vision blocks (one windowed,
-    one full)."""
+    one full): the dense reference, then the engine under default and tight settings."""
     made = make_hf_checkpoint(tmp_path / "3b", text=QWEN2_5_3B_CUT["text"], vision=QWEN2_5_3B_CUT["vision"],
                               tie_word_embeddings=True, tokenizer="qwen")
     ours = load_model(made)
@@ -103,6 +103,9 @@ def test_qwen2_5_vl_3b_widths_match_transformers(tmp_path):
         made, dtype=torch.float32, attn_implementation="eager").eval()
     ids, processed = expanded_prompt(made, images(1), MAX_PIXELS)
     assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
+    prompts = [chat_prompt("Describe, then count.", images(n)) for n in (0, 1)]
+    for settings in ({}, TIGHT):  # the engine too: the real vocabulary's 20 most likely tokens a step
+        engine_gives_transformers_tokens(made, oracle, prompts, 4, MAX_PIXELS, num_logprobs=20, **settings)
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_every_step_logits_and_greedy_tokens_match_transformers(folder, oracle, 
 @pytest.mark.slow
 def test_qwen3_vl_2b_widths_match_transformers(tmp_path):
     """Qwen3-VL-2B's widths, real vocabulary and tied head, its 48x48 position grid and three DeepStack levels; three
-    decoder layers and four vision blocks."""
+    decoder layers and four vision blocks: the dense reference, then the engine under default and tight settings."""
     made = make_hf_checkpoint(tmp_path / "2b", "qwen3_vl", text=QWEN3_2B_CUT["text"], vision=QWEN3_2B_CUT["vision"],
                               tie_word_embeddings=True, tokenizer="qwen")
     ours = load_model(made)
@@ -106,6 +106,9 @@ def test_qwen3_vl_2b_widths_match_transformers(tmp_path):
         made, dtype=torch.float32, attn_implementation="eager").eval()
     ids, processed = expanded_prompt(made, pictures(1), MAX_PIXELS)
     assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
+    prompts = [chat_prompt("Describe, then count.", pictures(n)) for n in (0, 1)]
+    for settings in ({}, TIGHT):  # the engine too: the real vocabulary's 20 most likely tokens a step
+        engine_gives_transformers_tokens(made, oracle, prompts, 4, MAX_PIXELS, num_logprobs=20, **settings)
 
 
 def test_the_fused_layers_the_engine_serves_keep_the_q_k_norms_and_deepstack(folder, oracle):
@@ -224,6 +227,22 @@ def test_the_real_2b_config_and_weights_fit_nanomm_s_model():
     assert {canonical_name(n): tuple(s) for n, s in shapes.items()} == ours and len(shapes) == 625
     processor = ImageProcessorConfig.from_pretrained(REAL_2B)
     assert (processor.patch_size, processor.factor, processor.image_mean) == (16, 32, (0.5, 0.5, 0.5))
+
+
+@pytest.mark.parametrize("size", [(300, 200), (40, 260), (1000, 700)])
+def test_pixels_match_transformers_processor_under_the_real_2b_settings(size):
+    """16-px patches, a 32-px resize factor, mean and std 0.5 and the hub's pixel bounds (256x256 up to 4096x4096),
+    read from the real preprocessor_config.json by nanomm and by transformers' PIL processor: the same grid and
+    pixel values. (The hub names the torchvision-backed fast processor, which resizes slightly differently from
+    PIL; the dev tools carry no torchvision, so that path is not compared.)"""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    picture = random_image(*size, 7)
+    expected = Qwen2VLImageProcessorPil.from_pretrained(REAL_2B)(images=picture, return_tensors="pt")
+    ours = preprocess_image(picture, ImageProcessorConfig.from_pretrained(REAL_2B))
+    assert ours.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
+    assert ours.pixel_values.shape == expected["pixel_values"].shape
+    assert (ours.pixel_values - expected["pixel_values"]).abs().max().item() <= 1e-6
+    assert ours.grid_thw[1] * ours.grid_thw[2] >= 256 * 256 // 16 ** 2  # at least the hub's minimum pixels
 
 
 CONVERSATIONS = [
