@@ -11,8 +11,9 @@ from nanomm.engine.attention import PagedAttention, PrefillSequence, StepMetadat
 from nanomm.engine.model_runner import token_slots
 
 
-def random_step(seed: int, kv_heads: int, group: int, dtype=torch.float32):
-    """A random KV pool and a step of sequences with random block tables, context lengths and query runs."""
+def random_step(seed: int, kv_heads: int, group: int, dtype=torch.float32, run_lengths=(1, 1, 1, 2, 4, 5)):
+    """A random KV pool and a step of sequences with random block tables, context lengths and query runs (of the
+    lengths in run_lengths)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     block_size, num_blocks, head_dim = 4, 64, 16
     cache = torch.randn(1, 2, num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -20,7 +21,7 @@ def random_step(seed: int, kv_heads: int, group: int, dtype=torch.float32):
     rng.shuffle(free)
     query_lens, contexts = [], []
     for _ in range(rng.randint(1, 6)):
-        query_len = rng.choice([1, 1, 1, 2, 4, 5])  # decodes, verifications, a short tail chunk
+        query_len = rng.choice(run_lengths)  # by default decodes, verifications, a short tail chunk
         context_len = rng.randint(query_len, 30)
         table = [free.pop() for _ in range(-(-context_len // block_size))]
         query_lens.append(query_len)
@@ -47,6 +48,26 @@ def batched(cache, q, k, v, starts, query_lens, contexts, new_slots):
     meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [],
                         build_decode_batch(starts, query_lens, padded, [len(c) for c in contexts]))
     return PagedAttention(cache.clone(), meta, q.shape[1]).attend(0, q, k, v)
+
+
+def prompt_chunks_batched(cache, q, k, v, starts, query_lens, contexts, new_slots):
+    padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True)  # (B, L), slot 0 after each context
+    meta = StepMetadata(new_slots, torch.zeros(0, dtype=torch.long), [],
+                        prompt_chunks=build_decode_batch(starts, query_lens, padded, [len(c) for c in contexts]))
+    return PagedAttention(cache.clone(), meta, q.shape[1]).attend(0, q, k, v)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4)])
+@pytest.mark.parametrize("slice_elements", [1, 6000, 1 << 27])  # one run per slice; a few; all in one call
+def test_prompt_chunks_in_one_padded_call_equal_one_sequence_at_a_time(seed, kv_heads, group, slice_elements,
+                                                                       monkeypatch):
+    """Whole prompts (query run = context) and chunks after cached tokens, of different lengths, padded into one
+    fused-attention call (accel/batched_attention.py, `prefill_attention`), or a few when the step is large."""
+    import nanomm.accel.batched_attention as batched_module
+    monkeypatch.setattr(batched_module, "SLICE_ELEMENTS", slice_elements)
+    step = random_step(seed, kv_heads, group, run_lengths=(1, 3, 7, 12, 30))
+    torch.testing.assert_close(prompt_chunks_batched(*step), one_by_one(*step), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -1,5 +1,6 @@
-"""Attention for the step's short query runs (decodes and speculative verifications) in one call per layer: the
-batched path of the paged attention (engine/attention.py), which the engine takes by default.
+"""Attention for every query run of a step in two calls per layer, whatever the number of sequences: the batched
+path of the paged attention (engine/attention.py), which the engine takes by default. Short runs (decodes and
+speculative verifications) go through `batched_attention`; prompt chunks through `prefill_attention`.
 
 Lesson: lessons/04-paged-kv-cache.md, section 3 (attention over pages: one call for every decode).
 
@@ -13,6 +14,12 @@ which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What ever
 gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value back to the
 host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends every
 sequence alone, the definition; tests/test_attention.py holds the two equal.
+
+Prompt chunks are long and few, so they are padded the other way: into one (runs, heads, longest chunk,
+head_dim) batch of queries against (runs, heads, longest context, head_dim) keys and values, with a (runs, 1,
+longest chunk, longest context) mask, through PyTorch's fused `scaled_dot_product_attention` (flash or
+memory-efficient kernels: the scores are never written out). The same `DecodeBatch` describes them: a padding
+query sees what the run's first query sees and its output is dropped.
 """
 
 import dataclasses
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -145,3 +153,35 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: to
         return out.view(batch, heads, head_dim)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
+
+
+@dataclass
+class PrefillLayout:
+    """What every layer's `prefill_attention` reads, derived once per step from the prompt chunks' DecodeBatch: the
+    padded context slots and the mask, in slices of runs whose keys, values and mask hold about SLICE_ELEMENTS."""
+    slices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per slice: (query rows, slots, allowed)
+
+    @classmethod
+    def build(cls, runs: DecodeBatch, heads: int, head_dim: int) -> "PrefillLayout":
+        batch, width = runs.query_rows.shape
+        length = runs.context_slots.shape[1]
+        per_slice = max(1, min(batch, SLICE_ELEMENTS // max(1, length * (2 * heads * head_dim + width))))
+        allowed = runs.allowed[:, None]  # (B, 1, Q, L): one mask for every head
+        return cls([(runs.query_rows[i:i + per_slice], runs.context_slots[i:i + per_slice].flatten(),
+                     allowed[i:i + per_slice]) for i in range(0, batch, per_slice)])
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_rows: torch.Tensor,
+                      allowed: torch.Tensor) -> torch.Tensor:
+    """Prompt chunks at once: q (tokens, heads, head_dim) packed; keys, values (B * L, kv_heads, head_dim), each
+    run's padded context gathered from the pool; query_rows (B, Q) each run's rows of q; allowed (B, 1, Q, L).
+    Returns (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    batch, width = query_rows.shape
+    group = heads // keys.shape[1]
+    queries = q.index_select(0, query_rows.flatten()).view(batch, width, heads, head_dim).transpose(1, 2)
+    # (B * L, kv, d) -> (B, heads, L, d): each KV head repeated for its query heads, as `causal_attention` does
+    keys, values = (x.view(batch, -1, x.shape[1], head_dim).repeat_interleave(group, dim=2).transpose(1, 2)
+                    for x in (keys, values))
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed)  # (B, heads, Q, d)
+    return out.transpose(1, 2).reshape(batch * width, heads, head_dim)

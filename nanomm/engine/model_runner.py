@@ -178,45 +178,47 @@ class ModelRunner:
                 sample_rows += range(offset - 1 - len(chunk.spec_token_ids), offset)
         slots = padded_context_slots([c.request.block_table for c in chunks], [c.end for c in chunks],
                                      self.block_size)  # (chunks, longest context)
-        new_slots = torch.cat([row[c.start:c.end] for row, c in zip(slots, chunks)])  # (tokens,)
+        owner = torch.tensor([i for i, c in enumerate(chunks) for _ in range(c.num_tokens)])  # each token's chunk
+        new_slots = slots[owner, torch.tensor([p for c in chunks for p in range(c.start, c.end)])]  # (tokens,)
         image_mask = torch.zeros(len(ids), dtype=torch.bool)  # (tokens,)
         image_mask[visual_rows] = True
-        short, prefills = self._split_runs(chunks, query_starts, slots)
+        short, prompt_chunks, prefills = self._split_runs(chunks, query_starts, slots)
         positions = packed_positions(chunks)  # (3, tokens)
         for rows, coords in grid_offsets:  # a compressed image's kept tokens at their own place in its grid
             positions[:, rows.start:rows.stop] += coords
         host = [torch.tensor(ids), positions, new_slots, image_mask, prefills[1],
-                torch.tensor(sample_rows, dtype=torch.long)] + _short_tensors(short)
-        input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *short_tensors = copy_to_device(
+                torch.tensor(sample_rows, dtype=torch.long)] + _batch_tensors(short) + _batch_tensors(prompt_chunks)
+        input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *batch_tensors = copy_to_device(
             host, self.device)
-        if short is not None:
-            short = dataclasses.replace(short, **dict(zip(DecodeBatch.TENSORS, short_tensors)))
+        short, prompt_chunks = (None if batch is None else dataclasses.replace(
+            batch, **dict(zip(DecodeBatch.TENSORS, batch_tensors[i * len(DecodeBatch.TENSORS):])))
+            for i, batch in enumerate((short, prompt_chunks)))
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
-            meta=StepMetadata(new_slots, context_slots, prefills[0], short),
+            meta=StepMetadata(new_slots, context_slots, prefills[0], short, prompt_chunks),
             visual_tokens=torch.cat(visual, dim=-2) if visual else None,  # ([levels,] this step's image tokens, hidden)
             image_mask=image_mask, sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     def _split_runs(self, chunks: list[ScheduledChunk], query_starts: list[int], slots: torch.Tensor):
-        """Short query runs past the prompt (decodes, verifications) in one batch; prompt chunks, however short,
-        attended one by one, their context slots packed sequence after sequence. A prompt's tokens then always
-        go through the same attention kernel as in the dense reference, whatever the chunking, so that they get
-        the same bits: bfloat16 rounding in quantized layers (accel/quant.py) would magnify any difference.
-        Returns (DecodeBatch or None, (slices, packed slots))."""
-        batched = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
-                   and c.start >= c.request.num_prompt_tokens for c in chunks]
-        short = None
-        if any(batched):
-            picked = [i for i, b in enumerate(batched) if b]
-            short = build_decode_batch([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
-                                        slots[picked], [chunks[i].end for i in picked])
-        prefills, prefill_slots, offset = [], [], 0
-        for i, (chunk, in_batch) in enumerate(zip(chunks, batched)):
-            if not in_batch:
-                prefills.append(PrefillSequence(query_starts[i], chunk.num_tokens, offset, chunk.end))
-                prefill_slots.append(slots[i, :chunk.end])
+        """Batched (the default): short query runs past the prompt (decodes, verifications) in one batch, prompt
+        chunks and any longer run in another (accel/batched_attention.py). Without batched attention every run is
+        attended alone, its context slots packed sequence after sequence: the definition.
+        Returns (short runs' DecodeBatch or None, prompt chunks' DecodeBatch or None, (slices, packed slots))."""
+        short_run = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
+                     and c.start >= c.request.num_prompt_tokens for c in chunks]
+        batches = []
+        for picked in ([i for i, s in enumerate(short_run) if s], [i for i, s in enumerate(short_run) if not s]):
+            batches.append(build_decode_batch([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
+                                              slots[picked], [chunks[i].end for i in picked])
+                           if picked and self.batched_attention else None)
+        alone, alone_slots, offset = [], [], 0
+        if not self.batched_attention:
+            for i, chunk in enumerate(chunks):
+                alone.append(PrefillSequence(query_starts[i], chunk.num_tokens, offset, chunk.end))
+                alone_slots.append(slots[i, :chunk.end])
                 offset += chunk.end
-        return short, (prefills, torch.cat(prefill_slots) if prefill_slots else torch.zeros(0, dtype=torch.long))
+        packed = torch.cat(alone_slots) if alone_slots else torch.zeros(0, dtype=torch.long)
+        return batches[0], batches[1], (alone, packed)
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
@@ -282,8 +284,8 @@ class ModelRunner:
         return out
 
 
-def _short_tensors(short: DecodeBatch | None) -> list:
-    return [getattr(short, name) if short is not None else None for name in DecodeBatch.TENSORS]
+def _batch_tensors(batch: DecodeBatch | None) -> list:
+    return [getattr(batch, name) if batch is not None else None for name in DecodeBatch.TENSORS]
 
 
 def packed_positions(chunks: list[ScheduledChunk]) -> torch.Tensor:
