@@ -11,7 +11,7 @@ from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.inputs.compression import (CompressionPolicy, _nearest_neighbour_distances, compress, kept_layout,
                                        max_min_diverse, parse_policy, pool_window)
 from nanomm.model.rope import apply_rotary, mrope_positions, vision_cos_sin
-from nanomm.model.vision import _full_attention, attention_weights
+from nanomm.model.vision import attention_weights, block_diagonal_attention
 from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -137,7 +137,8 @@ def test_received_attention_is_the_softmax_that_the_fused_kernel_applies(ckpt):
     n, heads, dim = 12, attn.num_heads, attn.head_dim
     q, k, v = (torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(i)) for i in range(3))
     weights = attention_weights(q, k)  # what received_attention averages
-    assert torch.allclose(torch.einsum("hqk,khd->qhd", weights, v), _full_attention(q, k, v), atol=1e-5)
+    whole = block_diagonal_attention(q, k, v, [q.shape[0]])  # one segment: plain bidirectional attention
+    assert torch.allclose(torch.einsum("hqk,khd->qhd", weights, v), whole, atol=1e-5)
     image = llm.engine.prepare(chat_prompt("x", [random_image(84, 56, 1)]), GREEDY).images[0]
     tokens, received = llm.model.encode_images(image.pixel_values, [image.grid_thw], received_attention=True)
     assert received[0].shape == (image.num_tokens,)

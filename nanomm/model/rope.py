@@ -129,17 +129,19 @@ def band_axes(num_bands: int, mrope_section, interleaved: bool) -> torch.Tensor:
 
 
 def vision_patch_positions(image_grids: list[tuple[int, int, int]], spatial_merge_size: int) -> torch.Tensor:
-    """(num_patches, 2) [row, col] of every patch, in the pixel rows' merge-block-major order."""
-    out = []
+    """(num_patches, 2) [row, col] of every patch, in the pixel rows' merge-block-major order. Built once per
+    distinct grid: pictures of one size share it."""
     m = spatial_merge_size
-    for t, h, w in image_grids:
+    per_grid = {}
+    for t, h, w in dict.fromkeys(image_grids):
         rows = torch.arange(h)[:, None].expand(h, w)
         cols = torch.arange(w)[None, :].expand(h, w)
         # (h, w) -> (h/m, m, w/m, m) -> (h/m, w/m, m, m): each 2x2 merge block is contiguous
         rows = rows.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
         cols = cols.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
-        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))  # (t*h*w, 2)
-    return torch.cat(out)
+        frame = torch.stack([rows, cols], dim=-1)  # (h*w, 2)
+        per_grid[t, h, w] = frame if t == 1 else frame.repeat(t, 1)  # (t*h*w, 2)
+    return torch.cat([per_grid[grid] for grid in image_grids])
 
 
 def vision_cos_sin(image_grids, head_dim: int, theta: float, spatial_merge_size: int, device=None):

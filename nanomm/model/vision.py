@@ -7,9 +7,12 @@ Input is what `nanomm.inputs.image` produces: the patches of one or more images 
 tensor per image of (t*h*w/4, hidden_size) visual tokens, ready to replace that image's <|image_pad|> tokens.
 
 Several images run through one forward pass: every linear layer sees all patches of all images at once, and
-attention is block-diagonal (each image attends only to itself) by running attention per image segment, so
-no image pays for another's length and nothing is padded.
+attention is block-diagonal (each image attends only to itself): the segments of one length (pictures of one
+size, or Qwen2.5-VL's full windows) go through one batched attention call, so the kernels a layer launches grow
+with the number of distinct sizes, not of pictures, and no image pays for another's length.
 """
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +38,7 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_lengths: list[int]):
         q, k, v = self._rotated_qkv(x, cos, sin)
-        out = torch.cat([_full_attention(*parts) for parts in
-                         zip(q.split(segment_lengths), k.split(segment_lengths), v.split(segment_lengths))])
+        out = block_diagonal_attention(q, k, v, segment_lengths)
         return self.proj(out.reshape(x.shape[0], -1))  # (n, heads, head_dim) -> (n, embed_dim)
 
     def _rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -70,12 +72,28 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention inside one image: (n, heads, head_dim) in and out.
+def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             segment_lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention inside each segment of consecutive rows: (n, heads, head_dim) in and out.
+    Segments of equal length are gathered into one batch, (segments, heads, length, head_dim), one call each."""
+    if len(set(segment_lengths)) == 1:  # one size: the rows already are (segments * length): a view, no gather
+        return _batched_full_attention(q, k, v, segment_lengths[0])
+    starts = list(itertools.accumulate([0] + segment_lengths[:-1]))  # each segment's first row
+    out = torch.empty_like(q)
+    for length in dict.fromkeys(segment_lengths):
+        first_rows = torch.tensor([s for s, n in zip(starts, segment_lengths) if n == length])
+        rows = (first_rows[:, None] + torch.arange(length)).flatten().to(q.device)  # (segments * length,)
+        picked = (x.index_select(0, rows) for x in (q, k, v))
+        out.index_copy_(0, rows, _batched_full_attention(*picked, length))
+    return out
 
-    The leading batch dimension of 1 lets PyTorch pick its fused CPU kernel (3-D inputs take a slower path)."""
-    out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)))  # (1, heads, n, head_dim)
-    return out[0].transpose(0, 1)
+
+def _batched_full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows that are whole segments of `length`, one after another: (segments * length, heads, head_dim) ->
+    (segments, heads, length, head_dim) for PyTorch's fused kernel, and back."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    q, k, v = (x.view(-1, length, heads, head_dim).transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, heads, head_dim)
 
 
 class VisionMLP(nn.Module):
