@@ -150,3 +150,27 @@ def _no_network(event, args):
         raise OSError(f"network access is blocked in this test ({event})")
 sys.addaudithook(_no_network)
 """
+
+
+def forward_without_host_syncs(llm, guard, monkeypatch) -> list:
+    """Run every engine forward of `llm`'s model (the step's language-model pass and its logits) inside `guard()`, a
+    context that fails on any read of a device value by the host. Returns, per forward, (decoded, prefilled,
+    placed visual tokens), so that a test can check a mixed step ran."""
+    model, kinds = llm.engine.runner.model, []
+    forward, logits = model.forward, model.compute_logits
+
+    def guarded_forward(input_ids, positions, attention, *visual):
+        meta = getattr(attention, "meta", None)
+        if meta is None:  # the dense reference's forward, on the same model: not the engine's step
+            return forward(input_ids, positions, attention, *visual)
+        kinds.append((meta.short is not None, meta.prompt_chunks is not None, bool(visual) and visual[0] is not None))
+        with guard():
+            return forward(input_ids, positions, attention, *visual)
+
+    def guarded_logits(hidden):
+        with guard():
+            return logits(hidden)
+
+    monkeypatch.setattr(model, "forward", guarded_forward)
+    monkeypatch.setattr(model, "compute_logits", guarded_logits)
+    return kinds

@@ -6,10 +6,13 @@ bfloat16: the engine's batched kernels and the reference's sum in other orders, 
 differences into different tokens now and then, so the check is on logits, row by row, within bf16's error.
 """
 
+import contextlib
+
 import pytest
 import torch
 
-from helpers import assert_mixed_workload_matches, assert_no_leaks, random_workload
+from helpers import (assert_engine_matches_reference, assert_mixed_workload_matches, assert_no_leaks,
+                     forward_without_host_syncs, random_workload)
 from nanomm import LLM, SamplingParams
 from nanomm.engine.sizing import graph_context, largest_bucket
 from nanomm.reference import generate as reference_generate
@@ -136,3 +139,26 @@ def test_the_demo_model_trains_on_cuda_as_on_the_cpu(tmp_path):
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-2)
     export(result["model"], folder)
     assert load_model(folder).device.type == "cpu"
+
+
+@contextlib.contextmanager
+def cuda_syncs_are_errors():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_mixed_step_s_forward_never_syncs_on_cuda(ckpt, monkeypatch):
+    """Decodes and prompt chunks cutting pictures in one step: its forward and logits run under
+    `torch.cuda.set_sync_debug_mode("error")`, so any synchronizing CUDA call inside them raises."""
+    with LLM(str(ckpt), device="cuda", dtype="float32", max_pixels=MAX_PIXELS, max_num_batched_tokens=48,
+             block_size=4, num_preprocess_workers=0) as llm:
+        kinds = forward_without_host_syncs(llm, cuda_syncs_are_errors, monkeypatch)
+        prompts = random_workload(seed=5, num_prompts=6)
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6, ignore_eos=True)
+                  for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        monkeypatch.undo()
+    assert (True, True, True) in kinds

@@ -126,6 +126,13 @@ class DeepStack:
     def add(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if layer >= self.levels.shape[0]:
             return x
-        x = x.clone()
-        x[self.image_mask] += self.levels[layer].to(x.dtype)
-        return x
+        level = visual_rows(self.levels[layer].to(x.dtype), self.image_mask)  # (tokens, hidden)
+        return torch.where(self.image_mask[:, None], x + level, x)
+
+
+def visual_rows(image_embeds: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
+    """(image tokens, hidden) -> (tokens, hidden): the k-th True row of image_mask (tokens,) gets visual token k;
+    a False row gets some visual token, for `torch.where` to ignore. A gather by the mask's running count, so
+    nothing is read back to the host (boolean indexing would have to read how many rows it selects)."""
+    index = (image_mask.long().cumsum(0) - 1).clamp(min=0)  # (tokens,) each row's visual token
+    return image_embeds.index_select(0, index)

@@ -17,7 +17,7 @@ from torch import nn
 
 from nanomm.model.attention import AttentionBackend
 from nanomm.model.config import ModelConfig
-from nanomm.model.qwen2 import DeepStack, Qwen2Model
+from nanomm.model.qwen2 import DeepStack, Qwen2Model, visual_rows
 from nanomm.model.rope import mrope_cos_sin
 from nanomm.model.vision import VisionTransformer
 from nanomm.model.vision_deepstack import DeepStackVisionTransformer
@@ -67,9 +67,12 @@ class Qwen2VL(nn.Module):
         x = self.language_model.embed_tokens(input_ids)
         if image_embeds is None:
             return x
-        if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
-            raise ValueError(f"{image_embeds.shape[0]} visual tokens need a mask with as many True rows")
-        return x.masked_scatter(image_mask[:, None], image_embeds.to(x.dtype))
+        if image_mask is None:
+            raise ValueError(f"{image_embeds.shape[0]} visual tokens need a mask saying where they go")
+        # Checked on the device, without the host waiting for the answer (a GPU step never reads a value back)
+        torch._assert_async(image_mask.sum() == image_embeds.shape[0],
+                            f"{image_embeds.shape[0]} visual tokens need a mask with as many True rows")
+        return torch.where(image_mask[:, None], visual_rows(image_embeds.to(x.dtype), image_mask), x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,3 +91,4 @@ class Qwen2VL(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows given (only the positions that sample: the head is the widest matmul)."""
         return self.lm_head(hidden).float()
+
