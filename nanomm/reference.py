@@ -65,7 +65,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)
-    generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
 
     ids = torch.tensor(prompt_ids, device=device)

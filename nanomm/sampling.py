@@ -3,10 +3,13 @@
 Lesson: lessons/05-continuous-batching.md (sampling in the batch), lessons/08-speculative-decoding.md
 (verification applies the same rules to every proposed position).
 
-Every request samples with its own `torch.Generator`, so a seeded request draws the same tokens whatever else
-shares its batch. (With speculative decoding the draws come in another order and how many proposals a step
-verifies can depend on the batch, so a seed's tokens differ from those without it, in the same distribution;
-lessons/08-speculative-decoding.md.) Greedy is temperature 0: a plain argmax, no randomness consumed.
+Every request samples with its own `torch.Generator`, kept on the host, so a seeded request draws the same tokens
+whatever else shares its batch. A draw takes one uniform number from it (`next_uniform`) and picks the token whose
+cumulative probability first passes it (`draw_tokens`, inverse-CDF sampling), so the sampled rows of a step that
+share their settings are drawn together, in a few kernels however many there are. (With speculative decoding the
+draws come in another order and how many proposals a step verifies can depend on the batch, so a seed's tokens
+differ from those without it, in the same distribution; lessons/08-speculative-decoding.md.) Greedy is
+temperature 0: a plain argmax, no randomness consumed.
 
 The order is vLLM's (v1 sampler), so the same parameters mean the same distribution there and here:
 
@@ -196,7 +199,28 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick the next token from float32 logits (vocab,), already adjusted by `adjust_logits`."""
     if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+    return sample_from(probabilities(logits, params), generator)
+
+
+def next_uniform(generator: torch.Generator | None) -> float:
+    """The next number in [0, 1) of a request's generator (a host one: None is torch's default). float32's 24
+    bits keep u * total strictly below a row's total in `draw_tokens`."""
+    return torch.rand(1, generator=generator).tolist()[0]
+
+
+def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i's token is the first whose cumulative probability passes uniforms[i] times the
+    row's total. probs (rows, vocab), uniforms (rows,) -> token ids (rows,). A token of probability zero is never
+    picked: its cumulative value equals the one before it, which did not pass."""
+    cdf = probs.double().cumsum(dim=-1)  # (rows, vocab), in float64 so that no rounding moves a boundary
+    target = uniforms.double()[:, None] * cdf[:, -1:]  # (rows, 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs (vocab,), with the generator's next number: `draw_tokens` for a single row."""
+    uniform = torch.tensor([next_uniform(generator)], device=probs.device)
+    return int(draw_tokens(probs[None], uniform)[0])
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanomm import InvalidInputError, SamplingParams
-from nanomm.sampling import filter_logits, probabilities, sample
+from nanomm.sampling import draw_tokens, filter_logits, probabilities, sample
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
@@ -60,6 +60,20 @@ def test_seeded_sampling_reproduces_and_follows_the_distribution():
     assert first == draw(4000)
     freq = torch.bincount(torch.tensor(first), minlength=4).float() / len(first)
     assert (freq - torch.softmax(logits, -1)).abs().max() < 0.03
+
+
+def test_inverse_cdf_draws_never_pick_a_token_of_probability_zero():
+    """The extreme uniforms land on the first and the last token the row can draw, never on a masked one."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5]])
+    for uniform, expected in ((0.0, [1, 0]), (1 - 2 ** -24, [3, 4]), (0.25, [3, 0]), (0.2499, [1, 0])):
+        assert draw_tokens(probs, torch.full((2,), uniform)).tolist() == expected
+
+
+def test_a_row_draws_the_same_token_alone_and_in_a_batch():
+    probs = torch.softmax(torch.randn(16, 300, generator=torch.Generator().manual_seed(1)), dim=-1)
+    uniforms = torch.rand(16, generator=torch.Generator().manual_seed(2))
+    batched = draw_tokens(probs, uniforms)
+    assert batched.tolist() == [int(draw_tokens(probs[i:i + 1], uniforms[i:i + 1])) for i in range(16)]
 
 
 def oracle_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -375,7 +375,14 @@ def test_chi_square_catches_a_bonus_token_from_the_wrong_row(monkeypatch):
 def test_without_proposals_accept_sampled_is_plain_sampling():
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     draws = [accept_sampled([], M[:1], None, g1)[0] for _ in range(50)]
-    assert draws == [int(torch.multinomial(M[0], 1, generator=g2)) for _ in range(50)]
+    # Plain sampling, written out: the generator's next float32 in [0, 1), then the first token whose cumulative
+    # probability passes it.
+    cumulative = M[0].double().cumsum(0).tolist()
+    expected = []
+    for _ in range(50):
+        target = torch.rand(1, generator=g2).item() * cumulative[-1]
+        expected.append(next(i for i, c in enumerate(cumulative) if c > target))
+    assert draws == expected and len(set(draws)) > 1
 
 
 def test_residual_of_p_and_q_a_rounding_error_apart_falls_back_to_p():

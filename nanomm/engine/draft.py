@@ -15,7 +15,7 @@ from nanomm.engine.request import Request, Sequence
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.engine.speculative import Proposal
 from nanomm.model.qwen2_vl import Qwen2VL
-from nanomm.sampling import probabilities
+from nanomm.sampling import probabilities, sample_from
 
 
 class DraftProposer:
@@ -110,7 +110,7 @@ class DraftProposer:
         if request.params.greedy:
             return int(logits.argmax()), None
         q = probabilities(logits, request.params)
-        return int(torch.multinomial(q, 1, generator=request.generator)), q
+        return sample_from(q, request.generator), q
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Checkpoints pad their vocab differently (151936 vs 152064): cut or pad the draft's logits to the

@@ -171,7 +171,7 @@ class LLMEngine:
     def _make_request(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
                       completion_index: int = 0) -> Request:
         seed = params.seed if params.seed is not None else _derived_seed(self.config.seed, request_id)
-        generator = None if params.greedy else torch.Generator(self.runner.device).manual_seed(seed)
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)  # on the host (sampling.py)
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         metrics = RequestMetrics(arrival_time=prepared.arrival_time,
                                  preprocess_s=prepared.ready_time - prepared.arrival_time,
@@ -430,7 +430,7 @@ class LLMEngine:
             raise PeerError(f"the decode instance has {self.block_manager.num_free_blocks} free KV blocks; this "
                             f"request needs {new_blocks}: retry shortly", 503)
         request = self._make_request(request_id, prompt, params)
-        request.generator = decode_generator(handoff.generator_state, self.runner.device)
+        request.generator = decode_generator(handoff.generator_state)
         request.metrics.num_cached_tokens = handoff.num_cached_tokens
         request.block_table = cached_blocks + self.block_manager.allocate(new_blocks)
         return request

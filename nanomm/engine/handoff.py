@@ -129,16 +129,16 @@ def encode_generator(generator: torch.Generator | None) -> str | None:
     return None if generator is None else base64.b64encode(generator.get_state().numpy().tobytes()).decode()
 
 
-def decode_generator(state: str | None, device: torch.device) -> torch.Generator | None:
-    """The sampling generator, exactly where the prefill instance left it."""
+def decode_generator(state: str | None) -> torch.Generator | None:
+    """The sampling generator (a host one, as every request's: sampling.py), exactly where the prefill instance
+    left it."""
     if state is None:
         return None
-    generator = torch.Generator(device)
+    generator = torch.Generator()
     try:
         generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
-    except (RuntimeError, ValueError) as exc:  # not base64, or a CPU generator's state on a CUDA device, say
-        raise InvalidInputError(f"kv_transfer_params: the sampling state does not fit a {device} generator "
-                                f"({exc})") from None
+    except (RuntimeError, ValueError) as exc:  # not base64, or not a generator's state
+        raise InvalidInputError(f"kv_transfer_params: the sampling state does not fit a generator ({exc})") from None
     return generator
 
 

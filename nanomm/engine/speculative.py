@@ -28,7 +28,8 @@ import torch
 
 from nanomm.engine.request import Request
 from nanomm.errors import check_int
-from nanomm.sampling import adjust_logits, greedy_tokens, probabilities, top_logprobs
+from nanomm.sampling import (adjust_logits, draw_tokens, greedy_tokens, next_uniform, probabilities, sample_from,
+                             top_logprobs)
 
 METHODS = ("ngram", "draft")
 
@@ -172,13 +173,12 @@ def accept_sampled(proposed: list[int], target_probs: torch.Tensor, draft_probs:
         p = target_probs[i]
         q = draft_probs[i] if draft_probs is not None else torch.nn.functional.one_hot(
             torch.tensor(x, device=device), p.shape[-1]).to(p.dtype)
-        u = torch.rand((), generator=generator, device=device)
-        if u < acceptance_probability(p[x], q[x]):
+        if next_uniform(generator) < acceptance_probability(p[x], q[x]):
             emitted.append(x)
             continue
-        emitted.append(int(torch.multinomial(residual_distribution(p, q), 1, generator=generator)))
+        emitted.append(sample_from(residual_distribution(p, q), generator))
         return emitted
-    emitted.append(int(torch.multinomial(target_probs[len(proposed)], 1, generator=generator)))
+    emitted.append(sample_from(target_probs[len(proposed)], generator))
     return emitted
 
 
@@ -193,38 +193,60 @@ class SampledTokens:
 def sample_and_verify(chunks, logits: torch.Tensor) -> list[SampledTokens]:
     """The tokens each sampling chunk emits, in order. logits (rows, vocab): 1 + len(spec_token_ids) rows per
     chunk, the row after each known token and after each proposal. Without proposals this is plain sampling;
-    with them, the acceptance rules above. Greedy rows share one argmax; sampled ones use their own request's
-    generator, and those without proposals are drawn on the device and read back together, once per step
-    (not once per request). Penalties and min_tokens see, at each row, the output so far plus the proposals
-    before it: the history that row would have in plain decoding."""
+    with them, the acceptance rules above. Greedy rows share one argmax; plain sampled rows that share their
+    settings are drawn together (`draw_plain`), each with its own request's generator, and read back once per
+    step. Penalties and min_tokens see, at each row, the output so far plus the proposals before it: the
+    history that row would have in plain decoding."""
     argmax = greedy_tokens(logits).tolist()
-    per_chunk, draws, row = [], [], 0  # per chunk: (its raw rows, its tokens or None while drawn on the device)
+    per_chunk, plain, row = [], {}, 0  # per chunk: (its first row, its tokens or None while drawn in a group)
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids
         rows = 1 + len(proposed)
-        raw = logits[row:row + rows]  # (rows, vocab)
-        adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else raw
+        raw = logits[row:row + rows] if proposed or request.params.reads_history else None  # (rows, vocab)
+        adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else None
         if request.params.greedy:
-            chosen = adjusted.argmax(dim=-1).tolist() if request.params.reads_history else argmax[row:row + rows]
+            chosen = adjusted.argmax(dim=-1).tolist() if adjusted is not None else argmax[row:row + rows]
             tokens = accept_greedy(proposed, chosen)
-        elif not proposed:  # plain sampling: the same draw as accept_sampled's, left on the device for now
-            p = probabilities(adjusted[0], request.params)
-            draws.append(torch.multinomial(p, 1, generator=request.generator))
+        elif not proposed:  # plain sampling: the same draw as accept_sampled's, made with its group's
+            plain.setdefault(_settings(request.params), (request.params, []))[1].append(
+                (len(per_chunk), request.generator, row if adjusted is None else adjusted[0]))
             tokens = None
         else:
-            p = probabilities(adjusted, request.params)  # (rows, vocab)
+            p = probabilities(raw if adjusted is None else adjusted, request.params)  # (rows, vocab)
             q = None if request.spec_token_probs is None else request.spec_token_probs[:rows - 1]
             tokens = accept_sampled(proposed, p, q, request.generator)
-        per_chunk.append((raw, tokens))
+        per_chunk.append((row, tokens))
         row += rows
-    drawn = iter(torch.cat(draws).tolist() if draws else [])  # the step's one read-back of sampled tokens
+    drawn = draw_plain(plain, logits)  # the step's one read-back of sampled tokens
     emitted = []
-    for chunk, (raw, tokens) in zip(chunks, per_chunk):
-        tokens = [next(drawn)] if tokens is None else tokens
+    for i, (chunk, (row, tokens)) in enumerate(zip(chunks, per_chunk)):
+        tokens = [drawn[i]] if tokens is None else tokens
         num_top = chunk.request.params.logprobs
-        logprobs = None if num_top is None else top_logprobs(raw[:len(tokens)], tokens, num_top)
+        logprobs = None if num_top is None else top_logprobs(logits[row:row + len(tokens)], tokens, num_top)
         emitted.append(SampledTokens(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
     return emitted
+
+
+def _settings(params) -> tuple:
+    """What `probabilities` reads of a request's parameters: rows that agree on it share one call."""
+    return params.temperature, params.min_p, params.top_k, params.top_p
+
+
+def draw_plain(groups: dict, logits: torch.Tensor) -> dict[int, int]:
+    """Plain sampled rows, by settings: {settings: (the parameters, [(chunk index, generator, its logits row's
+    index, or its adjusted logits (vocab,))])}. One `probabilities` and one `draw_tokens` per group, each row
+    with its generator's next number; then every token read back at once. Returns {chunk index: token}."""
+    order, draws = [], []
+    for params, entries in groups.values():
+        rows = [r for _, _, r in entries]
+        if all(isinstance(r, int) for r in rows):
+            picked = logits.index_select(0, torch.tensor(rows, device=logits.device))  # (group rows, vocab)
+        else:
+            picked = torch.stack([logits[r] if isinstance(r, int) else r for r in rows])
+        uniforms = torch.tensor([next_uniform(generator) for _, generator, _ in entries], device=logits.device)
+        draws.append(draw_tokens(probabilities(picked, params), uniforms))
+        order += [i for i, _, _ in entries]
+    return dict(zip(order, torch.cat(draws).tolist())) if draws else {}
 
 
 def adjusted_rows(request: Request, proposed: list[int], raw: torch.Tensor) -> torch.Tensor:
