@@ -1,10 +1,65 @@
-"""A decode step's kernels per layer do not grow with the batch, and the decoder layers never sync with the
-host (scripts/workshop/op_count.py counts them; issue 12's measure)."""
+"""A step's operations barely grow with the requests in it: a prefill of 8 pictured requests, a decode of 32. A
+decode step's kernels per layer do not grow with the batch, and the decoder layers never sync with the host
+(scripts/workshop/op_count.py counts them)."""
 
+import pytest
 import torch
 
+from helpers import (assert_engine_matches_reference, chat_prompt, forward_without_host_syncs, random_image,
+                     random_workload)
 from nanomm import LLM, SamplingParams
-from workshop.op_count import OpCounter, decode_step_ops
+from nanomm.demo import demo_checkpoint
+from workshop.op_count import HostSyncError, NoHostSync, OpCounter, decode_step_ops, step_ops
+
+
+def demo_prefill_ops(num_requests: int, batched_attention: bool = True) -> OpCounter:
+    """The demo model's step that prefills num_requests chats, each about its own 224x224 picture, in full."""
+    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, max_num_batched_tokens=4096,
+             num_preprocess_workers=0) as llm:
+        llm.engine.runner.batched_attention = batched_attention
+        for i in range(num_requests):
+            llm.engine.add_request(chat_prompt(f"What colour is shape {i}?", [random_image(224, 224, 50 + i)]),
+                                   SamplingParams(max_tokens=2, ignore_eos=True))
+        ops = step_ops(llm.engine)
+        running = llm.engine.scheduler.running
+        assert len(running) == num_requests and all(r.num_computed_tokens == r.num_prompt_tokens for r in running)
+    return ops
+
+
+def demo_decode_ops(num_requests: int) -> OpCounter:
+    """The demo model's decode step of num_requests sampled requests, each with its own seed."""
+    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, num_preprocess_workers=0) as llm:
+        for i in range(num_requests):
+            llm.engine.add_request(f"request {i} asks a question",
+                                   SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True))
+        llm.engine.step()  # the prefills
+        llm.engine.step()  # the first decode: every request now decodes
+        assert len(llm.engine.scheduler.running) == num_requests
+        return step_ops(llm.engine)
+
+
+def total(ops: OpCounter) -> int:
+    return sum(ops.counts.values())
+
+
+def test_a_prefill_step_of_8_pictured_requests_dispatches_at_most_1_5x_the_ops_of_one():
+    """Prompt chunks share one attention call per layer, pictures of one size one vision attention call per block,
+    and the step's inputs are built in a few tensor operations: what is left per request is its picture's
+    preprocessing and its slices of the step's tensors."""
+    one, eight = demo_prefill_ops(1), demo_prefill_ops(8)
+    assert total(eight) <= 1.5 * total(one), (total(one), total(eight))
+    assert eight.kernels <= 1.5 * one.kernels, (one.kernels, eight.kernels)
+    # Every prompt attended alone (the definition) launches its own attention kernels in every layer.
+    one_by_one = demo_prefill_ops(8, batched_attention=False)
+    assert total(one_by_one) > total(eight) + 8 * 4
+
+
+def test_a_decode_step_of_32_sampled_requests_dispatches_at_most_1_3x_the_ops_of_one():
+    """Rows that share their sampling settings are drawn together; each request only takes its generator's next
+    number (sampling.py)."""
+    one, many = demo_decode_ops(1), demo_decode_ops(32)
+    assert total(many) <= 1.3 * total(one), (total(one), total(many), (many.counts - one.counts).most_common(5))
+    assert many.kernels <= 1.3 * one.kernels, (one.kernels, many.kernels)
 
 
 def decode_ops(ckpt, batch: int, batched_attention: bool = True) -> dict:
@@ -53,3 +108,23 @@ def test_a_reshape_that_copies_is_a_kernel_and_a_no_op_to_is_not():
         x.t().reshape(12)  # a copy: the transposed memory cannot be viewed flat
         x.to(torch.float32)  # nothing to do
     assert ops.counts["reshape (copy)"] == 1 and ops.kernels == 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_a_mixed_step_s_forward_never_reads_a_value_back_to_the_host(family, ckpt, tmp_path, monkeypatch):
+    """Decodes, prompt chunks cutting pictures, visual tokens placed (and Qwen3-VL's DeepStack levels added) in one
+    forward: everything the host needs was built before it, so nothing in it waits on the device. The engine
+    still gives the dense reference's tokens."""
+    from hf_checkpoints import make_hf_checkpoint
+    folder = ckpt if family == "qwen2_vl" else make_hf_checkpoint(tmp_path / family, family)
+    with LLM(str(folder), max_num_batched_tokens=48, block_size=4, num_preprocess_workers=0) as llm:
+        kinds = forward_without_host_syncs(llm, NoHostSync, monkeypatch)
+        prompts = random_workload(seed=5, num_prompts=6)
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6, ignore_eos=True)
+                  for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        monkeypatch.undo()
+    assert (True, True, True) in kinds  # a step that decoded, prefilled and placed visual tokens at once
+    # The check has teeth: boolean indexing, as the embedding once placed visual tokens, is caught.
+    with pytest.raises(HostSyncError), NoHostSync():
+        torch.zeros(4, 2)[torch.tensor([True, False, True, False])] += 1

@@ -127,3 +127,15 @@ def decode_step_ops(engine) -> dict:
     return {"batch": batch, "step_kernels": whole.kernels, "kernels_per_layer": inside.kernels / len(layers),
             "host_syncs_in_layers": inside.host_syncs, "top_ops_per_layer": {
                 name: n / len(layers) for name, n in inside.counts.most_common() if name not in VIEWS | MAYBE_COPIES}}
+
+
+def step_ops(engine) -> OpCounter:
+    """Every operation the engine's next step dispatches, run eagerly (CUDA graphs set aside, as above)."""
+    runner = engine.runner
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        with OpCounter() as ops:
+            engine.step()
+    finally:
+        runner.decode_graphs = graphs
+    return ops
