@@ -5,9 +5,11 @@
     python scripts/bench.py --checkpoint DIR --workload decode --hf-batch-sizes 1,8,32 --json bench.json
     python scripts/bench.py --device cuda --dtype bfloat16 --preset 2b-shaped   # on a GPU (scripts/gpu_check.sh)
 
-Two workloads, each greedy with ignore_eos so both engines generate exactly the same number of tokens:
+Three workloads, each greedy with ignore_eos so both engines generate exactly the same number of tokens:
   decode   many requests, 0 or 1 small image each, short varied text, --max-tokens output tokens each
   prefill  many requests, 1-3 larger images each, long text, --prefill-max-tokens output tokens each
+  burst    --burst-num-requests requests arriving at once, one square picture of --burst-image-side px each
+           (896 px: 1,024 visual tokens of 28 px), short text: time to first token when pictures queue up
 
 nanomm runs each workload with one `llm.generate` call (continuous batching). transformers runs the same
 requests in order, in static left-padded batches of each size in --hf-batch-sizes; its fastest batch size is
@@ -110,6 +112,11 @@ def workloads(args) -> dict[str, dict]:
             prompts=make_workload(args.seed + 1, args.prefill_num_requests, args.prefill_images, (224, 448),
                                   args.prefill_words, mm_kwargs={"max_pixels": args.prefill_max_pixels}),
             max_tokens=args.prefill_max_tokens)
+    if args.workload == "burst":
+        side = args.burst_image_side
+        out["burst"] = dict(prompts=[chat_prompt(f"Describe picture {i} in one line.", [random_image(side, side, i)],
+                                                 {"max_pixels": side * side}) for i in range(args.burst_num_requests)],
+                            max_tokens=args.prefill_max_tokens)
     return out
 
 
@@ -288,7 +295,7 @@ def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
         wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall,
         prompt_tokens=sum(x.num_prompt_tokens for x in m), visual_tokens=sum(x.num_visual_tokens for x in m),
         prompt_tokens_per_s=sum(x.num_prompt_tokens for x in m) / wall,
-        ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95),
+        ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99),
         mean_queue_s=statistics.mean(x.queue_s for x in m), mean_preprocess_s=statistics.mean(x.preprocess_s for x in m),
         mean_encode_s=statistics.mean(x.encode_s for x in m), mean_prefill_s=statistics.mean(x.prefill_s for x in m),
         mean_tpot_s=statistics.mean([x.tpot_s for x in m if x.tpot_s is not None] or [0.0]),
@@ -429,7 +436,7 @@ def parse_args(argv=None):
     src.add_argument("--preset", choices=list(PRESETS), default="small", help="random checkpoint to generate")
     src.add_argument("--cache-dir", default="checkpoints/bench-small", help="where the preset is generated once")
     w = p.add_argument_group("workloads")
-    w.add_argument("--workload", choices=["decode", "prefill", "both"], default="both")
+    w.add_argument("--workload", choices=["decode", "prefill", "both", "burst"], default="both")
     w.add_argument("--num-requests", type=int, default=32, help="decode workload: requests")
     w.add_argument("--max-tokens", type=int, default=128, help="decode workload: output tokens per request")
     w.add_argument("--max-pixels", type=int, default=28 * 28 * 64, help="decode workload: per-prompt pixel cap")
@@ -437,6 +444,8 @@ def parse_args(argv=None):
     w.add_argument("--prefill-max-tokens", type=int, default=8)
     w.add_argument("--prefill-max-pixels", type=int, default=28 * 28 * 256,
                    help="prefill workload: per-prompt pixel cap (mm_processor_kwargs), larger images")
+    w.add_argument("--burst-num-requests", type=int, default=32, help="burst workload: requests arriving at once")
+    w.add_argument("--burst-image-side", type=int, default=896, help="burst workload: each picture's side, px")
     w.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engines")
     e.add_argument("--max-num-seqs", type=int, help="nanomm LLM max_num_seqs (default: the LLM default)")
@@ -462,7 +471,8 @@ def parse_args(argv=None):
     args.decode_words, args.prefill_words, args.prefill_images = (8, 64), (200, 500), (1, 3)
     if args.quick:  # smaller defaults; flags given explicitly still win
         args.prefill_words, args.prefill_images = (40, 80), (1, 2)
-        quick = dict(num_requests=4, max_tokens=8, prefill_num_requests=4, prefill_max_tokens=2,
+        quick = dict(num_requests=4, max_tokens=8, prefill_num_requests=4, prefill_max_tokens=2, burst_num_requests=4,
+                     burst_image_side=112,
                      hf_batch_sizes="1,4", decode_probe_steps=4, bw_mib=128, repeats=3)
         for key, value in quick.items():
             if getattr(args, key) == p.get_default(key):
@@ -518,7 +528,8 @@ def main(argv=None) -> dict:
     engine_kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                        ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     # The engine's cap bounds every request's; each workload lowers it per prompt (mm_processor_kwargs).
-    llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max(args.max_pixels, args.prefill_max_pixels),
+    max_pixels = max(args.max_pixels, args.prefill_max_pixels, args.burst_image_side ** 2)
+    llm = LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=max_pixels,
               cpu_fast_linear=args.cpu_fast_linear, compile=args.compile, **engine_kwargs)
     cost = model_cost(llm)
     warm = warm_up(llm)
@@ -538,7 +549,7 @@ def main(argv=None) -> dict:
     results = dict(command=command, machine=machine, quick=args.quick, checkpoint=str(folder),
                    device=args.device, dtype=args.dtype,
                    preset=None if args.checkpoint else args.preset, model=cost, roofline=roof,
-                   engine_kwargs=dict(engine_kwargs, max_pixels=max(args.max_pixels, args.prefill_max_pixels)),
+                   engine_kwargs=dict(engine_kwargs, max_pixels=max_pixels),
                    hf_attn_implementation=None if hf_model is None else attn_impl, workloads={})
     for name, wl in workloads(args).items():
         prompts, max_tokens = wl["prompts"], wl["max_tokens"]
@@ -614,7 +625,8 @@ def print_report(console: Console, results: dict) -> None:
     row("identical by batch size", lambda w: ", ".join(
         f"{bs}: {r['agreement']['identical']}" for bs, r in w["hf"]["runs"].items() if not r["skipped"]))
     row("nanomm page faults / system s", lambda w: f"{w['nanomm']['page_faults']:,.0f} / {w['nanomm']['system_s']:.2f}")
-    row("TTFT p50 / p95 s", lambda w: f"{w['nanomm']['ttft_p50_s']:.3f} / {w['nanomm']['ttft_p95_s']:.3f}")
+    row("TTFT p50 / p95 / p99 s", lambda w: " / ".join(f"{w['nanomm'][k]:.3f}" for k in ("ttft_p50_s", "ttft_p95_s",
+                                                                                          "ttft_p99_s")))
     row("mean queue/preproc/encode/prefill s", lambda w: " / ".join(
         f"{w['nanomm'][k]:.3f}" for k in ("mean_queue_s", "mean_preprocess_s", "mean_encode_s", "mean_prefill_s")))
     row("mean TPOT s", lambda w: f"{w['nanomm']['mean_tpot_s']:.4f}")

@@ -6,25 +6,29 @@
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
 # have no network. The whole run ends within GPU_CHECK_SECONDS (default 450 s, inside 8 minutes): each stage has
-# its own limit (150 + 110 + 110 + 45 + 90 s) and is cut to the time left; a stage is skipped when under 20 s remain.
-# The limits add up to more than the deadline: the last stage, profile, gets what is left (on an H200 the four
-# before it took 154 s in all).
+# its own limit (120 + 150 + 90 + 60 + 45 + 60 s) and is cut to the time left; a stage is skipped when under
+# 20 s remain. The limits add up to more than the deadline: the last stages get what is left.
 # A stage that fails, times out or is skipped is reported, and the next one still runs. Two files under $OUT hold
 # everything, and both are rewritten after every stage, so a run that is killed part way (a remote call's time
 # limit, say) still leaves a record of every stage that finished; a TERM to the script stops the running stage:
 #   gpu_check.json   the machine, each stage's exit status, time and output, the bench results
-#   summary.txt      the numbers issue 12 asks for, in words
+#   summary.txt      the numbers, in words, each beside its target
 # Each stage's own files (its output, its bench JSON, generated checkpoints of the dry run) go to
 # $GPU_CHECK_WORK (default $OUT/stages).
 #
 # The tests: engine against the dense reference on CUDA (float32, with and without CUDA graphs), bf16 logits,
-# transformers parity, a graph replay against eager (float32 and bf16), the profiled KV pool. The benches:
-# bench.py in bf16 against transformers at batch 32, on `small` and on the 2b-shaped preset (the real
-# Qwen2-VL-2B widths, 1 text layer); bench_quant.py's batch-1 decode of float32, bfloat16, int8 and int4 weights.
+# transformers parity, a graph replay against eager (float32 and bf16, every family), a mixed step's forward
+# under torch.cuda.set_sync_debug_mode("error"), the profiled KV pool. Then the GPU step at full size: the
+# preset "2b" is Qwen2-VL-2B's shape with all 28 text layers and 32 vision blocks (random weights, bf16):
+#   step-2b    batch-1 decode against the HBM roofline (target >= 50%), batch 32 against transformers (>= 3x)
+#   burst-2b   32 requests, one 896x896 picture (1,024 visual tokens) each, arriving at once: TTFT p50 (target
+#              <= 0.6 s) and p99 (<= 1.2 s), mean encode and prefill time
+# Then bench.py in bf16 against transformers at batch 32 on `small`, and bench_quant.py's batch-1 decode of
+# float32, bfloat16, int8 and int4 weights.
 # Then profile_steps.py: where the engine's prefill and decode steps and a demo training step spend their time.
 #
-# GPU_CHECK_ONLY="bench-2b bench-quant" runs only the stages named (tests, bench-small, bench-2b, bench-quant,
-# profile).
+# GPU_CHECK_ONLY="step-2b bench-quant" runs only the stages named (tests, step-2b, burst-2b, bench-small,
+# bench-quant, profile).
 #
 # GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
 # suite checks this script (tests/test_scripts.py) without a GPU.
@@ -38,19 +42,22 @@ DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 ONLY="${GPU_CHECK_ONLY:-}"  # stage names, space-separated: run only these (a rerun of what a first run skipped)
 for name in $ONLY; do
     case $name in
-        tests | bench-small | bench-2b | bench-quant | profile) ;;
-        *) echo "GPU_CHECK_ONLY: no stage is called '$name' (tests, bench-small, bench-2b, bench-quant, profile)"
+        tests | step-2b | burst-2b | bench-small | bench-quant | profile) ;;
+        *) echo "GPU_CHECK_ONLY: no stage is called '$name' (tests, step-2b, burst-2b, bench-small, bench-quant," \
+                "profile)"
            exit 2 ;;
     esac
 done
 DEVICE=(--device cuda --dtype bfloat16)
 SMALL=(--preset small --cache-dir checkpoints/bench-small)
-TWO_B=(--preset 2b-shaped --cache-dir checkpoints/bench-2b-shaped)
+FULL_2B=(--preset 2b --cache-dir checkpoints/bench-2b-full)
+BURST=(--burst-num-requests 32 --burst-image-side 896 --max-num-batched-tokens 8192)
 QUANT=(--device cuda --repeats 3 --max-tokens 32)
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=(--device cpu --dtype float32 --quick)
     SMALL=(--preset tiny --cache-dir "$WORK/ckpt-tiny")
-    TWO_B=("${SMALL[@]}")
+    FULL_2B=("${SMALL[@]}")
+    BURST=(--burst-num-requests 4 --burst-image-side 112)
     QUANT=(--device cpu --quick --cache-dir "$WORK/ckpt-tiny")
 fi
 mkdir -p "$OUT" "$WORK"
@@ -122,18 +129,21 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 write_results
 
-stage tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
+stage tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py \
     tests/test_loader.py::test_loads_onto_cuda
 
-stage bench-small 110 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
-    --json "$WORK/bench-small.json"
+stage step-2b 150 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${FULL_2B[@]}" --workload decode --hf-batch-sizes 32 \
+    --json "$WORK/step-2b.json"
 
-stage bench-2b 110 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${TWO_B[@]}" --workload decode --hf-batch-sizes 32 \
-    --json "$WORK/bench-2b.json"
+stage burst-2b 90 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${FULL_2B[@]}" --workload burst "${BURST[@]}" --no-hf \
+    --json "$WORK/burst-2b.json"
+
+stage bench-small 60 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
+    --json "$WORK/bench-small.json"
 
 stage bench-quant 45 "$PYTHON" scripts/bench_quant.py speed "${QUANT[@]}" --json "$WORK/bench-quant.json"
 
-stage profile 90 "$PYTHON" scripts/profile_steps.py "${DEVICE[@]}" "${SMALL[@]}" --json "$WORK/profile.json"
+stage profile 60 "$PYTHON" scripts/profile_steps.py "${DEVICE[@]}" "${SMALL[@]}" --json "$WORK/profile.json"
 
 cat "$OUT/summary.txt"
 exit $status

@@ -187,9 +187,11 @@ def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
                           timeout=2 * TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert set(combined["stages"]) == {"tests", "bench-small", "bench-2b", "bench-quant", "profile"}
+    assert set(combined["stages"]) == {"tests", "step-2b", "burst-2b", "bench-small", "bench-quant", "profile"}
     assert all(stage["exit"] == 0 for stage in combined["stages"].values())
-    for name in ("bench-small", "bench-2b"):
+    burst = combined["burst-2b"]["workloads"]["burst"]
+    assert burst["num_requests"] == burst["images"] == 4 and burst["nanomm"]["ttft_p99_s"] > 0
+    for name in ("step-2b", "bench-small"):
         decode = combined[name]["workloads"]["decode"]
         assert decode["agreement"]["identical"] == decode["num_requests"]  # against transformers, token for token
         assert decode["batch1_roofline"]["steps"] > 0 and decode["decode_probe"]["ops"]["kernels_per_layer"] <= 25
@@ -200,6 +202,8 @@ def test_gpu_check_dry_run_writes_its_one_json(tmp_path):
     assert combined["profile"]["training"]["step_ms"]["backward"] > 0
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "batch 32:" in summary and "bench-quant, batch-1 decode tok/s: float32" in summary
+    assert "burst-2b: 4 requests at once" in summary and "(target <= 0.6)" in summary
+    assert len(summary.splitlines()) <= 12
     assert "decode steps" in summary and "training step of 4 chats" in summary
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu_check.json", "stages", "summary.txt"]
 
@@ -213,7 +217,7 @@ def test_gpu_check_out_of_time_skips_stages_and_says_so(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     combined = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert all(stage["outcome"] == "skipped" and stage["exit"] != 0 for stage in combined["stages"].values())
-    assert len(combined["stages"]) == 5 and combined["bench-small"] is None
+    assert len(combined["stages"]) == 6 and combined["bench-small"] is None
     assert "tests skipped (exit 1)" in (tmp_path / "out" / "summary.txt").read_text()
 
 

@@ -44,6 +44,11 @@ PRESETS: dict[str, dict] = {
                       num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=2,
                       max_position_embeddings=32768, mrope_section=[16, 24, 24], tie_word_embeddings=True,
                       vision_config=dict(_VISION, depth=1, embed_dim=1280, num_heads=16)),
+    # Qwen2-VL-2B's whole shape: 28 text layers and 32 vision blocks (scripts/gpu_check.sh's GPU step).
+    "2b": dict(_TEXT, vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+               num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+               mrope_section=[16, 24, 24], tie_word_embeddings=True,
+               vision_config=dict(_VISION, depth=32, embed_dim=1280, num_heads=16)),
 }
 
 
