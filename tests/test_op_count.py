@@ -5,41 +5,10 @@ decode step's kernels per layer do not grow with the batch, and the decoder laye
 import pytest
 import torch
 
-from helpers import (assert_engine_matches_reference, chat_prompt, forward_without_host_syncs, random_image,
-                     random_workload)
+from helpers import assert_engine_matches_reference, forward_without_host_syncs, random_workload
 from nanomm import LLM, SamplingParams
-from nanomm.demo import demo_checkpoint
-from workshop.op_count import HostSyncError, NoHostSync, OpCounter, decode_step_ops, step_ops
-
-
-def demo_prefill_ops(num_requests: int, batched_attention: bool = True) -> OpCounter:
-    """The demo model's step that prefills num_requests chats, each about its own 224x224 picture, in full."""
-    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, max_num_batched_tokens=4096,
-             num_preprocess_workers=0) as llm:
-        llm.engine.runner.batched_attention = batched_attention
-        for i in range(num_requests):
-            llm.engine.add_request(chat_prompt(f"What colour is shape {i}?", [random_image(224, 224, 50 + i)]),
-                                   SamplingParams(max_tokens=2, ignore_eos=True))
-        ops = step_ops(llm.engine)
-        running = llm.engine.scheduler.running
-        assert len(running) == num_requests and all(r.num_computed_tokens == r.num_prompt_tokens for r in running)
-    return ops
-
-
-def demo_decode_ops(num_requests: int) -> OpCounter:
-    """The demo model's decode step of num_requests sampled requests, each with its own seed."""
-    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, num_preprocess_workers=0) as llm:
-        for i in range(num_requests):
-            llm.engine.add_request(f"request {i} asks a question",
-                                   SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True))
-        llm.engine.step()  # the prefills
-        llm.engine.step()  # the first decode: every request now decodes
-        assert len(llm.engine.scheduler.running) == num_requests
-        return step_ops(llm.engine)
-
-
-def total(ops: OpCounter) -> int:
-    return sum(ops.counts.values())
+from workshop.op_count import (HostSyncError, NoHostSync, OpCounter, decode_step_ops, demo_decode_ops,
+                               demo_prefill_ops, total_ops as total)
 
 
 def test_a_prefill_step_of_8_pictured_requests_dispatches_at_most_1_5x_the_ops_of_one():

@@ -9,6 +9,10 @@ per layer, whatever the batch size, and that never syncs with the host (what a C
         engine.step()
     ops.kernels, ops.host_syncs, ops.counts.most_common(10)
 
+`python scripts/workshop/op_count.py` prints how a step's operations grow with the requests in it, on the demo
+model: a prefill step of 1 and of 8 pictured requests (batched, and attended one sequence at a time, the
+definition), a decode step of 1 and of 32 sampled requests (BENCHMARKS.md, "Operations per step").
+
 It is a `TorchDispatchMode`: every ATen operation passes through `__torch_dispatch__`. Operations that only
 make a new view of the same memory (view, permute, slicing...) launch nothing and are not counted as kernels,
 nor is a `to` that returns its input unchanged. A `reshape` (or `to`) that had to copy is counted, as
@@ -19,7 +23,12 @@ import contextlib
 from collections import Counter
 
 import torch
+from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanomm import LLM, SamplingParams
+from nanomm.demo import demo_checkpoint
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 
 VIEWS = {"view", "_unsafe_view", "reshape", "permute", "transpose", "expand", "slice", "select", "unsqueeze",
          "squeeze", "t", "split", "split_with_sizes", "unbind", "as_strided", "detach", "alias", "lift_fresh",
@@ -139,3 +148,57 @@ def step_ops(engine) -> OpCounter:
     finally:
         runner.decode_graphs = graphs
     return ops
+
+
+def _picture(seed: int) -> Image.Image:
+    pixels = torch.randint(0, 256, (224, 224, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return Image.frombytes("RGB", (224, 224), pixels.numpy().tobytes())
+
+
+def demo_prefill_ops(num_requests: int, batched_attention: bool = True) -> OpCounter:
+    """The demo model's step that prefills num_requests chats, each about its own 224x224 picture, in full."""
+    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, max_num_batched_tokens=4096,
+             num_preprocess_workers=0) as llm:
+        llm.engine.runner.batched_attention = batched_attention
+        for i in range(num_requests):
+            prompt = (f"<|im_start|>user\n{IMAGE_PLACEHOLDER}What colour is shape {i}?<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+            llm.engine.add_request({"prompt": prompt, "multi_modal_data": {"image": [_picture(50 + i)]}},
+                                   SamplingParams(max_tokens=2, ignore_eos=True))
+        ops = step_ops(llm.engine)
+        running = llm.engine.scheduler.running
+        assert len(running) == num_requests and all(r.num_computed_tokens == r.num_prompt_tokens for r in running)
+    return ops
+
+
+def demo_decode_ops(num_requests: int) -> OpCounter:
+    """The demo model's decode step of num_requests sampled requests, each with its own seed."""
+    with LLM(str(demo_checkpoint()), num_kv_blocks=1024, num_preprocess_workers=0) as llm:
+        for i in range(num_requests):
+            llm.engine.add_request(f"request {i} asks a question",
+                                   SamplingParams(temperature=0.8, seed=i, max_tokens=4, ignore_eos=True))
+        llm.engine.step()  # the prefills
+        llm.engine.step()  # the first decode: every request now decodes
+        assert len(llm.engine.scheduler.running) == num_requests
+        return step_ops(llm.engine)
+
+
+def total_ops(ops: OpCounter) -> int:
+    """Every operation dispatched, views included."""
+    return sum(ops.counts.values())
+
+
+def main() -> None:
+    rows = [("prefill, batched", demo_prefill_ops(1), demo_prefill_ops(8), 8),
+            ("prefill, one sequence at a time", demo_prefill_ops(1, False), demo_prefill_ops(8, False), 8),
+            ("decode, sampled", demo_decode_ops(1), demo_decode_ops(32), 32)]
+    print("| step | ops with 1 request | with N | N | ratio | kernels with 1 | with N | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, one, many, n in rows:
+        print(f"| {name} | {total_ops(one):,} | {total_ops(many):,} | {n} | {total_ops(many) / total_ops(one):.2f} | "
+              f"{one.kernels:,} | {many.kernels:,} | {many.kernels / one.kernels:.2f} |")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
