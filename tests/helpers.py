@@ -174,3 +174,16 @@ def forward_without_host_syncs(llm, guard, monkeypatch) -> list:
     monkeypatch.setattr(model, "forward", guarded_forward)
     monkeypatch.setattr(model, "compute_logits", guarded_logits)
     return kinds
+
+
+def assert_mixed_steps_never_sync(llm, guard, monkeypatch) -> None:
+    """A mixed workload (greedy and seeded, pictures cut by small chunks when the engine's budget is small) with
+    every engine forward inside guard(): the dense reference's tokens, and at least one step that decoded,
+    prefilled and placed visual tokens at once."""
+    kinds = forward_without_host_syncs(llm, guard, monkeypatch)
+    prompts = random_workload(seed=5, num_prompts=6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6, ignore_eos=True)
+              for i in range(len(prompts))]
+    assert_engine_matches_reference(llm, prompts, params)
+    monkeypatch.undo()
+    assert (True, True, True) in kinds
