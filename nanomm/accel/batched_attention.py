@@ -165,7 +165,8 @@ class PrefillLayout:
     def build(cls, runs: DecodeBatch, heads: int, head_dim: int) -> "PrefillLayout":
         batch, width = runs.query_rows.shape
         length = runs.context_slots.shape[1]
-        per_slice = max(1, min(batch, SLICE_ELEMENTS // max(1, length * (2 * heads * head_dim + width))))
+        # Keys and values repeated for every query head; the scores are never written out, one mask row a query.
+        per_slice = runs_per_slice(batch, length, heads, head_dim, 1, width)
         allowed = runs.allowed[:, None]  # (B, 1, Q, L): one mask for every head
         return cls([(runs.query_rows[i:i + per_slice], runs.context_slots[i:i + per_slice].flatten(),
                      allowed[i:i + per_slice]) for i in range(0, batch, per_slice)])

@@ -190,9 +190,9 @@ class ModelRunner:
                 torch.tensor(sample_rows, dtype=torch.long)] + _batch_tensors(short) + _batch_tensors(prompt_chunks)
         input_ids, positions, new_slots, image_mask, context_slots, sample_rows, *batch_tensors = copy_to_device(
             host, self.device)
-        short, prompt_chunks = (None if batch is None else dataclasses.replace(
-            batch, **dict(zip(DecodeBatch.TENSORS, batch_tensors[i * len(DecodeBatch.TENSORS):])))
-            for i, batch in enumerate((short, prompt_chunks)))
+        count = len(DecodeBatch.TENSORS)
+        short = _with_tensors(short, batch_tensors[:count])  # the batches' tensors, now on the device
+        prompt_chunks = _with_tensors(prompt_chunks, batch_tensors[count:])
         return StepInputs(
             input_ids=input_ids, positions=positions,  # (tokens,), (3, tokens)
             meta=StepMetadata(new_slots, context_slots, prefills[0], short, prompt_chunks),
@@ -203,22 +203,21 @@ class ModelRunner:
         """Batched (the default): short query runs past the prompt (decodes, verifications) in one batch, prompt
         chunks and any longer run in another (accel/batched_attention.py). Without batched attention every run is
         attended alone, its context slots packed sequence after sequence: the definition.
-        Returns (short runs' DecodeBatch or None, prompt chunks' DecodeBatch or None, (slices, packed slots))."""
-        short_run = [self.batched_attention and c.num_tokens <= MAX_BATCHED_QUERIES
-                     and c.start >= c.request.num_prompt_tokens for c in chunks]
-        batches = []
-        for picked in ([i for i, s in enumerate(short_run) if s], [i for i, s in enumerate(short_run) if not s]):
-            batches.append(build_decode_batch([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
-                                              slots[picked], [chunks[i].end for i in picked])
-                           if picked and self.batched_attention else None)
-        alone, alone_slots, offset = [], [], 0
+        Returns (short runs' DecodeBatch or None, prompt chunks' DecodeBatch or None, (sequences, packed slots))."""
         if not self.batched_attention:
-            for i, chunk in enumerate(chunks):
-                alone.append(PrefillSequence(query_starts[i], chunk.num_tokens, offset, chunk.end))
-                alone_slots.append(slots[i, :chunk.end])
+            alone, offset = [], 0
+            for start, chunk in zip(query_starts, chunks):
+                alone.append(PrefillSequence(start, chunk.num_tokens, offset, chunk.end))
                 offset += chunk.end
-        packed = torch.cat(alone_slots) if alone_slots else torch.zeros(0, dtype=torch.long)
-        return batches[0], batches[1], (alone, packed)
+            return None, None, (alone, torch.cat([row[:c.end] for row, c in zip(slots, chunks)]))
+        short = [c.num_tokens <= MAX_BATCHED_QUERIES and c.start >= c.request.num_prompt_tokens for c in chunks]
+
+        def batch_of(picked: list[int]) -> DecodeBatch | None:
+            return build_decode_batch([query_starts[i] for i in picked], [chunks[i].num_tokens for i in picked],
+                                      slots[picked], [chunks[i].end for i in picked]) if picked else None
+
+        return (batch_of([i for i, s in enumerate(short) if s]), batch_of([i for i, s in enumerate(short) if not s]),
+                ([], torch.zeros(0, dtype=torch.long)))
 
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """Make every image a chunk covers available to its request: from the encoder cache when it is there,
@@ -286,6 +285,11 @@ class ModelRunner:
 
 def _batch_tensors(batch: DecodeBatch | None) -> list:
     return [getattr(batch, name) if batch is not None else None for name in DecodeBatch.TENSORS]
+
+
+def _with_tensors(batch: DecodeBatch | None, tensors: list) -> DecodeBatch | None:
+    """`batch` with its tensors (`_batch_tensors`' order) replaced by `tensors`."""
+    return None if batch is None else dataclasses.replace(batch, **dict(zip(DecodeBatch.TENSORS, tensors)))
 
 
 def packed_positions(chunks: list[ScheduledChunk]) -> torch.Tensor:

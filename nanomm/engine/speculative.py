@@ -197,7 +197,8 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[SampledTokens]:
     settings are drawn together (`draw_plain`), each with its own request's generator, and read back once per
     step. Penalties and min_tokens see, at each row, the output so far plus the proposals before it: the
     history that row would have in plain decoding."""
-    argmax = greedy_tokens(logits).tolist()
+    greedy = any(c.request.params.greedy and not c.request.params.reads_history for c in chunks)
+    argmax = greedy_tokens(logits).tolist() if greedy else []  # read back only when a greedy row takes it
     per_chunk, plain, row = [], {}, 0  # per chunk: (its first row, its tokens or None while drawn in a group)
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids

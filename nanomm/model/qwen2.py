@@ -122,17 +122,23 @@ class DeepStack:
 
     def __init__(self, levels: torch.Tensor, image_mask: torch.Tensor):
         self.levels, self.image_mask = levels, image_mask
+        self.index = visual_index(image_mask)  # (tokens,) worked out once for every level
 
     def add(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if layer >= self.levels.shape[0]:
             return x
-        level = visual_rows(self.levels[layer].to(x.dtype), self.image_mask)  # (tokens, hidden)
+        level = self.levels[layer].to(x.dtype).index_select(0, self.index)  # (tokens, hidden)
         return torch.where(self.image_mask[:, None], x + level, x)
 
 
+def visual_index(image_mask: torch.Tensor) -> torch.Tensor:
+    """(tokens,) -> (tokens,): the k-th True row of image_mask gets k, the index of its visual token; a False row
+    gets some index, for `torch.where` to ignore. The mask's running count, so nothing is read back to the host
+    (boolean indexing would have to read how many rows it selects)."""
+    return (image_mask.long().cumsum(0) - 1).clamp(min=0)
+
+
 def visual_rows(image_embeds: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
-    """(image tokens, hidden) -> (tokens, hidden): the k-th True row of image_mask (tokens,) gets visual token k;
-    a False row gets some visual token, for `torch.where` to ignore. A gather by the mask's running count, so
-    nothing is read back to the host (boolean indexing would have to read how many rows it selects)."""
-    index = (image_mask.long().cumsum(0) - 1).clamp(min=0)  # (tokens,) each row's visual token
-    return image_embeds.index_select(0, index)
+    """(image tokens, hidden) -> (tokens, hidden): each True row of image_mask gets its visual token
+    (`visual_index`)."""
+    return image_embeds.index_select(0, visual_index(image_mask))

@@ -91,4 +91,3 @@ class Qwen2VL(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows given (only the positions that sample: the head is the widest matmul)."""
         return self.lm_head(hidden).float()
-

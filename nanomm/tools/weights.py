@@ -28,6 +28,11 @@ _VISION = dict(mlp_ratio=4, hidden_act="quick_gelu", patch_size=14, temporal_pat
                spatial_merge_size=2, in_channels=3)
 _TEXT = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6)
 
+_QWEN2_VL_2B = dict(_TEXT, vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960,
+                    num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                    mrope_section=[16, 24, 24], tie_word_embeddings=True,
+                    vision_config=dict(_VISION, depth=32, embed_dim=1280, num_heads=16))
+
 # Model shapes. vocab_size None means "the tokenizer's size" (tiny tokenizer) or QWEN_VOCAB_SIZE (real one).
 # The vision tower's output width (vision_config.hidden_size) always equals the text hidden_size.
 PRESETS: dict[str, dict] = {
@@ -40,15 +45,9 @@ PRESETS: dict[str, dict] = {
                   mrope_section=[8, 12, 12], tie_word_embeddings=True,
                   vision_config=dict(_VISION, depth=4, embed_dim=256, num_heads=4)),
     # The real Qwen2-VL-2B widths, but 1 text layer and 1 vision block (of 28 and 32) by default.
-    "2b-shaped": dict(_TEXT, vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960,
-                      num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=2,
-                      max_position_embeddings=32768, mrope_section=[16, 24, 24], tie_word_embeddings=True,
-                      vision_config=dict(_VISION, depth=1, embed_dim=1280, num_heads=16)),
+    "2b-shaped": dict(_QWEN2_VL_2B, num_hidden_layers=1, vision_config=dict(_QWEN2_VL_2B["vision_config"], depth=1)),
     # Qwen2-VL-2B's whole shape: 28 text layers and 32 vision blocks (scripts/gpu_check.sh's GPU step).
-    "2b": dict(_TEXT, vocab_size=QWEN_VOCAB_SIZE, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-               num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-               mrope_section=[16, 24, 24], tie_word_embeddings=True,
-               vision_config=dict(_VISION, depth=32, embed_dim=1280, num_heads=16)),
+    "2b": _QWEN2_VL_2B,
 }
 
 

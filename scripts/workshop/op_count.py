@@ -118,20 +118,26 @@ def counting_only_inside(counter: OpCounter, modules):
         counter.counting = True
 
 
+@contextlib.contextmanager
+def eager_steps(engine):
+    """The engine's steps without CUDA graphs while inside: a graph's replay would show none of its kernels."""
+    runner = engine.runner
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        yield
+    finally:
+        runner.decode_graphs = graphs
+
+
 def decode_step_ops(engine) -> dict:
     """Operations of the engine's next step (call it when every running request is decoding): in the whole
     step, per decoder layer, and the host syncs inside the decoder layers. The step runs eagerly: a CUDA graph's
     replay would show none of the kernels it launches."""
     layers = engine.model.language_model.layers
-    runner = engine.runner
-    graphs, runner.decode_graphs = runner.decode_graphs, None
-    try:
-        with OpCounter() as whole:
-            with OpCounter() as inside, counting_only_inside(inside, layers):
-                batch = len(engine.scheduler.running)
-                engine.step()
-    finally:
-        runner.decode_graphs = graphs
+    with eager_steps(engine), OpCounter() as whole:
+        with OpCounter() as inside, counting_only_inside(inside, layers):
+            batch = len(engine.scheduler.running)
+            engine.step()
     # The inner mode sees each op first and passes it on, so the outer one counts the whole step.
     return {"batch": batch, "step_kernels": whole.kernels, "kernels_per_layer": inside.kernels / len(layers),
             "host_syncs_in_layers": inside.host_syncs, "top_ops_per_layer": {
@@ -139,14 +145,9 @@ def decode_step_ops(engine) -> dict:
 
 
 def step_ops(engine) -> OpCounter:
-    """Every operation the engine's next step dispatches, run eagerly (CUDA graphs set aside, as above)."""
-    runner = engine.runner
-    graphs, runner.decode_graphs = runner.decode_graphs, None
-    try:
-        with OpCounter() as ops:
-            engine.step()
-    finally:
-        runner.decode_graphs = graphs
+    """Every operation the engine's next step dispatches, run eagerly."""
+    with eager_steps(engine), OpCounter() as ops:
+        engine.step()
     return ops
 
 
