@@ -1,6 +1,8 @@
 """The seam (nanomm/accel/): the model in model/ is the textbook architecture, and every speed-up swapped into it
 after loading computes what it computes, with the seam on and off."""
 
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
-from helpers import chat_prompt
+from helpers import chat_prompt, llm_with_one_kernel_norms
 from nanomm import LLM, SamplingParams, demo_checkpoint
 from nanomm.accel import fused_layers, packed_linear
 from nanomm.accel.fused_layers import (FastRMSNorm, FusedAttention, FusedMLP, FusedQwen2Model, apply_rotary_rolled,
@@ -87,6 +89,29 @@ def test_each_fused_piece_computes_its_textbook_piece():
     torch.testing.assert_close(FusedMLP(mlp)(x, residual), residual + mlp(x), rtol=1e-5, atol=1e-5)
 
 
+def test_the_gpu_s_one_kernel_norms_compute_the_textbook_norms():
+    """`F.rms_norm` (one kernel on a GPU) for every norm of a layer, Qwen3's per-head q and k norms too: the
+    textbook's values in float32, and in bf16 within one rounding of the output (the kernel rounds once where
+    the textbook rounds before the weight and after it)."""
+    torch.manual_seed(0)
+    norm = random_(qwen2.RMSNorm(64, 1e-6), 1)
+    x = torch.randn(7, 64)
+    assert FastRMSNorm(norm, one_kernel=True).one_kernel
+    torch.testing.assert_close(FastRMSNorm(norm, one_kernel=True)(x), norm(x), rtol=1e-6, atol=1e-6)
+    bf16 = random_(qwen2.RMSNorm(64, 1e-6), 1).to(torch.bfloat16)
+    got, want = FastRMSNorm(bf16, one_kernel=True)(x.bfloat16()), bf16(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+    attn = random_(qwen2.Attention(replace(CONFIG, qk_norm=True, attention_bias=False)), 2)
+    angles = torch.randn(7, 8)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    fused = FusedAttention(attn, one_kernel_norms=True)
+    assert isinstance(fused.q_norm, FastRMSNorm) and fused.q_norm.one_kernel
+    torch.testing.assert_close(fused(x, cos, roll_layout_sin(sin), WholeSequence(), 0, residual=x),
+                               x + attn(x, cos, sin, WholeSequence(), 0), rtol=1e-5, atol=1e-5)
+
+
 def test_a_long_chunk_s_mlp_in_passes_equals_one_pass(monkeypatch):
     """FusedMLP runs a chunk whose gate/up output is over MLP_PASS_BYTES in passes (small temporaries): the
     same rows out."""
@@ -132,12 +157,27 @@ SEAM = {  # name -> engine arguments; the first is the textbook model with every
     "fused": dict(fused_layers=True, cpu_fast_linear=False),
     "fused and packed": dict(fused_layers=True, cpu_fast_linear=True),
     "packed alone": dict(fused_layers=False, cpu_fast_linear=True),
+    "fused, as on a GPU": dict(fused_layers=True, cpu_fast_linear=False),  # helpers.llm_with_one_kernel_norms
 }
+
+
+def served_tokens_and_logits(llm: LLM, switches: dict, prompts: list, greedy: SamplingParams):
+    """The engine's greedy tokens, and the dense reference's logits on the same model."""
+    with llm:
+        fused = type(llm.model.language_model) is FusedQwen2Model
+        packed = any(isinstance(m, packed_linear.PackedLinear) for m in llm.model.modules())
+        assert (fused, packed) == (switches["fused_layers"], switches["cpu_fast_linear"])
+        tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+        prepared = [llm.engine.prepare(p, greedy) for p in prompts]
+        logits = [torch.stack(reference_generate(llm.model, pp.token_ids, pp.images, greedy, keep_logits=True)
+                              .logits) for pp in prepared]
+    return tokens, logits
 
 
 def test_the_seam_on_and_off_gives_the_same_tokens_and_logits(monkeypatch):
     """The trained demo model served with each combination of the seam's pieces: the same greedy tokens as the
-    textbook model, and logits within float32 rounding of it (every layer packed, whatever its width)."""
+    textbook model, and logits within float32 rounding of it (every layer packed, whatever its width). "As on a
+    GPU" takes the forms a GPU takes: one-kernel norms, and one SDPA call for the decodes."""
     if not packed_linear.packed_linear_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no usable oneDNN linear ops")
     monkeypatch.setattr(packed_linear, "MIN_PACKED_SIDE", 1)  # the demo model's 256-wide layers are packed too
@@ -146,15 +186,12 @@ def test_the_seam_on_and_off_gives_the_same_tokens_and_logits(monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}
     for name, switches in SEAM.items():
-        with LLM(str(demo_checkpoint()), max_model_len=1024, num_kv_blocks=128, **switches) as llm:
-            fused = type(llm.model.language_model) is FusedQwen2Model
-            packed = any(isinstance(m, packed_linear.PackedLinear) for m in llm.model.modules())
-            assert (fused, packed) == (switches["fused_layers"], switches["cpu_fast_linear"]), name
-            tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
-            prepared = [llm.engine.prepare(p, greedy) for p in prompts]
-            logits = [torch.stack(reference_generate(llm.model, pp.token_ids, pp.images, greedy, keep_logits=True)
-                                  .logits) for pp in prepared]
-        results[name] = tokens, logits
+        with monkeypatch.context() as patch:
+            make = partial(llm_with_one_kernel_norms, patch) if name == "fused, as on a GPU" else LLM
+            llm = make(str(demo_checkpoint()), max_model_len=1024, num_kv_blocks=128, **switches)
+            if switches["fused_layers"]:
+                assert llm.model.language_model.norm.one_kernel == (make is not LLM)
+            results[name] = served_tokens_and_logits(llm, switches, prompts, greedy)
     textbook_tokens, textbook_logits = results.pop("textbook")
     for name, (tokens, logits) in results.items():
         assert tokens == textbook_tokens, name

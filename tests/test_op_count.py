@@ -1,12 +1,14 @@
 """A step's operations barely grow with the requests in it: a prefill of 8 pictured requests, a decode of 32. A
-decode step's kernels per layer do not grow with the batch, and the decoder layers never sync with the host
-(scripts/workshop/op_count.py counts them)."""
+decode step's kernels per layer do not grow with the batch, the decoder layers never sync with the host, and in
+bf16 the forms a GPU takes make no dtype copies (scripts/workshop/op_count.py counts them)."""
+
+from functools import partial
 
 import pytest
 import torch
 
-from helpers import assert_mixed_steps_never_sync
-from nanomm import LLM, SamplingParams
+from helpers import assert_mixed_steps_never_sync, llm_with_one_kernel_norms
+from nanomm import LLM, SamplingParams, demo_checkpoint
 from workshop.op_count import (HostSyncError, NoHostSync, OpCounter, decode_step_ops, demo_decode_ops,
                                demo_prefill_ops, total_ops as total)
 
@@ -52,6 +54,34 @@ def test_a_decode_step_s_kernels_per_layer_do_not_grow_with_the_batch(ckpt):
     # The per-sequence definition launches attention kernels for every sequence: the count grows with the batch.
     one_by_one = decode_ops(ckpt, 16, batched_attention=False)
     assert one_by_one["kernels_per_layer"] > large["kernels_per_layer"] + 16
+
+
+def bf16_decode_ops(monkeypatch, one_kernel_norms: bool) -> dict:
+    """A decode step of 8 requests on the demo model in bf16, its norms in the CPU's form or in the GPU's."""
+    make = partial(llm_with_one_kernel_norms, monkeypatch) if one_kernel_norms else LLM
+    with make(str(demo_checkpoint()), dtype="bfloat16", num_kv_blocks=256, num_preprocess_workers=0) as llm:
+        for i in range(8):
+            llm.engine.add_request(f"request {i} asks a question", SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.engine.step()  # the prefills
+        llm.engine.step()  # the first decode: every request now decodes
+        return decode_step_ops(llm.engine)
+
+
+def test_in_bf16_a_decode_layer_as_a_gpu_runs_it_dispatches_16_ops_at_most_and_no_dtype_copy(monkeypatch):
+    """The decodes' attention is one SDPA call on every device: its kernel keeps the scores in float32 inside, so
+    bf16 needs no cast around it. The norms' float32 round trips are the CPU form's four dtype copies per layer
+    (25 ops); in the GPU's form, one `rms_norm` per norm, a layer dispatches 15 ops and no copy. On CUDA both
+    rms_norm and SDPA are one kernel (aten._fused_rms_norm, a fused attention kernel); the op count sees what the
+    layer asks torch for, and gpu_check.sh's profile stage counts the kernels a GPU launches."""
+    def copies(ops):
+        return {name: n for name, n in ops["top_ops_per_layer"].items() if name.split()[0] in ("to", "_to_copy")}
+
+    cpu_norms, gpu_norms = bf16_decode_ops(monkeypatch, False), bf16_decode_ops(monkeypatch, True)
+    assert copies(cpu_norms) == {"to (copy)": 4}, cpu_norms["top_ops_per_layer"]  # what the count would catch
+    assert not copies(gpu_norms), gpu_norms["top_ops_per_layer"]
+    assert gpu_norms["kernels_per_layer"] <= 16, gpu_norms["top_ops_per_layer"]
+    assert gpu_norms["top_ops_per_layer"]["rms_norm"] == 2
+    assert gpu_norms["top_ops_per_layer"]["scaled_dot_product_attention"] == 1
 
 
 def test_the_counter_sees_kernels_and_host_syncs_and_skips_views():

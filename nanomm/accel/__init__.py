@@ -7,8 +7,9 @@ Each piece can be switched off (the switch is named with it), and each is tested
 (tests/test_accel.py): the same tokens, logits within rounding. Quantization is the exception: it changes the
 weights, and is tested against its own definition instead.
 
-- fused_layers.py: q/k/v and gate/up in one matmul each, RMSNorm in four kernels, the rotary in three, residual
-  adds inside the matmuls, long chunks' MLP in passes (`LLM(fused_layers=False)` turns it off);
+- fused_layers.py: q/k/v and gate/up in one matmul each, RMSNorm in one kernel on a GPU and four on a CPU, the
+  rotary in three, residual adds inside the matmuls, long chunks' MLP in passes (`LLM(fused_layers=False)` turns
+  it off);
 - packed_linear.py: CPU float32 linear layers through oneDNN with pre-reordered weights (`cpu_fast_linear=False`);
 - quant.py: int8 / int4 weight-only linear layers (`quantization="int8"`), their torch kernels checked against the
   dequantize-then-multiply definition (tests/test_quant.py; lesson 09): the one piece that changes the numbers,
@@ -16,8 +17,9 @@ weights, and is tested against its own definition instead.
 - compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
 
 `speed_up` swaps those four into the model. The engine's own fast paths live here too, and the engine calls them:
-- batched_attention.py: a step's decodes in one attention call per layer (`ModelRunner(batched_attention=False)`
-  attends each sequence alone, the definition; tests/test_attention.py);
+- batched_attention.py: a step's decodes in one attention call per layer (one fused SDPA kernel on a GPU, three
+  calls on a CPU); `ModelRunner(batched_attention=False)` attends each sequence alone, the definition
+  (tests/test_attention.py);
 - cuda_graphs.py: decode steps recorded once and replayed with one launch (`enforce_eager=True` turns it off;
   on a CPU the same static path runs unrecorded, tests/test_cuda_graphs.py);
 - memory_profile.py: on a GPU, the activation reserve measured by running the engine's largest steps once,

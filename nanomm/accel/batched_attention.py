@@ -8,12 +8,12 @@ The definition is per sequence: gather the sequence's keys and values, then `cau
 run of queries in the step goes through at once. Their context slots are padded into a (sequences, longest
 context) table, keys and values are gathered from the cache once, and a mask says which key each query may see
 (lower-right causal: query i of a run of q sees the first context_len - q + 1 + i keys). GQA groups the query
-heads by KV head instead of copying K and V, and scores and softmax are float32, as in prefill. A step of 32
-decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is the padding,
-which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads (the rows to
-gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value back to the
-host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends every
-sequence alone, the definition; tests/test_attention.py holds the two equal.
+heads by KV head instead of copying K and V, and one fused `scaled_dot_product_attention` call computes scores,
+softmax and values, the scores in float32 inside the kernel and never written out: in bf16 no dtype copy around
+it. A step of 32 decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every
+layer reads (the rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a
+value back to the host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=
+False)` attends every sequence alone, the definition; tests/test_attention.py holds both forms equal to it.
 
 Prompt chunks are long and few, so they are padded the other way: into one (runs, heads, longest chunk,
 head_dim) batch of queries against (runs, heads, longest context, head_dim) keys and values, with a (runs, 1,
@@ -64,6 +64,9 @@ def runs_per_slice(batch: int, length: int, kv_heads: int, head_dim: int, heads:
     return max(1, min(batch, SLICE_ELEMENTS // max(1, per_run)))
 
 
+MASK_ALIGNMENT = 16  # the mask's rows start 16 elements apart: CUDA's memory-efficient SDPA pads them otherwise
+
+
 @dataclass
 class BatchLayout:
     """What every layer's `batched_attention` reads, derived once per step from DecodeBatch (the same for
@@ -75,37 +78,41 @@ class BatchLayout:
     that fits SLICE_ELEMENTS is one slice, built once (every step of the tests and benchmarks here)."""
     key_rows: torch.Tensor  # (B, kv_heads * L) rows of the layer's cache viewed as (2 * slots * kv_heads, d)
     values_offset: int  # the same rows' values are this many rows further
-    visible: torch.Tensor  # (B, Q, L) float32: 0 where a key is visible, -inf where not
+    visible: torch.Tensor  # (B, Q, L rounded up to MASK_ALIGNMENT) model dtype: 0 where a key is visible, else -inf
+    length: int  # L, the step's longest context
     kv_heads: int
     group: int
     runs_per_slice: int
     whole: tuple[torch.Tensor, torch.Tensor] | None  # (kv rows, mask) of the whole step when it is one slice
 
     @classmethod
-    def build(cls, short: DecodeBatch, num_slots: int, kv_heads: int, group: int, head_dim: int) -> "BatchLayout":
+    def build(cls, short: DecodeBatch, num_slots: int, kv_heads: int, group: int, head_dim: int,
+              dtype: torch.dtype) -> "BatchLayout":
+        """dtype: the model's (what the cache reads return)."""
         batch, width = short.query_rows.shape
-        length = short.context_slots.shape[1]
-        heads_offset = torch.arange(kv_heads, device=short.context_slots.device)[None, :, None]  # (1, kv, 1)
+        length, device = short.context_slots.shape[1], short.context_slots.device
+        heads_offset = torch.arange(kv_heads, device=device)[None, :, None]  # (1, kv, 1)
         key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).view(batch, -1)  # (B, kv * L)
-        visible = torch.zeros(short.last_visible.shape + (length,), dtype=torch.float32,
-                              device=short.context_slots.device)
-        visible.masked_fill_(~short.allowed, float("-inf"))  # (B, Q, L)
+        padded = -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
+        visible = torch.full((batch, width, padded), float("-inf"), dtype=dtype, device=device)
+        visible[:, :, :length].masked_fill_(short.allowed, 0.0)  # (B, Q, padded)
         runs = runs_per_slice(batch, length, kv_heads, head_dim, kv_heads * group, width)
-        layout = cls(key_rows, num_slots * kv_heads, visible, kv_heads, group, runs, None)
+        layout = cls(key_rows, num_slots * kv_heads, visible, length, kv_heads, group, runs, None)
         if runs == batch:
             layout.whole = layout.slice_rows_and_mask(slice(0, batch))
         return layout
 
     def slice_rows_and_mask(self, runs: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache rows (keys, then values) and the mask of these runs. The mask is (B, Q, L) -> (B, kv, Q,
-        group, L) -> (B * kv, Q * group, L), the layout of the queries in `batched_attention`; a decode (Q = 1)
-        needs one row per KV head: its query heads all see the same keys, and baddbmm broadcasts it."""
+        """The cache rows (keys, then values) and the mask of these runs. The mask is laid out as
+        `batched_attention`'s queries, (B, kv, Q * group, d), and broadcast over the KV heads: (B, Q, L) -> (B, 1,
+        Q, group, L) -> (B, 1, Q * group, L). A decode (Q = 1) needs one row: its query heads all see the same
+        keys. Each row starts MASK_ALIGNMENT elements after the last; the mask is the first L of them."""
         keys = self.key_rows[runs].flatten()
         visible = self.visible[runs]
-        batch, width, _ = visible.shape
+        batch, width, padded = visible.shape
         rows = 1 if width == 1 else self.group
-        mask = visible[:, None, :, None, :].expand(batch, self.kv_heads, width, rows, -1).reshape(
-            batch * self.kv_heads, width * rows, -1)
+        mask = visible[:, None, :, None, :].expand(batch, 1, width, rows, padded).reshape(
+            batch, 1, width * rows, padded)[..., :self.length]
         return torch.cat([keys, keys + self.values_offset]), mask
 
 
@@ -133,24 +140,22 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: to
     """Attention for short query runs at once, over keys and values gathered once.
 
     q (tokens, heads, head_dim) packed; keys_values (2 * B * kv_heads * L, head_dim): the runs' cache rows
-    (`BatchLayout.slice_rows_and_mask`), the new tokens written; query_rows (B, Q): each run's rows of q (with
-    rows_in_place, q's rows 0..B-1 are the B runs' single queries); mask (B * kv, Q * group or 1, L). Returns
-    (B * Q, heads, head_dim), one row per (run, query) slot, padding included."""
+    (`BatchLayout.slice_rows_and_mask`, with the mask), the new tokens written; query_rows (B, Q): each run's
+    rows of q (with rows_in_place, q's rows 0..B-1 are the B runs' single queries). Returns (B * Q, heads,
+    head_dim), one row per (run, query) slot, padding included."""
     heads, head_dim = q.shape[1], q.shape[2]
     batch, width = query_rows.shape
     group = heads // kv_heads
-    keys, values = keys_values.view(2, batch * kv_heads, -1, head_dim)  # (B * kv, L, d) each
+    keys, values = keys_values.view(2, batch, kv_heads, -1, head_dim)  # (B, kv, L, d) each
     if rows_in_place:  # decodes in packed rows 0..B-1: (B, heads, d) is already (B, kv, group, d)
-        queries = q[:batch].reshape(batch * kv_heads, group, head_dim)
+        queries = q[:batch].view(batch, kv_heads, group, head_dim)
     else:  # (B * Q, kv, group, d) -> (B, kv, Q, group, d): each KV head's queries and query heads together
         queries = q.index_select(0, query_rows.flatten()).view(batch, width, kv_heads, group, head_dim)
-        queries = queries.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, width * group, head_dim)
-    # Scores in float32 (as prefill's), scaled and masked in one call: mask + scale * q k^T.
-    scores = torch.baddbmm(mask, queries.float(), keys.float().transpose(1, 2), alpha=head_dim ** -0.5)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)  # (B * kv, Q * group, L)
-    out = torch.bmm(probs, values)  # (B * kv, Q * group, d)
+        queries = queries.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, width * group, head_dim)
+    # Each KV head's queries are one "head" of queries against its keys: (B, kv, Q * group, d)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
     if rows_in_place:
-        return out.view(batch, heads, head_dim)
+        return out.reshape(batch, heads, head_dim)  # (B, kv, group, d)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
 

@@ -11,7 +11,8 @@ model as it is. What changes, and only in the rounding of some sums:
   the checkpoint's matrices stacked by rows;
 - q and k rotate in one pass of three kernels (`apply_rotary_rolled`), with the sign flip of rotate_half paid
   once per forward (`roll_layout_sin`), not once per layer;
-- RMSNorm is four kernels: mean(x^2) + eps as one batched dot product (`FastRMSNorm`);
+- RMSNorm is one kernel on a GPU (`F.rms_norm`, float32 statistics inside it: no dtype copies around it in bf16)
+  and four on a CPU: mean(x^2) + eps as one batched dot product (`FastRMSNorm`);
 - the residual adds ride on the o_proj and down_proj matmuls (`residual_linear`: addmm, or the packed and
   quantized layers' own `forward_add`);
 - a long prefill chunk's MLP goes through in passes whose (rows, 2 x intermediate) output stays under
@@ -62,16 +63,23 @@ def stacked_linear(*parts: nn.Linear) -> nn.Linear:
     return out
 
 
-class FastRMSNorm(nn.Module):
-    """`qwen2.RMSNorm` in four kernels."""
+ONE_KERNEL_NORM_DEVICES = ("cuda", "mps", "xpu")  # where aten._fused_rms_norm has a kernel of its own
 
-    def __init__(self, norm: RMSNorm):
+
+class FastRMSNorm(nn.Module):
+    """`qwen2.RMSNorm` in one kernel where torch has a fused RMSNorm (`F.rms_norm`: statistics in float32 inside
+    the kernel, no dtype copies around it, the output rounded once), in four on a CPU, where `F.rms_norm` is
+    the textbook's eight operations."""
+
+    def __init__(self, norm: RMSNorm, one_kernel: bool = False):
         super().__init__()
-        self.weight = norm.weight
+        self.weight, self.eps, self.one_kernel = norm.weight, norm.eps, one_kernel
         self.register_buffer("eps_tensor", torch.full((1, 1, 1), norm.eps, device=norm.weight.device),
                              persistent=False)  # the addend below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_kernel:  # any shape: over the last dimension (also Qwen3's per-head q and k norms)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()  # statistics in float32 even for bf16 activations
         # mean(x^2) + eps as one batched dot product per token: (tokens, 1, hidden) @ (tokens, hidden, 1)
         variance = torch.baddbmm(self.eps_tensor.float(), xf[:, None, :], xf[:, :, None],
@@ -82,12 +90,14 @@ class FastRMSNorm(nn.Module):
 class FusedAttention(nn.Module):
     """`qwen2.Attention` with q/k/v in one matmul, q and k rotated in one pass, the residual added by o_proj."""
 
-    def __init__(self, attn: Attention):
+    def __init__(self, attn: Attention, one_kernel_norms: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_proj = stacked_linear(attn.q_proj, attn.k_proj, attn.v_proj)  # rows: q heads, then k, then v
         self.o_proj = attn.o_proj
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3 only
+        if self.q_norm is not None and one_kernel_norms:  # the CPU form is for (tokens, hidden) rows only
+            self.q_norm, self.k_norm = FastRMSNorm(self.q_norm, True), FastRMSNorm(self.k_norm, True)
 
     def forward(self, x, cos, sin_rolled, attention: AttentionBackend, layer: int, residual) -> torch.Tensor:
         """residual + attention output (tokens, hidden)."""
@@ -127,11 +137,11 @@ class FusedMLP(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    def __init__(self, layer: DecoderLayer):
+    def __init__(self, layer: DecoderLayer, one_kernel_norms: bool = False):
         super().__init__()
-        self.input_layernorm = FastRMSNorm(layer.input_layernorm)
-        self.self_attn = FusedAttention(layer.self_attn)
-        self.post_attention_layernorm = FastRMSNorm(layer.post_attention_layernorm)
+        self.input_layernorm = FastRMSNorm(layer.input_layernorm, one_kernel_norms)
+        self.self_attn = FusedAttention(layer.self_attn, one_kernel_norms)
+        self.post_attention_layernorm = FastRMSNorm(layer.post_attention_layernorm, one_kernel_norms)
         self.mlp = FusedMLP(layer.mlp)
 
     def forward(self, x, cos, sin_rolled, attention: AttentionBackend, layer: int):
@@ -145,14 +155,14 @@ class FusedQwen2Model(nn.Module):
     It consumes the plain model: each plain layer is dropped as soon as its fused form exists, so that memory
     peaks at one layer's extra copy, not the whole model's."""
 
-    def __init__(self, model: Qwen2Model):
+    def __init__(self, model: Qwen2Model, one_kernel_norms: bool = False):
         super().__init__()
         self.embed_tokens = model.embed_tokens  # the same module: a tied LM head stays tied
         self.layers = nn.ModuleList()
         for i in range(len(model.layers)):
-            self.layers.append(FusedDecoderLayer(model.layers[i]))
+            self.layers.append(FusedDecoderLayer(model.layers[i], one_kernel_norms))
             model.layers[i] = nn.Identity()
-        self.norm = FastRMSNorm(model.norm)
+        self.norm = FastRMSNorm(model.norm, one_kernel_norms)
 
     def forward(self, x: torch.Tensor, cos, sin, attention: AttentionBackend,
                 deepstack: DeepStack | None = None) -> torch.Tensor:
@@ -165,5 +175,7 @@ class FusedQwen2Model(nn.Module):
 
 
 def fuse_language_model(model: nn.Module) -> None:
-    """Replace model.language_model (a `qwen2.Qwen2Model`) by its fused form, in place."""
-    model.language_model = FusedQwen2Model(model.language_model)
+    """Replace model.language_model (a `qwen2.Qwen2Model`) by its fused form, in place: its norms one kernel
+    each on the devices that have one."""
+    one_kernel_norms = model.device.type in ONE_KERNEL_NORM_DEVICES
+    model.language_model = FusedQwen2Model(model.language_model, one_kernel_norms)

@@ -60,7 +60,8 @@ class PagedAttention:
         self.layout = self.prefill_layout = None  # what every layer's batched calls read, derived once a step
         slots, kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         if metadata.short is not None:
-            self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads, head_dim)
+            self.layout = BatchLayout.build(metadata.short, slots, kv_heads, num_heads // kv_heads, head_dim,
+                                           kv_cache.dtype)
         if metadata.prompt_chunks is not None:
             self.prefill_layout = PrefillLayout.build(metadata.prompt_chunks, num_heads, head_dim)
 

@@ -13,7 +13,11 @@ per layer, whatever the batch size, and that never syncs with the host (what a C
 model: a prefill step of 1 and of 8 pictured requests (batched, and attended one sequence at a time, the
 definition), a decode step of 1 and of 32 sampled requests (BENCHMARKS.md, "Operations per step").
 
-It is a `TorchDispatchMode`: every ATen operation passes through `__torch_dispatch__`. Operations that only
+It is a `TorchDispatchMode`: every ATen operation passes through `__torch_dispatch__`. Under inference mode (the
+engine's steps) a composite operation reaches it whole, before it is broken into others: `linear`,
+`scaled_dot_product_attention` and `rms_norm` count as one each. On CUDA `linear` is a matmul, and the other two
+are one fused kernel each (aten._fused_rms_norm, a fused attention kernel); on a CPU `rms_norm` runs as eight
+operations. The profiler (gpu_check.sh's profile stage) counts what a GPU really launches. Operations that only
 make a new view of the same memory (view, permute, slicing...) launch nothing and are not counted as kernels,
 nor is a `to` that returns its input unchanged. A `reshape` (or `to`) that had to copy is counted, as
 "reshape (copy)": the result's memory is compared with the input's.
