@@ -56,20 +56,21 @@ def quant_lines(name: str, result: dict | None) -> list[str]:
 
 
 def profile_lines(name: str, result: dict | None) -> list[str]:
-    """profile_steps.py: each kind of engine step's total and phases, and the training step's parts."""
+    """profile_steps.py: kernels per prefill step and per decode layer, each kind of engine step's total and phases,
+    and the prefill's host waits and top ops (the training step is in gpu_check.json)."""
     if not result:
         return [f"{name}: no result"]
-    serving, training = result["serving"], result["training"]
-    lines = [f"{name}: serving {serving['requests']} requests, TTFT p50 {serving['ttft_p50_s'] * 1e3:.0f} ms"]
-    for kind, entry in serving["steps"].items():
-        phases = ", ".join(f"{phase} {ms:.0f}" for phase, ms in entry["phases_ms"].items() if ms >= 0.5)
-        lines.append(f"  {entry['steps']} {kind} steps, {entry['total_ms']:.0f} ms ({phases} ms)")
-    lines.append(f"  prefill host waits {serving['prefill_host_waits']}; top ops " + ", ".join(
-        f"{op['op']} {op['self_ms']:.1f} ms x{op['calls']}" for op in serving["prefill_top_ops"][:4]))
-    step = ", ".join(f"{part} {ms:.0f} ms" for part, ms in training["step_ms"].items())
-    lines.append(f"  training step of {training['chats_per_step']} chats: {step}; drawing its batch "
-                 f"{training['draw_batch_ms']:.0f} ms on one core")
-    return lines
+    serving = result["serving"]
+    decode = serving["decode_step"]
+    steps = "; ".join(f"{entry['steps']} {kind} steps {entry['total_ms']:.0f} ms (" + ", ".join(
+        f"{phase} {ms:.0f}" for phase, ms in entry["phases_ms"].items() if ms >= 0.5) + ")"
+        for kind, entry in serving["steps"].items())
+    return [f"{name}: {serving['requests']} requests, TTFT p50 {serving['ttft_p50_s'] * 1e3:.0f} ms; kernels: "
+            f"{serving['prefill_kernels'] / max(1, serving['prefill_steps']):.0f} per prefill step, "
+            f"{decode['kernels_per_layer']:.1f} per layer of a batch-{decode['batch']} decode step",
+            f"  {steps}",
+            f"  prefill host waits {serving['prefill_host_waits']}; top ops " + ", ".join(
+                f"{op['op']} {op['self_ms']:.1f} ms x{op['calls']}" for op in serving["prefill_top_ops"][:4])]
 
 
 def burst_lines(name: str, result: dict | None) -> list[str]:
@@ -97,7 +98,8 @@ def bench_lines(name: str, result: dict | None) -> list[str]:
             f"  batch 1: decode step {batch1['measured_step_s_mean'] * 1e3:.2f} ms mean (median "
             f"{batch1['measured_step_s_median'] * 1e3:.2f}), roofline {batch1['roofline_step_s_mean'] * 1e3:.2f} ms: "
             f"{batch1['fraction_of_roofline']:.0%} of it (target >= 50% on 2b); batch 32 decode step: "
-            f"{decode['decode_roofline']['fraction_of_roofline']:.0%} of the roofline"]
+            f"{decode['decode_roofline']['fraction_of_roofline']:.0%} of the roofline, "
+            f"{decode['decode_probe']['ops']['kernels_per_layer']:.0f} ops per layer"]
 
 
 def main(work: Path, out: Path) -> None:

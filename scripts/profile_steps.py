@@ -11,7 +11,11 @@ batch-32 TTFT was 2.7 s and a demo training step 0.46 s, far from what the GPU's
   a decode step, or an idle one (nothing ready); the table sums each kind's phases: schedule, encode, forward,
   sample, commit.
 - prefill ops: torch.profiler over the prefill of 32 new requests (one output token each): the ops with the
-  most self time, and how often the host waited for the device (`aten::item`, `aten::nonzero`, syncs).
+  most self time, how often the host waited for the device (`aten::item`, `aten::nonzero`, syncs), and the
+  kernels launched per prefill step.
+- decode kernels: torch.profiler over one eager decode step of the same 32 requests (no CUDA graph: a replay
+  would launch one): the kernels it launched, and per decoder layer (the embedding's, LM head's and sampling's
+  counted in). On a CPU nothing is launched: both counts are 0.
 - training: the demo model's training step (scripts/workshop/training.py) on the batches of the one-session recipe:
   drawing one batch (on one CPU core), then forward, backward and the optimizer, each timed after a device sync.
 
@@ -33,10 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's workload and machine
 
-from bench import greedy, load_checkpoint, machine_info, make_workload, synchronize, warm_up, workloads  # noqa: E402
+from bench import (abort_all, add_all, greedy, load_checkpoint, machine_info, make_workload,  # noqa: E402
+                   synchronize, warm_up, workloads)
 from bench import parse_args as bench_args  # noqa: E402
 from nanomm import LLM, demo_checkpoint  # noqa: E402
 from nanomm.demo.tasks import TASKS  # noqa: E402
+from workshop.op_count import eager_steps  # noqa: E402
 from workshop.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap  # noqa: E402
 from workshop.training import TrainConfig, batch_loss, make_batch  # noqa: E402
 from nanomm.engine.trace import ENGINE_PID, STEP_LANE  # noqa: E402
@@ -44,6 +50,7 @@ from nanomm.model.loader import load_model  # noqa: E402
 
 PHASES = ("schedule", "encode", "forward", "sample", "commit")  # a step's spans ("propose" lies inside schedule)
 # Profiler events where the host waits for the device (or reads a value back from it).
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 HOST_WAITS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
               "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
 
@@ -84,6 +91,26 @@ def host_waits(profile) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def kernel_launches(profile) -> int:
+    """Kernels the host launched (the CUDA runtime's and driver's launch calls); 0 on a CPU."""
+    return sum(a.count for a in profile.key_averages() if a.key in KERNEL_LAUNCHES)
+
+
+def profile_decode_step(llm: LLM, device: torch.device, prompts: list) -> dict:
+    """The kernels one eager decode step of `prompts` launches, and per decoder layer."""
+    engine, sched = llm.engine, llm.engine.scheduler
+    ids = add_all(engine, prompts, greedy(3), "decode-profile")
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+    with eager_steps(engine), torch.profiler.profile(activities=activities(device)) as profile:
+        engine.step()
+        synchronize(device)
+    abort_all(engine, ids)
+    layers = len(llm.model.language_model.layers)
+    kernels = kernel_launches(profile)
+    return {"batch": len(prompts), "layers": layers, "kernels": kernels, "kernels_per_layer": kernels / layers}
+
+
 def activities(device: torch.device) -> list:
     kinds = [torch.profiler.ProfilerActivity.CPU]
     return kinds + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -108,13 +135,17 @@ def profile_serving(args, device: torch.device) -> dict:
         fresh = make_workload(workload_args.seed + 7, len(workload["prompts"]), (0, 1), (56, 224),
                               workload_args.decode_words, alternate=True,
                               mm_kwargs={"max_pixels": workload_args.max_pixels})  # new prompts: no prefix hits
+        steps_before = llm.engine.num_steps
         with torch.profiler.profile(activities=activities(device)) as profile:
             llm.generate(fresh, greedy(1), use_tqdm=False)
             synchronize(device)
+        prefill_steps = llm.engine.num_steps - steps_before
+        decode = profile_decode_step(llm, device, fresh)  # their prompts are in the prefix cache now
     ttfts = [o.metrics.ttft_s for o in outputs]
     return {"requests": len(outputs), "wall_s": round(wall_s, 3), "ttft_p50_s": round(statistics.median(ttfts), 4),
             "steps": step_kinds(json.loads(trace.read_text())["traceEvents"], timed_steps),
-            "prefill_top_ops": top_ops(profile, device), "prefill_host_waits": host_waits(profile)}
+            "prefill_top_ops": top_ops(profile, device), "prefill_host_waits": host_waits(profile),
+            "prefill_steps": prefill_steps, "prefill_kernels": kernel_launches(profile), "decode_step": decode}
 
 
 def training_folder(quick: bool) -> Path:
@@ -172,7 +203,11 @@ def print_summary(result: dict) -> None:
     for kind, entry in serving["steps"].items():
         phases = ", ".join(f"{name} {ms:.0f}" for name, ms in entry["phases_ms"].items() if ms)
         print(f"  {kind} steps: {entry['steps']}, {entry['total_ms']:.0f} ms in all ({phases} ms)")
-    print(f"  prefill host waits: {serving['prefill_host_waits']}")
+    print(f"  prefill host waits: {serving['prefill_host_waits']}; kernels launched: {serving['prefill_kernels']} in "
+          f"{serving['prefill_steps']} prefill steps")
+    decode = serving["decode_step"]
+    print(f"  one eager decode step of {decode['batch']}: {decode['kernels']} kernels launched, "
+          f"{decode['kernels_per_layer']:.1f} per decoder layer ({decode['layers']})")
     print("  prefill top ops: " + ", ".join(f"{o['op']} {o['self_ms']} ms x{o['calls']}"
                                             for o in serving["prefill_top_ops"][:6]))
     print(f"training, {training['chats_per_step']} chats a step: drawing a batch {training['draw_batch_ms']} ms "
