@@ -6,7 +6,7 @@
 #
 # It needs a CUDA build of torch and the dev extra (transformers, pytest) already installed: GPU machines may
 # have no network. The whole run ends within GPU_CHECK_SECONDS (default 450 s, inside 8 minutes): each stage has
-# its own limit (120 + 150 + 90 + 60 + 45 + 60 s) and is cut to the time left; a stage is skipped when under
+# its own limit (120 + 150 + 90 + 90 + 60 + 45 s) and is cut to the time left; a stage is skipped when under
 # 20 s remain. The limits add up to more than the deadline: the last stages get what is left.
 # A stage that fails, times out or is skipped is reported, and the next one still runs. Two files under $OUT hold
 # everything, and both are rewritten after every stage, so a run that is killed part way (a remote call's time
@@ -23,12 +23,13 @@
 #   step-2b    batch-1 decode against the HBM roofline (target >= 50%), batch 32 against transformers (>= 3x)
 #   burst-2b   32 requests, one 896x896 picture (1,024 visual tokens) each, arriving at once: TTFT p50 (target
 #              <= 0.6 s) and p99 (<= 1.2 s), mean encode and prefill time
+#   profile    profile_steps.py on the same checkpoint: the kernels launched per prefill step and per layer of
+#              an eager decode step, and where the engine's steps (and a demo training step) spend their time
 # Then bench.py in bf16 against transformers at batch 32 on `small`, and bench_quant.py's batch-1 decode of
 # float32, bfloat16, int8 and int4 weights.
-# Then profile_steps.py: where the engine's prefill and decode steps and a demo training step spend their time.
 #
-# GPU_CHECK_ONLY="step-2b bench-quant" runs only the stages named (tests, step-2b, burst-2b, bench-small,
-# bench-quant, profile).
+# GPU_CHECK_ONLY="step-2b bench-quant" runs only the stages named (tests, step-2b, burst-2b, profile,
+# bench-small, bench-quant).
 #
 # GPU_CHECK_DRY_RUN=1 runs the same stages on the CPU with the tiny preset and quick benches: how the test
 # suite checks this script (tests/test_scripts.py) without a GPU.
@@ -42,9 +43,9 @@ DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 ONLY="${GPU_CHECK_ONLY:-}"  # stage names, space-separated: run only these (a rerun of what a first run skipped)
 for name in $ONLY; do
     case $name in
-        tests | step-2b | burst-2b | bench-small | bench-quant | profile) ;;
-        *) echo "GPU_CHECK_ONLY: no stage is called '$name' (tests, step-2b, burst-2b, bench-small, bench-quant," \
-                "profile)"
+        tests | step-2b | burst-2b | profile | bench-small | bench-quant) ;;
+        *) echo "GPU_CHECK_ONLY: no stage is called '$name' (tests, step-2b, burst-2b, profile, bench-small," \
+                "bench-quant)"
            exit 2 ;;
     esac
 done
@@ -138,12 +139,12 @@ stage step-2b 150 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${FULL_2B[@]}" --wo
 stage burst-2b 90 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${FULL_2B[@]}" --workload burst "${BURST[@]}" --no-hf \
     --json "$WORK/burst-2b.json"
 
+stage profile 90 "$PYTHON" scripts/profile_steps.py "${DEVICE[@]}" "${FULL_2B[@]}" --json "$WORK/profile.json"
+
 stage bench-small 60 "$PYTHON" scripts/bench.py "${DEVICE[@]}" "${SMALL[@]}" --workload decode --hf-batch-sizes 32 \
     --json "$WORK/bench-small.json"
 
 stage bench-quant 45 "$PYTHON" scripts/bench_quant.py speed "${QUANT[@]}" --json "$WORK/bench-quant.json"
-
-stage profile 60 "$PYTHON" scripts/profile_steps.py "${DEVICE[@]}" "${SMALL[@]}" --json "$WORK/profile.json"
 
 cat "$OUT/summary.txt"
 exit $status

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = ("step-2b", "burst-2b", "bench-small", "bench-quant", "profile")
+BENCHES = ("step-2b", "burst-2b", "profile", "bench-small", "bench-quant")  # the stages' order
 OUTPUT_CHARS = 20_000  # the end of each stage's output kept in the JSON
 
 
