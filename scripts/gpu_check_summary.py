@@ -62,13 +62,15 @@ def profile_lines(name: str, result: dict | None) -> list[str]:
         return [f"{name}: no result"]
     serving = result["serving"]
     decode = serving["decode_step"]
-    steps = "; ".join(f"{entry['steps']} {kind} steps {entry['total_ms']:.0f} ms (" + ", ".join(
-        f"{phase} {ms:.0f}" for phase, ms in entry["phases_ms"].items() if ms >= 0.5) + ")"
-        for kind, entry in serving["steps"].items())
+    kinds = []
+    for kind, entry in serving["steps"].items():
+        phases = ", ".join(f"{phase} {ms:.0f}" for phase, ms in entry["phases_ms"].items() if ms >= 0.5)
+        kinds.append(f"{entry['steps']} {kind} steps {entry['total_ms']:.0f} ms ({phases})")
     return [f"{name}: {serving['requests']} requests, TTFT p50 {serving['ttft_p50_s'] * 1e3:.0f} ms; kernels: "
             f"{serving['prefill_kernels'] / max(1, serving['prefill_steps']):.0f} per prefill step, "
-            f"{decode['kernels_per_layer']:.1f} per layer of a batch-{decode['batch']} decode step",
-            f"  {steps}",
+            f"{decode['kernels']} per batch-{decode['batch']} decode step ({decode['kernels_per_layer']:.1f} a layer, "
+            f"head and sampling included)",
+            "  " + "; ".join(kinds),
             f"  prefill host waits {serving['prefill_host_waits']}; top ops " + ", ".join(
                 f"{op['op']} {op['self_ms']:.1f} ms x{op['calls']}" for op in serving["prefill_top_ops"][:4])]
 
@@ -99,7 +101,7 @@ def bench_lines(name: str, result: dict | None) -> list[str]:
             f"{batch1['measured_step_s_median'] * 1e3:.2f}), roofline {batch1['roofline_step_s_mean'] * 1e3:.2f} ms: "
             f"{batch1['fraction_of_roofline']:.0%} of it (target >= 50% on 2b); batch 32 decode step: "
             f"{decode['decode_roofline']['fraction_of_roofline']:.0%} of the roofline, "
-            f"{decode['decode_probe']['ops']['kernels_per_layer']:.0f} ops per layer"]
+            f"{decode['decode_probe'].get('ops', {}).get('kernels_per_layer', float('nan')):.0f} ops per layer"]
 
 
 def main(work: Path, out: Path) -> None:

@@ -96,7 +96,6 @@ def test_the_gpu_s_one_kernel_norms_compute_the_textbook_norms():
     torch.manual_seed(0)
     norm = random_(qwen2.RMSNorm(64, 1e-6), 1)
     x = torch.randn(7, 64)
-    assert FastRMSNorm(norm, one_kernel=True).one_kernel
     torch.testing.assert_close(FastRMSNorm(norm, one_kernel=True)(x), norm(x), rtol=1e-6, atol=1e-6)
     bf16 = random_(qwen2.RMSNorm(64, 1e-6), 1).to(torch.bfloat16)
     got, want = FastRMSNorm(bf16, one_kernel=True)(x.bfloat16()), bf16(x.bfloat16())
@@ -152,12 +151,12 @@ def shapes_picture(seed: int) -> Image.Image:
     return image
 
 
-SEAM = {  # name -> engine arguments; the first is the textbook model with every speed-up off
+SEAM = {  # name -> engine arguments (one_kernel_norms: the GPU's norms, here); the first: every speed-up off
     "textbook": dict(fused_layers=False, cpu_fast_linear=False),
     "fused": dict(fused_layers=True, cpu_fast_linear=False),
     "fused and packed": dict(fused_layers=True, cpu_fast_linear=True),
     "packed alone": dict(fused_layers=False, cpu_fast_linear=True),
-    "fused, as on a GPU": dict(fused_layers=True, cpu_fast_linear=False),  # helpers.llm_with_one_kernel_norms
+    "fused, as on a GPU": dict(fused_layers=True, cpu_fast_linear=False, one_kernel_norms=True),
 }
 
 
@@ -187,10 +186,12 @@ def test_the_seam_on_and_off_gives_the_same_tokens_and_logits(monkeypatch):
     results = {}
     for name, switches in SEAM.items():
         with monkeypatch.context() as patch:
-            make = partial(llm_with_one_kernel_norms, patch) if name == "fused, as on a GPU" else LLM
+            switches = dict(switches)
+            one_kernel_norms = switches.pop("one_kernel_norms", False)  # helpers.llm_with_one_kernel_norms
+            make = partial(llm_with_one_kernel_norms, patch) if one_kernel_norms else LLM
             llm = make(str(demo_checkpoint()), max_model_len=1024, num_kv_blocks=128, **switches)
             if switches["fused_layers"]:
-                assert llm.model.language_model.norm.one_kernel == (make is not LLM)
+                assert llm.model.language_model.norm.one_kernel == one_kernel_norms
             results[name] = served_tokens_and_logits(llm, switches, prompts, greedy)
     textbook_tokens, textbook_logits = results.pop("textbook")
     for name, (tokens, logits) in results.items():

@@ -67,7 +67,7 @@ def bf16_decode_ops(monkeypatch, one_kernel_norms: bool) -> dict:
         return decode_step_ops(llm.engine)
 
 
-def test_in_bf16_a_decode_layer_as_a_gpu_runs_it_dispatches_16_ops_at_most_and_no_dtype_copy(monkeypatch):
+def test_in_bf16_a_decode_layer_as_a_gpu_runs_it_dispatches_15_ops_and_no_dtype_copy(monkeypatch):
     """The decodes' attention is one SDPA call on every device: its kernel keeps the scores in float32 inside, so
     bf16 needs no cast around it. The norms' float32 round trips are the CPU form's four dtype copies per layer
     (25 ops); in the GPU's form, one `rms_norm` per norm, a layer dispatches 15 ops and no copy. On CUDA both
@@ -79,7 +79,7 @@ def test_in_bf16_a_decode_layer_as_a_gpu_runs_it_dispatches_16_ops_at_most_and_n
     cpu_norms, gpu_norms = bf16_decode_ops(monkeypatch, False), bf16_decode_ops(monkeypatch, True)
     assert copies(cpu_norms) == {"to (copy)": 4}, cpu_norms["top_ops_per_layer"]  # what the count would catch
     assert not copies(gpu_norms), gpu_norms["top_ops_per_layer"]
-    assert gpu_norms["kernels_per_layer"] <= 16, gpu_norms["top_ops_per_layer"]
+    assert gpu_norms["kernels_per_layer"] <= 15, gpu_norms["top_ops_per_layer"]
     assert gpu_norms["top_ops_per_layer"]["rms_norm"] == 2
     assert gpu_norms["top_ops_per_layer"]["scaled_dot_product_attention"] == 1
 
@@ -93,11 +93,11 @@ def test_the_counter_sees_kernels_and_host_syncs_and_skips_views():
     assert ops.kernels == ops.counts["mul"] + ops.counts["sum"] + ops.counts["_local_scalar_dense"]
 
 
-def test_a_decode_step_launches_at_most_25_kernels_per_layer(ckpt):
-    """Issue 12's target, on the tiny preset in float32 (the layer code is the same for every preset; bench.py
-    prints the count for the 2b-shaped one)."""
+def test_a_decode_step_launches_at_most_21_kernels_per_layer(ckpt):
+    """On the tiny preset in float32 (the layer code is the same for every preset; bench.py prints the count for
+    the 2b-shaped one). Issue 12's target was 25."""
     ops = decode_ops(ckpt, 8)
-    assert ops["kernels_per_layer"] <= 25, ops["top_ops_per_layer"]
+    assert ops["kernels_per_layer"] <= 21, ops["top_ops_per_layer"]
 
 
 def test_a_reshape_that_copies_is_a_kernel_and_a_no_op_to_is_not():

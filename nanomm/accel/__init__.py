@@ -17,9 +17,8 @@ weights, and is tested against its own definition instead.
 - compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
 
 `speed_up` swaps those four into the model. The engine's own fast paths live here too, and the engine calls them:
-- batched_attention.py: a step's decodes in one attention call per layer (one fused SDPA kernel on a GPU, three
-  calls on a CPU); `ModelRunner(batched_attention=False)` attends each sequence alone, the definition
-  (tests/test_attention.py);
+- batched_attention.py: a step's decodes in one fused attention call per layer, its prompt chunks in another
+  (`ModelRunner(batched_attention=False)` attends each sequence alone, the definition; tests/test_attention.py);
 - cuda_graphs.py: decode steps recorded once and replayed with one launch (`enforce_eager=True` turns it off;
   on a CPU the same static path runs unrecorded, tests/test_cuda_graphs.py);
 - memory_profile.py: on a GPU, the activation reserve measured by running the engine's largest steps once,

@@ -10,10 +10,11 @@ context) table, keys and values are gathered from the cache once, and a mask say
 (lower-right causal: query i of a run of q sees the first context_len - q + 1 + i keys). GQA groups the query
 heads by KV head instead of copying K and V, and one fused `scaled_dot_product_attention` call computes scores,
 softmax and values, the scores in float32 inside the kernel and never written out: in bf16 no dtype copy around
-it. A step of 32 decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every
-layer reads (the rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a
-value back to the host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=
-False)` attends every sequence alone, the definition; tests/test_attention.py holds both forms equal to it.
+it. A step of 32 decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is
+the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads (the
+rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value back to
+the host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends
+every sequence alone, the definition; tests/test_attention.py holds the two equal.
 
 Prompt chunks are long and few, so they are padded the other way: into one (runs, heads, longest chunk,
 head_dim) batch of queries against (runs, heads, longest context, head_dim) keys and values, with a (runs, 1,
@@ -23,6 +24,7 @@ query sees what the run's first query sees and its output is dropped.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -93,8 +95,8 @@ class BatchLayout:
         length, device = short.context_slots.shape[1], short.context_slots.device
         heads_offset = torch.arange(kv_heads, device=device)[None, :, None]  # (1, kv, 1)
         key_rows = (short.context_slots[:, None, :] * kv_heads + heads_offset).view(batch, -1)  # (B, kv * L)
-        padded = -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
-        visible = torch.full((batch, width, padded), float("-inf"), dtype=dtype, device=device)
+        padded = math.ceil(length / MASK_ALIGNMENT) * MASK_ALIGNMENT
+        visible = torch.full((batch, width, padded), float("-inf"), dtype=dtype, device=device)  # an additive mask
         visible[:, :, :length].masked_fill_(short.allowed, 0.0)  # (B, Q, padded)
         runs = runs_per_slice(batch, length, kv_heads, head_dim, kv_heads * group, width)
         layout = cls(key_rows, num_slots * kv_heads, visible, length, kv_heads, group, runs, None)
@@ -110,9 +112,9 @@ class BatchLayout:
         keys = self.key_rows[runs].flatten()
         visible = self.visible[runs]
         batch, width, padded = visible.shape
-        rows = 1 if width == 1 else self.group
-        mask = visible[:, None, :, None, :].expand(batch, 1, width, rows, padded).reshape(
-            batch, 1, width * rows, padded)[..., :self.length]
+        rows_per_query = 1 if width == 1 else self.group
+        mask = visible[:, None, :, None, :].expand(batch, 1, width, rows_per_query, padded).reshape(
+            batch, 1, width * rows_per_query, padded)[..., :self.length]
         return torch.cat([keys, keys + self.values_offset]), mask
 
 
@@ -155,7 +157,7 @@ def batched_attention(q: torch.Tensor, keys_values: torch.Tensor, query_rows: to
     # Each KV head's queries are one "head" of queries against its keys: (B, kv, Q * group, d)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
     if rows_in_place:
-        return out.reshape(batch, heads, head_dim)  # (B, kv, group, d)
+        return out.reshape(batch, heads, head_dim)  # (B, kv, group, d) -> (B, heads, d)
     out = out.view(batch, kv_heads, width, group, head_dim).permute(0, 2, 1, 3, 4)  # (B, Q, kv, group, d)
     return out.reshape(batch * width, heads, head_dim)
 

@@ -3,7 +3,7 @@
 Lesson: lessons/A3-cpu-kernels.md (where a decode step's time goes).
 
 A decode step of a 2B model reads ~3 GB of weights: well under a millisecond of an H200's bandwidth. Launched
-one by one from Python, its ~25 kernels per layer x 28 layers cost more than that in CPU time alone, and the
+one by one from Python, its ~21 kernels per layer x 28 layers cost more than that in CPU time alone, and the
 GPU waits for them. A CUDA graph records the kernels of one call, with their arguments, and replays them all
 from one launch. The price is that everything must stay still between replays:
 

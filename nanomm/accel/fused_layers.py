@@ -67,9 +67,9 @@ ONE_KERNEL_NORM_DEVICES = ("cuda", "mps", "xpu")  # where aten._fused_rms_norm h
 
 
 class FastRMSNorm(nn.Module):
-    """`qwen2.RMSNorm` in one kernel where torch has a fused RMSNorm (`F.rms_norm`: statistics in float32 inside
-    the kernel, no dtype copies around it, the output rounded once), in four on a CPU, where `F.rms_norm` is
-    the textbook's eight operations."""
+    """`qwen2.RMSNorm` in one kernel where torch has a fused RMSNorm (`F.rms_norm`, one kernel from torch 2.8 on:
+    statistics in float32 inside the kernel, no dtype copies around it, the output rounded once), in four on a
+    CPU, where `F.rms_norm` is the textbook's eight operations."""
 
     def __init__(self, norm: RMSNorm, one_kernel: bool = False):
         super().__init__()
