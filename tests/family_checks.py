@@ -8,7 +8,7 @@ import os
 import httpx
 import torch
 
-from helpers import assert_engine_matches_reference, data_url, hf_inputs, random_image, random_workload
+from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
@@ -141,6 +141,18 @@ def reference_matches_transformers(model, oracle, ids, processed, num_tokens: in
     assert max(diffs) <= LOGITS_ATOL, diffs
     assert logits[0].std() > 0.05, "random weights too small to make the comparison meaningful"
     return comparable
+
+
+def real_width_cut_matches_transformers(folder, model, oracle_class, pictures, max_pixels: int, tight: dict) -> None:
+    """A checkpoint of a real model's widths and vocabulary with its depth cut (`model` loaded from it): the dense
+    reference against transformers, then the engine under default and `tight` settings, on the real vocabulary's
+    20 most likely tokens a step. pictures(n): n pictures."""
+    oracle = oracle_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    ids, processed = expanded_prompt(folder, pictures(1), max_pixels)
+    assert reference_matches_transformers(model, oracle, ids, processed, 4) >= 2
+    prompts = [chat_prompt("Describe, then count.", pictures(n)) for n in (0, 1)]
+    for settings in ({}, tight):
+        engine_gives_transformers_tokens(folder, oracle, prompts, 4, max_pixels, num_logprobs=20, **settings)
 
 
 def static_decode_matches_reference(folder, max_pixels: int) -> None:

@@ -17,8 +17,8 @@ import transformers
 from safetensors import safe_open
 
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
-                           lever_matches_reference, metric, reference_matches_transformers,
-                           split_and_integrated_answers, static_decode_matches_reference)
+                           lever_matches_reference, metric, real_width_cut_matches_transformers,
+                           reference_matches_transformers, split_and_integrated_answers, static_decode_matches_reference)
 from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint, render_hub_chat_template
 from helpers import chat_prompt, random_image
 from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
@@ -99,13 +99,8 @@ def test_qwen2_5_vl_3b_widths_match_transformers(tmp_path):
                               tie_word_embeddings=True, tokenizer="qwen")
     ours = load_model(made)
     assert (ours.config.vision.embed_dim, ours.config.vision.hidden_size) == (1280, 2048)
-    oracle = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        made, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, processed = expanded_prompt(made, images(1), MAX_PIXELS)
-    assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
-    prompts = [chat_prompt("Describe, then count.", images(n)) for n in (0, 1)]
-    for settings in ({}, TIGHT):  # the engine too: the real vocabulary's 20 most likely tokens a step
-        engine_gives_transformers_tokens(made, oracle, prompts, 4, MAX_PIXELS, num_logprobs=20, **settings)
+    real_width_cut_matches_transformers(made, ours, transformers.Qwen2_5_VLForConditionalGeneration, images,
+                                        MAX_PIXELS, TIGHT)
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
-                           lever_matches_reference, metric, reference_matches_transformers,
-                           split_and_integrated_answers, static_decode_matches_reference)
+                           lever_matches_reference, metric, real_width_cut_matches_transformers,
+                           reference_matches_transformers, split_and_integrated_answers, static_decode_matches_reference)
 from hf_checkpoints import QWEN3_2B_CUT, make_hf_checkpoint, make_qwen3_text_draft, render_hub_chat_template
 from helpers import assert_engine_matches_reference, chat_prompt, random_image, random_workload
 from nanomm import LLM
@@ -102,13 +102,8 @@ def test_qwen3_vl_2b_widths_match_transformers(tmp_path):
     ours = load_model(made)
     assert (ours.config.text.head_dim, ours.config.vision.embed_dim, len(ours.visual.deepstack_merger_list)) == \
         (128, 1024, 3)
-    oracle = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-        made, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, processed = expanded_prompt(made, pictures(1), MAX_PIXELS)
-    assert reference_matches_transformers(ours, oracle, ids, processed, 4) >= 2
-    prompts = [chat_prompt("Describe, then count.", pictures(n)) for n in (0, 1)]
-    for settings in ({}, TIGHT):  # the engine too: the real vocabulary's 20 most likely tokens a step
-        engine_gives_transformers_tokens(made, oracle, prompts, 4, MAX_PIXELS, num_logprobs=20, **settings)
+    real_width_cut_matches_transformers(made, ours, transformers.Qwen3VLForConditionalGeneration, pictures,
+                                        MAX_PIXELS, TIGHT)
 
 
 def test_the_fused_layers_the_engine_serves_keep_the_q_k_norms_and_deepstack(folder, oracle):
