@@ -189,10 +189,11 @@ def assert_mixed_steps_never_sync(llm, guard, monkeypatch) -> None:
     assert (True, True, True) in kinds
 
 
-def llm_with_one_kernel_norms(monkeypatch, *args, **kwargs):
-    """`LLM(*args, **kwargs)` whose RMSNorms go through `F.rms_norm` on this CPU too: the form a GPU takes, one
-    kernel there (accel/fused_layers.py)."""
+def llm_with_norms(monkeypatch, one_kernel_norms: bool, *args, **kwargs):
+    """`LLM(*args, **kwargs)`; with one_kernel_norms, its RMSNorms go through `F.rms_norm` on this CPU too: the
+    form a GPU takes, one kernel there (accel/fused_layers.py)."""
     from nanomm import LLM
     from nanomm.accel import fused_layers
-    monkeypatch.setattr(fused_layers, "ONE_KERNEL_NORM_DEVICES", ("cpu",))  # read when the layers are fused
+    if one_kernel_norms:
+        monkeypatch.setattr(fused_layers, "ONE_KERNEL_NORM_DEVICES", ("cpu",))  # read when the layers are fused
     return LLM(*args, **kwargs)

@@ -2,7 +2,6 @@
 after loading computes what it computes, with the seam on and off."""
 
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
-from helpers import chat_prompt, llm_with_one_kernel_norms
+from helpers import chat_prompt, llm_with_norms
 from nanomm import LLM, SamplingParams, demo_checkpoint
 from nanomm.accel import fused_layers, packed_linear
 from nanomm.accel.fused_layers import (FastRMSNorm, FusedAttention, FusedMLP, FusedQwen2Model, apply_rotary_rolled,
@@ -176,7 +175,7 @@ def served_tokens_and_logits(llm: LLM, switches: dict, prompts: list, greedy: Sa
 def test_the_seam_on_and_off_gives_the_same_tokens_and_logits(monkeypatch):
     """The trained demo model served with each combination of the seam's pieces: the same greedy tokens as the
     textbook model, and logits within float32 rounding of it (every layer packed, whatever its width). "As on a
-    GPU" takes the forms a GPU takes: one-kernel norms, and one SDPA call for the decodes."""
+    GPU" takes the GPU's one-kernel norms."""
     if not packed_linear.packed_linear_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no usable oneDNN linear ops")
     monkeypatch.setattr(packed_linear, "MIN_PACKED_SIDE", 1)  # the demo model's 256-wide layers are packed too
@@ -187,9 +186,9 @@ def test_the_seam_on_and_off_gives_the_same_tokens_and_logits(monkeypatch):
     for name, switches in SEAM.items():
         with monkeypatch.context() as patch:
             switches = dict(switches)
-            one_kernel_norms = switches.pop("one_kernel_norms", False)  # helpers.llm_with_one_kernel_norms
-            make = partial(llm_with_one_kernel_norms, patch) if one_kernel_norms else LLM
-            llm = make(str(demo_checkpoint()), max_model_len=1024, num_kv_blocks=128, **switches)
+            one_kernel_norms = switches.pop("one_kernel_norms", False)
+            llm = llm_with_norms(patch, one_kernel_norms, str(demo_checkpoint()), max_model_len=1024,
+                                 num_kv_blocks=128, **switches)
             if switches["fused_layers"]:
                 assert llm.model.language_model.norm.one_kernel == one_kernel_norms
             results[name] = served_tokens_and_logits(llm, switches, prompts, greedy)

@@ -2,12 +2,10 @@
 decode step's kernels per layer do not grow with the batch, the decoder layers never sync with the host, and in
 bf16 the forms a GPU takes make no dtype copies (scripts/workshop/op_count.py counts them)."""
 
-from functools import partial
-
 import pytest
 import torch
 
-from helpers import assert_mixed_steps_never_sync, llm_with_one_kernel_norms
+from helpers import assert_mixed_steps_never_sync, llm_with_norms
 from nanomm import LLM, SamplingParams, demo_checkpoint
 from workshop.op_count import (HostSyncError, NoHostSync, OpCounter, decode_step_ops, demo_decode_ops,
                                demo_prefill_ops, total_ops as total)
@@ -58,8 +56,8 @@ def test_a_decode_step_s_kernels_per_layer_do_not_grow_with_the_batch(ckpt):
 
 def bf16_decode_ops(monkeypatch, one_kernel_norms: bool) -> dict:
     """A decode step of 8 requests on the demo model in bf16, its norms in the CPU's form or in the GPU's."""
-    make = partial(llm_with_one_kernel_norms, monkeypatch) if one_kernel_norms else LLM
-    with make(str(demo_checkpoint()), dtype="bfloat16", num_kv_blocks=256, num_preprocess_workers=0) as llm:
+    with llm_with_norms(monkeypatch, one_kernel_norms, str(demo_checkpoint()), dtype="bfloat16", num_kv_blocks=256,
+                        num_preprocess_workers=0) as llm:
         for i in range(8):
             llm.engine.add_request(f"request {i} asks a question", SamplingParams(max_tokens=4, ignore_eos=True))
         llm.engine.step()  # the prefills

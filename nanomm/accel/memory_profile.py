@@ -5,10 +5,10 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 Whatever the GPU holds besides the weights and the KV pool is activations: a prefill chunk's hidden states,
 its MLP's intermediate, its attention's gathered context; the vision tower's working set while it encodes the
 largest picture the cap allows (encoded whole, whatever the encoder budget); the batched attention's gathered
-context and mask (and its scores, where the attention kernel writes them out), padded to the longest sequence and the longest short run in the step (at worst
-max_num_seqs runs of MAX_BATCHED_QUERIES queries and max_model_len keys). The planner
-estimates them from arithmetic (`sizing.estimated_reserve`). Here they are measured: a forward pass of `max_num_batched_tokens` tokens
-attending to a context of `max_model_len`, an encode of the worst-case image and the worst batched step, with
+context and mask (and its scores, where the attention kernel writes them out), padded to the longest sequence
+and the longest short run in the step (at worst max_num_seqs runs of MAX_BATCHED_QUERIES queries and
+max_model_len keys). The planner estimates them from arithmetic (`sizing.estimated_reserve`). Here they are
+measured: a forward pass of `max_num_batched_tokens` tokens attending to a context of `max_model_len`, an encode of the worst-case image and the worst batched step, with
 the allocator's peak read before and after. With CUDA graphs on, a decode step at the largest graph bucket is
 measured apart: the graphs' memory pool keeps what that step needs for as long as the engine lives, beside
 whatever the other steps need, so the two add up. The pool then gets what is left of the utilisation share
