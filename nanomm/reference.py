@@ -72,7 +72,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     hidden = model(ids, positions.to(device), kv_cache, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
-        raw = model.compute_logits(hidden[-1])
+        raw = model.compute_logits(hidden[-1:])[0]  # a (1, hidden) row, as the engine computes it: not a gemv
         logits = raw
         if params.reads_history:  # penalties and min_tokens see the prompt and the output so far
             logits = adjust_logits(raw, params, prompt_ids, out.token_ids, stop_ids)

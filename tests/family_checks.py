@@ -8,14 +8,16 @@ import os
 import httpx
 import torch
 
-from helpers import assert_engine_matches_reference, chat_prompt, data_url, hf_inputs, random_image, random_workload
+from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, data_url, hf_inputs, random_image, random_workload
 from nanomm import LLM, SamplingParams
+from nanomm.accel.quant import QuantizedLinear
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.reference import generate
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
+from test_engine import record_logit_rows
 from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
 
 LEVERS = {
@@ -23,8 +25,10 @@ LEVERS = {
     "compression-pool": dict(visual_token_compression={"method": "pool", "keep_ratio": 0.25}),
     "compression-prune": dict(visual_token_compression={"method": "prune", "keep_ratio": 0.5}),
     "fp8-kv": dict(kv_cache_dtype="fp8"),
-    "int8-weights": dict(quantization="int8"),
-    "int4-weights": dict(quantization="int4", quantization_group_size=32),
+    "int8-weights-kernel": dict(quantization="int8", quantized_path="kernel"),
+    "int8-weights-definition": dict(quantization="int8", quantized_path="definition"),
+    "int4-weights-kernel": dict(quantization="int4", quantization_group_size=32, quantized_path="kernel"),
+    "int4-weights-definition": dict(quantization="int4", quantization_group_size=32, quantized_path="definition"),
     "ngram-speculation": dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
     "encoder-cache-only": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
 }
@@ -64,18 +68,100 @@ def assert_logprobs_match(engine_row: dict, oracle_logits: torch.Tensor, step: i
     assert diff <= LOGITS_ATOL, f"step {step}: logprobs differ from transformers' by {diff}"
 
 
-def lever_matches_reference(folder, lever: str, max_pixels: int) -> None:
-    """A mixed workload (greedy and seeded) with one lever on equals the dense reference, and again from the caches."""
+def lever_matches_reference(folder, lever: str, max_pixels: int, monkeypatch) -> None:
+    """A mixed workload (greedy and seeded) with one lever on equals the dense reference, and again from the caches.
+    A quantized lever runs the path it names, and is held to what quantized layers promise in a mixed batch
+    (`assert_quantized_engine_tracks_reference`)."""
+    settings = dict(LEVERS[lever])
+    path = settings.pop("quantized_path", None)
+    if path:
+        force_quantized_path(monkeypatch, path)
+    compare = assert_quantized_engine_tracks_reference if path else assert_engine_matches_reference
     with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
-             **LEVERS[lever]) as llm:
+             **settings) as llm:
         prompts = random_workload(seed=3, num_prompts=6)
         params = [SamplingParams(temperature=0.0 if i % 2 or "speculation" in lever else 0.8, top_k=40, seed=i,
                                  max_tokens=4 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
-        assert_engine_matches_reference(llm, prompts, params)
-        assert_engine_matches_reference(llm, prompts[:3], params[:3])
+        compare(llm, prompts, params)
+        compare(llm, prompts[:3], params[:3])
         stats = llm.stats()
         hits = stats["encoder_cache_hits"] if lever == "encoder-cache-only" else stats["prefix_cache_hit_tokens"]
         assert hits > 0
+
+
+QUANTIZED_LOGITS_ATOL = 0.05  # the most a quantized engine's logit moves from the reference's in a mixed batch
+
+
+def assert_quantized_engine_tracks_reference(llm, prompts, params_list) -> int:
+    """A mixed batch through a quantized engine against the dense reference that runs the same quantized layers.
+
+    Where the engine's float32 work differs from the reference's in its last bit (another summation order:
+    pictures of several prompts encoded in one forward, a prompt whose prefix came from the cache, keys padded to
+    a longer sequence's, and which shapes do that depends on the CPU's BLAS), the quantized layers' bfloat16
+    rounding makes the difference visible: up to QUANTIZED_LOGITS_ATOL in a logit, so a seeded draw may land on
+    another token. What holds on every CPU, and is checked here: every logits row the engine samples from is
+    within that of the reference's; wherever a row is the reference's bit for bit, so is the token drawn from
+    it; a request is followed up to its first differing token (past it, the two histories differ). Returns how
+    many rows were the reference's bit for bit. A request alone gets them all (`quantized_alone_matches_reference`)."""
+    rows = record_logit_rows(llm)
+    exact = 0
+    for i, (prompt, params, out) in enumerate(zip(prompts, params_list, llm.generate(prompts, params_list))):
+        prepared = llm.engine.prepare(prompt, params)
+        reference = generate(llm.model, prepared.token_ids, prepared.images, params, llm.tokenizer.eos_token_ids,
+                             keep_logits=True, kv_cache_dtype=llm.engine.config.kv_cache_dtype)
+        ours = out.outputs[0].token_ids
+        for step, (row, reference_row) in enumerate(zip(rows[out.request_id], reference.logits)):
+            torch.testing.assert_close(row, reference_row, atol=QUANTIZED_LOGITS_ATOL, rtol=0)
+            if torch.equal(row, reference_row):
+                exact += 1
+                assert ours[step] == reference.token_ids[step], f"prompt {i}, step {step}: the reference's logits, " \
+                                                                f"another token"
+            elif ours[step] != reference.token_ids[step]:
+                break
+        else:
+            assert ours == reference.token_ids, f"prompt {i} differs"
+    assert_no_leaks(llm)
+    return exact
+
+
+QUANTIZED_PATHS = ("kernel", "definition")
+
+
+def force_quantized_path(monkeypatch, path: str) -> None:
+    """Make every quantized layer built from now on take `path`: "kernel" is what the probe chooses (torch's
+    kernel wherever it runs and accepts the shape); "definition" never tries the kernel (dequantize-then-multiply)."""
+    assert path in QUANTIZED_PATHS
+    if path == "definition":
+        monkeypatch.setattr(QuantizedLinear, "_try_kernel", lambda self, probe_rows=3: None)
+
+
+def kernel_layers(llm) -> tuple[int, int]:
+    """(layers on torch's kernel, quantized layers) of an LLM's model."""
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear)]
+    return sum(layer.uses_kernel for layer in layers), len(layers)
+
+
+def quantized_alone_matches_reference(folder, method: str, path: str, max_pixels: int, monkeypatch) -> None:
+    """Each prompt of a mixed workload alone in a quantized engine (no prefix cache, so every step's tensors have
+    the reference's shapes), greedy and seeded: every logits row it samples from is the dense reference's, bit
+    for bit, so every draw is too. On every CPU: the two run the same kernels on the same tensors, the quantized
+    layers on the path forced here (the kernel: on every layer whose shape it accepts; or the definition)."""
+    force_quantized_path(monkeypatch, path)
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
+             quantization=method, quantization_group_size=32, enable_prefix_caching=False) as llm:
+        on_kernel, total = kernel_layers(llm)
+        assert (on_kernel > 0) if path == "kernel" else (on_kernel == 0), f"{on_kernel} of {total} on the kernel"
+        rows = record_logit_rows(llm)
+        for i, prompt in enumerate(random_workload(seed=3, num_prompts=6)):
+            params = SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
+                                    ignore_eos=True)
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            prepared = llm.engine.prepare(prompt, params)
+            reference = generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True)
+            assert out.outputs[0].token_ids == reference.token_ids, f"prompt {i} differs ({on_kernel}/{total} kernel)"
+            for step, (ours, theirs) in enumerate(zip(rows[out.request_id], reference.logits, strict=True)):
+                assert torch.equal(ours, theirs), f"prompt {i}, step {step}: logits differ by " \
+                                                  f"{float((ours - theirs).abs().max())}"
 
 
 def chat_cli_answers_as_the_engine(folder, tmp_path) -> None:

@@ -220,3 +220,44 @@ def test_the_packed_host_to_device_copy_gives_back_every_tensor():
     for original, back in zip(tensors, copied):
         if original is not None:
             assert back.dtype == original.dtype and torch.equal(back, original)
+
+
+def fused_attention_calls(monkeypatch) -> list[tuple]:
+    """Record every fused attention call from now on: what decides its bits on a given CPU (the shapes, the
+    layout, the dtypes, the mask's values, the causal flag), not what it is called with by name."""
+    calls, fused = [], torch.nn.functional.scaled_dot_product_attention
+
+    def layout(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), tuple(s for s, n in zip(t.stride(), t.shape) if n > 1), t.dtype
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        mask = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype, attn_mask.tolist())
+        calls.append((layout(q), layout(k), layout(v), mask, sorted(kwargs.items())))
+        return fused(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def test_a_request_alone_makes_the_reference_s_attention_calls(ckpt, monkeypatch):
+    """The engine's batched forms hold a lone request's prompt and decodes in the tensors the dense reference
+    attends with, and make the same fused call: the same kernel on the same data gives the same bits on every CPU.
+    (A causal flag against an explicit mask, or two matmuls against the fused call, are equal in exact arithmetic
+    only: on an Intel Xeon they differed in the last bit, which the int8 layers' rounding turned into another
+    sampled token.) Every other call of the step, the quantized layers' included, sees the same rows in both."""
+    from helpers import random_workload
+    from nanomm import LLM, SamplingParams
+    from nanomm.reference import generate
+    prompt = random_workload(seed=3, num_prompts=1)[0]
+    params = SamplingParams(temperature=0.8, top_k=40, seed=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0, quantization="int8") as llm:
+        prepared = llm.engine.prepare(prompt, params)
+        calls = fused_attention_calls(monkeypatch)
+        engine_tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        engine_calls = calls[:]
+        calls.clear()
+        reference_tokens = generate(llm.model, prepared.token_ids, prepared.images, params).token_ids
+    layers = llm.model.config.text.num_hidden_layers
+    assert len(engine_calls) >= 3 * layers  # the prompt and two decodes (and the tower), each one call a layer
+    assert engine_calls == calls
+    assert engine_tokens == reference_tokens

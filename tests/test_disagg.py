@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from helpers import chat_prompt, random_image, random_workload, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, SamplingParams
@@ -19,7 +20,7 @@ from nanomm.errors import PeerError
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
-from nanomm.transfer import HttpKVConnector
+from nanomm.transfer import HttpKVConnector, expect
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -189,6 +190,35 @@ def test_the_http_connector_checks_what_arrives(ckpt):
             HttpKVConnector(5).pull(url, transfer_id, 0, 10, layout)  # taken already: the first pull freed it
         assert httpx.get(url + "/metrics").status_code == 200
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_visual_tokens_or_kv_in_another_dtype_of_the_same_shape_are_refused(ckpt):
+    """A peer's tensors must have this instance's dtype, not only its shapes: float32 visual tokens and KV reach a
+    bfloat16 instance with exactly the shapes it needs, and are refused with both dtypes named (bfloat16 sent
+    where float16 is stored, too). The parked blocks are freed all the same."""
+    def wait_until_parked(llm):
+        for _ in range(100):
+            if llm.engine.parked.by_id:
+                return next(iter(llm.engine.parked.by_id.items()))  # (transfer id, ParkedRequest)
+            time.sleep(0.05)
+        raise AssertionError("the request was never parked")
+
+    with pytest.raises(PeerError, match="torch.bfloat16 \\(2, 3\\).*torch.float16 \\(2, 3\\)"):
+        expect(torch.zeros(2, 3, dtype=torch.bfloat16), "embeds.0", torch.float16, (2, 3), "a peer")
+    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as url:  # float32 visual tokens
+        llm = LLM(str(ckpt), device="cpu", dtype="bfloat16", num_preprocess_workers=0, encoder_url=url)
+        out = llm.generate(chat_prompt("x", [random_image(56, 56, 2)]), GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "error" and out.error_status == 502
+        assert "torch.float32" in out.error and "needs torch.bfloat16" in out.error, out.error
+    prefill = make_llm(ckpt)  # float32 KV
+    with BackgroundServer(Server(prefill, ServerConfig("m", role="prefill"))) as url:
+        prefill.engine.add_request(chat_prompt("hi"), GREEDY, request_id="k", hand_off=True)
+        transfer_id, parked = wait_until_parked(prefill)
+        layout = {name: (torch.bfloat16, shape)  # what a bfloat16 decode instance stores, shape for shape
+                  for name, (_, shape) in kv_layout(prefill.engine.runner.kv_cache, parked.num_tokens).items()}
+        with pytest.raises(PeerError, match="as torch.float32 .*needs torch.bfloat16"):
+            HttpKVConnector(5).pull(url, transfer_id, 0, parked.num_tokens, layout)
+    assert prefill.stats()["kv_blocks_used"] == 0
 
 
 def test_a_kv_pull_is_served_while_the_prefill_engine_is_busy(ckpt):

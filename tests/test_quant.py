@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from family_checks import (QUANTIZED_PATHS, assert_quantized_engine_tracks_reference, force_quantized_path,
+                           quantized_alone_matches_reference)
 from helpers import assert_engine_matches_reference, random_workload, run_to_completion
 from test_engine import record_logit_rows
 from nanomm import LLM, SamplingParams, demo_checkpoint
@@ -143,6 +145,29 @@ def test_no_rows_never_reach_the_kernel(method, monkeypatch):
         quantized(torch.zeros(3, 128))
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_kernel_gives_a_row_the_same_bits_whatever_rows_come_with_it(method):
+    """A row's result does not depend on how many rows share the kernel's call (a kernel that switched to another
+    code path above some row count, as tiled matrix kernels do, would round a prompt's rows one way and a
+    decode's another). torch 2.13's CPU int8 and int4 kernels compute each output from its own row and column in
+    a fixed order, with no path chosen by the row count; this holds them to it on the CPU at hand, from 1 row to
+    300. The float32 definition is a BLAS sgemm and has no such property (on a 2-core AMD EPYC, 2 rows at once
+    already differ from 1 in the last bit), which the test shows, so that it can tell the two apart."""
+    g = torch.Generator().manual_seed(3)
+    layer = linear_with(torch.randn(96, 256, generator=g))
+    x = torch.randn(300, 256, generator=g)
+    row_counts = [2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 255, 300]
+    for try_kernel in (True, False):
+        quantized = Int8Linear(layer, try_kernel) if method == "int8" else Int4Linear(layer, 32, try_kernel)
+        assert quantized.uses_kernel == try_kernel
+        alone = torch.cat([quantized(x[i:i + 1]) for i in range(len(x))])  # (300, 96), one row a call
+        same = [torch.equal(quantized(x[:rows]), alone[:rows]) for rows in row_counts]
+        if try_kernel:
+            assert all(same), [rows for rows, ok in zip(row_counts, same) if not ok]
+        else:
+            assert not all(same)  # the BLAS picks its blocking by the shape
+
+
 def test_this_cpu_build_runs_torch_s_kernels():
     """The fast path is in use here (torch 2.13 CPU ships both kernels): otherwise the speed-ups recorded in
     BENCHMARKS.md would not be what a user gets."""
@@ -196,6 +221,8 @@ STRESS = {
 FORMATS = {
     "int8": dict(quantization="int8"),
     "int4": dict(quantization="int4"),
+    "int8-definition": dict(quantization="int8", quantized_path="definition"),
+    "int4-definition": dict(quantization="int4", quantized_path="definition"),
     "fp8-kv": dict(kv_cache_dtype="fp8"),
     "int4+fp8-kv": dict(quantization="int4", kv_cache_dtype="fp8"),
 }
@@ -203,16 +230,27 @@ FORMATS = {
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("setting", list(STRESS))
-def test_the_engine_matches_its_quantized_reference(ckpt, fmt, setting):
-    llm = make_llm(ckpt, **FORMATS[fmt], **STRESS[setting])
+def test_the_engine_matches_its_quantized_reference(ckpt, fmt, setting, monkeypatch):
+    """A mixed batch under each stress setting, the quantized layers on the probe's choice (the kernel where it
+    runs) or forced onto the definition: held to what a quantized engine promises in a batch
+    (`assert_quantized_engine_tracks_reference`; fp8 keys and values round too, so the same)."""
+    settings = dict(FORMATS[fmt])
+    force_quantized_path(monkeypatch, settings.pop("quantized_path", "kernel"))
+    llm = make_llm(ckpt, **settings, **STRESS[setting])
     prompts = random_workload(seed=1, num_prompts=8)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
                              ignore_eos=True) for i in range(len(prompts))]
-    assert_engine_matches_reference(llm, prompts, params)
+    assert_quantized_engine_tracks_reference(llm, prompts, params)
     if setting == "tiny-pool-preemption":
         assert llm.stats()["preemptions"] > 0
-    assert_engine_matches_reference(llm, prompts[:3], params[:3])  # again: their prefixes come from the cache
+    assert_quantized_engine_tracks_reference(llm, prompts[:3], params[:3])  # again: prefixes from the cache
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", QUANTIZED_PATHS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_request_alone_is_the_reference_bit_for_bit(ckpt, method, path, monkeypatch):
+    quantized_alone_matches_reference(ckpt, method, path, MAX_PIXELS, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4+fp8-kv"])
@@ -261,12 +299,13 @@ def test_the_reference_is_really_quantized(ckpt):
     """The parity above would hold trivially if nothing were quantized: every format must move the logits."""
     prompt, params = random_workload(seed=5, num_prompts=1)[0], SamplingParams(temperature=0.0, max_tokens=3)
     logits = {}
-    for fmt, extra in {"float32": {}, **FORMATS}.items():
+    formats = {fmt: settings for fmt, settings in FORMATS.items() if "quantized_path" not in settings}
+    for fmt, extra in {"float32": {}, **formats}.items():
         with make_llm(ckpt, **extra) as llm:
             prepared = llm.engine.prepare(prompt, params)
             logits[fmt] = reference_generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True,
                                              kv_cache_dtype=llm.engine.config.kv_cache_dtype).logits[0]
-    for fmt in FORMATS:
+    for fmt in formats:
         difference = float((logits[fmt] - logits["float32"]).abs().max())
         assert 1e-4 < difference < 0.5 * float(logits["float32"].abs().max()), (fmt, difference)
 

@@ -16,9 +16,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from family_checks import (LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens, expanded_prompt,
-                           lever_matches_reference, metric, real_width_cut_matches_transformers,
-                           reference_matches_transformers, split_and_integrated_answers, static_decode_matches_reference)
+from family_checks import (LEVERS, QUANTIZED_PATHS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens,
+                           expanded_prompt, lever_matches_reference, metric, quantized_alone_matches_reference,
+                           real_width_cut_matches_transformers, reference_matches_transformers,
+                           split_and_integrated_answers, static_decode_matches_reference)
 from hf_checkpoints import QWEN2_5_3B_CUT, make_hf_checkpoint, render_hub_chat_template
 from helpers import chat_prompt, random_image
 from nanomm.engine.sizing import image_tokens, kv_bytes_per_token
@@ -124,8 +125,14 @@ def test_the_static_decode_path_cuda_graphs_record_matches_the_dense_reference(f
 
 
 @pytest.mark.parametrize("lever", list(LEVERS))
-def test_each_lever_matches_the_dense_reference(folder, lever):
-    lever_matches_reference(folder, lever, MAX_PIXELS)
+def test_each_lever_matches_the_dense_reference(folder, lever, monkeypatch):
+    lever_matches_reference(folder, lever, MAX_PIXELS, monkeypatch)
+
+
+@pytest.mark.parametrize("path", QUANTIZED_PATHS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_request_alone_is_the_reference_bit_for_bit(folder, method, path, monkeypatch):
+    quantized_alone_matches_reference(folder, method, path, MAX_PIXELS, monkeypatch)
 
 
 def test_attention_compression_reads_the_last_block_in_grid_order(folder):

@@ -21,8 +21,10 @@ their result to bfloat16; the definition keeps it in float32, so that where it r
 different batches differ by float32 rounding only, as in the unquantized model. Each layer checks its kernel
 against the definition on a probe when it is built and falls back to the definition where the kernel is
 missing or refuses the shape (the CPU int4 kernel wants out_features divisible by 16). The kernels give a row
-the same bits whatever the other rows of the batch (measured on this CPU build), which the engine's
-exactness against the dense reference rests on.
+the same bits whatever the other rows of the call (torch 2.13's CPU kernels choose no path by the row
+count; tests/test_quant.py checks it on the CPU at hand). That is half of what makes a request alone in the engine
+the dense reference's bit for bit; the other half is the same float32 work around the layers (model/attention.py).
+The bfloat16 rounding turns any last-bit float32 difference into a visible one: lesson 09, section 6.
 
 Quantized here: every linear layer of the language model and the LM head (at batch 1 the head is most of the
 bytes of a small model). Not quantized: the embedding (a decode step reads one row of it; a tied head gets its
