@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from nanomm.accel import speed_up
+from nanomm.accel.memory_profile import profile_memory
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine
@@ -67,7 +68,8 @@ class LLM:
         self.default_sampling_params = generation_defaults(folder, config.generation_config)
         self.model_name = model
         models = [m for m in (self.model, self.draft_model) if m is not None]
-        config, self.memory = size_engine(config, models, self.image_config)  # the memory split, for stats()
+        # the memory split, for stats(); on a GPU the activation reserve is measured by running the model
+        config, self.memory = size_engine(config, models, self.image_config, profile_memory)
         self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config, self.draft_model)
         if logger.isEnabledFor(logging.INFO):
             for what, value in plan_lines(self.plan()):

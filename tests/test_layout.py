@@ -83,3 +83,42 @@ def test_the_checks_see_a_violation(tmp_path):
     bad.write_text("def f(loss):\n    from nanomm.engine.attention import PagedAttention\n    loss.backward()\n")
     assert imported_modules(bad) >= {"nanomm.engine.attention", "nanomm.engine.attention.PagedAttention"}
     assert violations([bad], ("nanomm.engine",)) and not violations([bad], ("nanomm.serve",))
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each runtime module -> the runtime modules it imports (at the top or inside a function)."""
+    modules = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    return {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles in an import graph, each once, from its smallest module (a depth-first walk)."""
+    cycles, state = set(), {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circle = path[path.index(nxt):]
+                start = circle.index(min(circle))
+                cycles.add(tuple(circle[start:] + circle[:start]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return [list(c) for c in sorted(cycles)]
+
+
+def test_no_module_imports_back_up_the_layout():
+    """No circle of imports, lazy ones inside functions included: sizing takes the memory profiler as a value
+    from LLM, instead of importing accel/memory_profile.py, which imports accel/cuda_graphs.py, which imports
+    sizing."""
+    assert import_cycles(module_graph()) == []
+
+
+def test_the_cycle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

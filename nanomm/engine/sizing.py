@@ -197,10 +197,13 @@ def graph_context(max_model_len: int, max_seq_len_to_capture: int) -> int:
 # The engine's sizes
 
 
-def size_engine(config, models: list, image_config: ImageProcessorConfig) -> tuple:
+def size_engine(config, models: list, image_config: ImageProcessorConfig, profile_memory=None) -> tuple:
     """An `EngineConfig` with what depends on the loaded models filled in: the context length, the token and
     encoder budgets, and the KV pool (num_kv_blocks). models: the target, then a draft model if any (its KV
-    shares the pool). Returns (that config, how the memory was split: a dict for `LLM.stats()`)."""
+    shares the pool). profile_memory: on a GPU, the function that measures the activation reserve by running the
+    model (`accel.memory_profile.profile_memory`, which `LLM` passes in: sizing runs nothing itself, and so
+    imports nothing from accel/ that imports the engine back). Returns (that config, how the memory was split: a
+    dict for `LLM.stats()`)."""
     model = models[0]
     limit = model.config.text.max_position_embeddings
     max_model_len = config.max_model_len or limit
@@ -214,7 +217,7 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig) -> tup
         per_block = config.block_size * sum(
             kv_bytes_per_token(m.config.text.num_hidden_layers, m.config.text.num_key_value_heads,
                                m.config.text.head_dim, m.dtype, config.kv_cache_dtype) for m in models)
-        budget = _kv_budget(config, model, image_config, max_model_len, token_budget, memory)
+        budget = _kv_budget(config, model, image_config, max_model_len, token_budget, memory, profile_memory)
         num_kv_blocks = kv_pool_blocks(budget, per_block, config.max_num_seqs, max_model_len, config.block_size)
         if num_kv_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
@@ -225,7 +228,7 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig) -> tup
 
 
 def _kv_budget(config, model, image_config: ImageProcessorConfig, max_model_len: int, token_budget: int,
-               memory: dict) -> int:
+               memory: dict, profile_memory) -> int:
     """Bytes for the KV pool (`kv_pool_budget`). On a GPU: what is free of the utilisation share once the weights
     are loaded, less the reserve that a profiling pass measures (accel/memory_profile.py): the activations of
     the engine's largest step (token_budget tokens against max_model_len), the worst image's encode, and, with
@@ -233,8 +236,9 @@ def _kv_budget(config, model, image_config: ImageProcessorConfig, max_model_len:
     lands in `memory`."""
     profiled = {}
     if model.device.type == "cuda" and config.kv_cache_memory_gib is None:
-        from nanomm.accel.memory_profile import profile_memory  # CUDA only: it runs the model
-
+        if profile_memory is None:
+            raise ValueError("sizing a GPU engine's KV pool needs the memory profile (size_engine's "
+                             "profile_memory), or a fixed kv_cache_memory_gib")
         graphs = None if config.enforce_eager else largest_bucket(
             config.max_num_seqs, graph_context(max_model_len, config.max_seq_len_to_capture), config.block_size)
         profile = profile_memory(model, image_config, worst_case_image(image_config)[0], token_budget,
