@@ -38,7 +38,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
 from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
+from nanomm.serve.app import free_local_port  # noqa: E402
 from nanomm.serve.metrics import TTFT_STAGES  # noqa: E402  (preprocess, queue, encode, prefill)
 
 # Named mixes: "COUNTxWIDTHxHEIGHT:WEIGHT" entries, comma-separated (a request draws one entry by weight).
@@ -275,12 +275,6 @@ def mean_stages(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d")
 
 
@@ -292,7 +286,7 @@ def topology_commands(topology: str, checkpoint: Path, model: str, extra: list[s
                       peer_timeout_s: float = 600.0) -> tuple[dict[str, list[str]], str]:
     """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. `extra` goes
     to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
-    ports = {role: free_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
+    ports = {role: free_local_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     served = [str(checkpoint), "--served-model-name", model, *extra]
     if topology == "integrated":

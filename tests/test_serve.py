@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import assert_no_leaks, data_url, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.tokenizer import IncrementalDetokenizer
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig, free_local_port
 
 MODEL = "tiny"
 
@@ -346,9 +345,7 @@ def readme_block(language: str, containing: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_local_port()
 
 
 def wait_for_health(base: str, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -387,3 +384,15 @@ def test_nanomm_serve_demo_runs_the_readme_examples(tmp_path):
         server.send_signal(signal.SIGINT)
         output = server.communicate(timeout=60)[0]
     assert server.returncode == 0, output[-2000:]
+
+
+def test_a_port_for_a_later_server_is_outside_the_range_outgoing_connections_take():
+    """Ports picked for servers that start later come from below Linux's ephemeral range, so no health check or
+    peer request made in the meantime can take one (the split-engine tests start six servers that way)."""
+    import random
+    import socket
+    low, _ = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = {free_local_port(random.Random(seed)) for seed in range(20)}
+    assert all(20000 <= port < min(low, 32768) for port in ports) and len(ports) > 10
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

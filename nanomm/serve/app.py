@@ -22,6 +22,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
+import socket
 import sys
 import threading
 import time
@@ -329,6 +331,23 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.uvicorn.should_exit = True
         self._thread.join(timeout=30)
+
+
+def free_local_port(rng: random.Random | None = None) -> int:
+    """A free port on 127.0.0.1 for a server process that starts later (tests, lesson 13's clusters, the load
+    generator), chosen below Linux's ephemeral range (32768 and up by default). Asking the kernel for port 0 and
+    closing it would hand out a port from that range, which any outgoing connection made before the server binds
+    (a health check, a peer's request) may take: then the server dies with "address already in use"."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: try another
+                continue
+        return port
+    raise RuntimeError("no free port between 20000 and 32767 on 127.0.0.1")
 
 
 # -- the command ----------------------------------------------------------------------------------------------
