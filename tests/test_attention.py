@@ -242,9 +242,9 @@ def fused_attention_calls(monkeypatch) -> list[tuple]:
 def test_a_request_alone_makes_the_reference_s_attention_calls(ckpt, monkeypatch):
     """The engine's batched forms hold a lone request's prompt and decodes in the tensors the dense reference
     attends with, and make the same fused call: the same kernel on the same data gives the same bits on every CPU.
-    (A causal flag against an explicit mask, or two matmuls against the fused call, are equal in exact arithmetic
-    only: on an Intel Xeon they differed in the last bit, which the int8 layers' rounding turned into another
-    sampled token.) Every other call of the step, the quantized layers' included, sees the same rows in both."""
+    (The reference once used the causal flag where the engine passes a mask, and two matmuls for a decode: for a
+    lone int8 prompt those were the only calls that differed, and on an Intel Xeon its first sampled token was
+    not the reference's.) Every other call of the step, the quantized layers' included, sees the same rows."""
     from helpers import random_workload
     from nanomm import LLM, SamplingParams
     from nanomm.reference import generate

@@ -8,9 +8,9 @@ the engine a paged pool shared by many sequences (engine/attention.py). Whatever
 one sequence's attention is `causal_attention` below. The engine's batched forms (accel/batched_attention.py)
 make the very same fused call, in the same layout, with more sequences in it: a sequence alone in the engine gets
 the same bits as in the dense reference on every CPU, because the two run one kernel on the same tensors. (Two
-forms that are equal in exact arithmetic are not equal in float32: PyTorch's causal flag and an explicit mask
-take different paths through the CPU's fused kernel, and so do two small matmuls. The quantized layers round to
-bfloat16 (accel/quant.py), which turns such a last-bit difference into a visible one.)
+forms that are equal in exact arithmetic need not be equal in float32: PyTorch's causal flag and an explicit mask
+take different paths through the CPU's fused kernel, and two small matmuls are other kernels again. The
+quantized layers round to bfloat16 (accel/quant.py), which turns a last-bit difference into a visible one.)
 """
 
 from typing import Protocol
