@@ -24,6 +24,7 @@ from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
+from nanomm.model.config import ModelConfig
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
 from nanomm.planner import Plan, Workload, make_plan, plan_lines
@@ -35,8 +36,14 @@ logger = logging.getLogger("nanomm")
 class LLM:
     """`LLM(path_or_hub_id, **engine_args)`: the engine arguments are the fields of `EngineConfig`."""
 
-    def __init__(self, model: str, **engine_args):
+    def __init__(self, model: str | None = None, **engine_args):
         config = EngineConfig.from_kwargs(engine_args)
+        if config.emulate is not None:  # no weights: the engine on an emulated device (nanomm/emulate)
+            self._start_emulated(model, config)
+            return
+        if model is None:
+            raise TypeError("LLM() needs a model: a local folder or a hub id (or emulate='GPU:MODEL')")
+        self.emulated = None
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = config.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
         config = replace(config, device=device, dtype=dtype)  # the engine's config says what it runs on
@@ -75,12 +82,40 @@ class LLM:
             for what, value in plan_lines(self.plan()):
                 logger.info("KV plan: %s: %s", what, value)
 
+    def _start_emulated(self, model: str | None, config: EngineConfig) -> None:
+        """The twin: the model's config and the demo tokenizer, the KV pool the planner gives that model on that
+        GPU, the emulated device's runner behind the engine's seam. Checked before anything starts."""
+        from nanomm.demo import demo_checkpoint  # the twin's tokenizer
+        from nanomm.emulate import EmulatedDevice  # imported only here: the image path never needs it
+        from nanomm.emulate.models import model_folder
+
+        device = EmulatedDevice.from_value(config.emulate, config.emulate_cost_file)
+        if model not in (None, device.model_name):
+            raise ValueError(f"emulate={config.emulate!r} serves {device.model_name}; drop the model argument "
+                             f"{model!r} or name the same one")
+        demo = demo_checkpoint()
+        self.model = device.twin_model(ModelConfig.from_pretrained(demo))
+        self.draft_model, self.model_name, self.emulated = None, device.model_name, device
+        self.tokenizer = Tokenizer.from_pretrained(
+            demo, image_token_id=self.model.config.image_token_id,
+            vision_start_token_id=self.model.config.vision_start_token_id,
+            vision_end_token_id=self.model.config.vision_end_token_id)
+        image_config = ImageProcessorConfig.from_pretrained(model_folder(device.model_name))
+        pixel_cap = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k) is not None}
+        self.image_config = replace(image_config, **pixel_cap)
+        self.default_sampling_params = SamplingParams()
+        config = replace(config, device="meta", dtype="bfloat16")
+        config, self.memory = device.size(config, self.image_config)
+        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config,
+                                make_runner=device.make_runner)
+
     def plan(self, **workload) -> Plan:
         """The KV budget plan (planner.py) of this engine as built: its pixel cap, block size and pool.
         workload: the fields of planner.Workload (images_per_request, prompt_tokens, output_tokens,
         typical_image), each defaulting as there."""
         config = self.engine.config
-        return make_plan(self.model.config, self.image_config, model=self.model_name, dtype=self._dtype_name,
+        model_config = self.model.config if self.emulated is None else self.emulated.config  # the real model's
+        return make_plan(model_config, self.image_config, model=self.model_name, dtype=self._dtype_name,
                          kv_dtype=config.kv_cache_dtype, quantization=config.quantization,
                          quantization_group_size=config.quantization_group_size,
                          visual_token_compression=config.visual_token_compression, block_size=config.block_size,

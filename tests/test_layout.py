@@ -49,7 +49,8 @@ RULES = [
     ("the engine serves no HTTP", "engine", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
     ("the fast paths sit below the API", "accel", ("nanomm.serve", "nanomm.chat", "nanomm.llm")),
     ("what travels between instances knows no engine", "transfer.py", ("nanomm.engine", "nanomm.serve", "nanomm.llm")),
-]
+] + [(f"{folder} never needs the emulated device", folder, ("nanomm.emulate",))  # LLM imports it when asked
+     for folder in ("model", "inputs", "engine", "accel", "reference.py", "transfer.py", "planner.py")]
 # accel/'s model and attention pieces stand on the model alone; only the engine's own fast paths (CUDA graphs and
 # the memory profile, which run engine steps) import the engine.
 ENGINE_FAST_PATHS = ("cuda_graphs.py", "memory_profile.py")

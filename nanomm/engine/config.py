@@ -69,6 +69,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
     distributed_executor_backend: str | None = None  # only None
+    # "GPU:MODEL", e.g. "h200:qwen2-vl-2b": the engine on an emulated device, no weights loaded (nanomm/emulate)
+    emulate: str | None = None
+    emulate_cost_file: str | None = None  # with emulate: a cost file measured on a real GPU (emulate/costs.py)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "EngineConfig":

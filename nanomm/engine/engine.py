@@ -44,8 +44,10 @@ from nanomm.transfer import RemoteEncoder
 
 class LLMEngine:
     def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
-                 config: EngineConfig, draft_model: Qwen2VL | None = None):
-        """config: with every None resolved (`LLM` does that): max_model_len, num_kv_blocks, max_num_encoder_tokens."""
+                 config: EngineConfig, draft_model: Qwen2VL | None = None, make_runner=None):
+        """config: with every None resolved (`LLM` does that): max_model_len, num_kv_blocks, max_num_encoder_tokens.
+        make_runner(model, kv_cache, block_size, encoder_cache, trace): another runner behind the seam (the
+        emulated device's, nanomm/emulate); None: the model's own, `ModelRunner`."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
@@ -66,8 +68,11 @@ class LLMEngine:
         remote_encoder = None if config.encoder_url is None else RemoteEncoder(
             config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s,
             levels=1 + len(model.config.vision.deepstack_visual_indexes))
-        self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
-                                  decode_graphs=graphs, remote_encoder=remote_encoder)
+        if make_runner is None:
+            self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
+                                      decode_graphs=graphs, remote_encoder=remote_encoder)
+        else:
+            self.runner = make_runner(model, kv_cache, config.block_size, self.encoder_cache, self.trace)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
                                    config.enable_chunked_prefill, self.trace)

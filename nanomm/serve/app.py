@@ -380,9 +380,23 @@ def parse_args(argv=None):
     p.add_argument("--max-body-mib", type=float, default=32.0, help="larger request bodies get a 413")
     p.add_argument("--allowed-local-media-path", type=Path,
                    help="a folder whose image files requests may name (default: data URLs only)")
+    p.add_argument("--emulate", type=_emulate_value, metavar="GPU:MODEL",
+                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; integrated "
+                        "role)")
+    p.add_argument("--emulate-cost-file", metavar="JSON", help="with --emulate: GPU figures measured on a real GPU")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level ('info' logs every request)")
     return p.parse_args(argv)
+
+
+def _emulate_value(text: str) -> str:
+    from nanomm.emulate import parse_emulate  # only when --emulate is given
+
+    try:
+        parse_emulate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def main(argv=None) -> int:
@@ -402,7 +416,10 @@ def main(argv=None) -> int:
                       f"encoders {args.encoder_url or '(the prefill instances own)'}")
         uvicorn.run(router.app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
-    model, name = _model_and_name(args, console)
+    if args.emulate and (args.role != "integrated" or args.model or args.demo or args.encoder_url):
+        raise SystemExit("nanomm-serve --emulate serves one integrated engine and loads no model: drop the model, "
+                         "--demo, --encoder-url and --role")
+    model, name = (None, args.served_model_name or args.emulate) if args.emulate else _model_and_name(args, console)
     if args.role == "encoder":
         from nanomm.serve.encoder_server import EncoderServer, load_encoder
 
@@ -415,7 +432,8 @@ def main(argv=None) -> int:
     llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
               encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
-              kv_handoff_timeout_s=args.kv_handoff_timeout)
+              kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,
+              emulate_cost_file=args.emulate_cost_file)
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
                           args.allowed_local_media_path, role=args.role, encoder_urls=tuple(args.encoder_url),
                           kv_pull_timeout_s=args.peer_timeout)

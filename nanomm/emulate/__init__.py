@@ -1,0 +1,97 @@
+"""The emulated device (the twin): the real engine serving a named model on a named GPU, with no weights and no GPU.
+
+Lesson: lessons/13-topologies.md (the emulated device).
+
+    LLM(emulate="h200:qwen2-vl-2b")
+    nanomm-serve --emulate h200:qwen2-vl-2b
+
+Everything a request meets before the device runs as it does for a real model: intake, validation and
+preprocessing under the model's own image processor, the encoder and prefix caches, the scheduler with chunked
+prefill and preemption, the paged KV pool sized for that model on that GPU's memory (the blocks `nanomm-plan`
+computes), and the metrics. Only the device's work is replaced (emulate/runner.py): the tower and every step
+take the time the cost model gives them (emulate/costs.py), slept, and the tokens come from a stand-in.
+
+What the twin is made of: the model's module tree on PyTorch's meta device (shapes, no memory: the KV pool too),
+built from its real config.json (shipped in emulate/models/); the demo model's tokenizer, whose special tokens
+the tree takes over (so its stand-in logits are 619 wide, not 151,936: sampling stays cheap). Prompts are
+therefore counted in the demo tokenizer's tokens, pictures in the real model's visual tokens.
+Nothing on the image path imports this package: `LLM` imports it only when `emulate` is given.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from nanomm.emulate.costs import GPUS, CostModel, Gpu
+from nanomm.emulate.models import MODELS, WEIGHT_DTYPE, load_configs, model_shape
+from nanomm.emulate.runner import EmulatedRunner, StandInTokens
+from nanomm.model.config import ModelConfig
+
+
+def parse_emulate(value: str) -> tuple[str, str]:
+    """"GPU:MODEL" -> (gpu, model), each one the twin knows; else a ValueError naming the known ones."""
+    gpu, sep, model = str(value).strip().lower().partition(":")
+    if not sep or gpu not in GPUS or model not in MODELS:
+        raise ValueError(f"emulate={value!r}: expected GPU:MODEL with GPU one of {sorted(GPUS)} and MODEL one of "
+                         f"{sorted(MODELS)}, e.g. 'h200:qwen2-vl-2b'")
+    return gpu, model
+
+
+@dataclass
+class EmulatedDevice:
+    gpu: Gpu
+    model_name: str
+    config: ModelConfig  # the real model's
+    costs: CostModel
+
+    @classmethod
+    def from_value(cls, value: str, cost_file: str | None = None) -> "EmulatedDevice":
+        gpu, model = parse_emulate(value)
+        config, _ = load_configs(model)
+        costs = CostModel(GPUS[gpu], model_shape(config))
+        return cls(GPUS[gpu], model, config, costs.with_cost_file(cost_file) if cost_file else costs)
+
+    def twin_model(self, demo_config: ModelConfig):
+        """The real model's module tree on the meta device, with the demo tokenizer's vocabulary and special
+        tokens (the only part of the model the engine reads is its config)."""
+        from nanomm.model.qwen2_vl import Qwen2VL
+
+        twin = replace(self.config, text=replace(self.config.text, vocab_size=demo_config.text.vocab_size),
+                       image_token_id=demo_config.image_token_id, video_token_id=demo_config.video_token_id,
+                       vision_start_token_id=demo_config.vision_start_token_id,
+                       vision_end_token_id=demo_config.vision_end_token_id,
+                       eos_token_ids=demo_config.eos_token_ids, tie_word_embeddings=True)
+        with torch.device("meta"):
+            model = Qwen2VL(twin, name_or_path=f"emulated {self.model_name}")
+        return model.to(WEIGHT_DTYPE)
+
+    def make_runner(self, model, kv_cache, block_size: int, encoder_cache, trace) -> EmulatedRunner:
+        config = model.config
+        special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                   config.vision_end_token_id, *config.eos_token_ids}
+        stand_in = StandInTokens(config.text.vocab_size, special, config.eos_token_ids[0])
+        return EmulatedRunner(model, kv_cache, block_size, encoder_cache, trace, self.costs, stand_in,
+                              config.text.vocab_size)
+
+    def size(self, config, image_config) -> tuple:
+        """The engine's config with what depends on the model filled in, as `engine.sizing.size_engine` does for a
+        loaded one, the KV pool the planner's for the real model on this GPU (make_plan: weights, an activation
+        reserve estimated rather than profiled). Returns (that config, the memory split for stats())."""
+        from nanomm.planner import make_plan
+
+        max_model_len = config.max_model_len or self.config.text.max_position_embeddings
+        token_budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
+            max(config.max_num_batched_tokens, max_model_len)
+        plan = make_plan(self.config, image_config, model=self.model_name, dtype=str(WEIGHT_DTYPE).split(".")[1],
+                         kv_dtype=config.kv_cache_dtype, block_size=config.block_size,
+                         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                         device_memory_gib=self.gpu.memory_gib, gpu_memory_utilization=config.gpu_memory_utilization,
+                         kv_cache_memory_gib=config.kv_cache_memory_gib, num_kv_blocks=config.num_kv_blocks,
+                         quantization=config.quantization, alternatives=False,
+                         cuda_graphs=not config.enforce_eager, max_seq_len_to_capture=config.max_seq_len_to_capture)
+        sized = replace(config, max_model_len=max_model_len, num_kv_blocks=plan.num_kv_blocks,
+                        max_num_batched_tokens=token_budget,
+                        max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget)
+        memory = {"kv_budget_rule": plan.budget_rule, "kv_budget_bytes": plan.kv_budget_bytes,
+                  "emulated_gpu": self.gpu.name, "emulated_model": self.model_name}
+        return sized, memory

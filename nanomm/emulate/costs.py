@@ -1,0 +1,136 @@
+"""The cost model: how long a device takes for a step, an encode and a transfer, from FLOPs and bytes.
+
+Lesson: lessons/13-topologies.md (the emulated device).
+
+One module, plain Python (no torch), so the emulated device (emulate/runner.py), the planner and the topology
+simulator (scripts/simulate_topologies.py) share one set of formulas. Every figure is a roofline with a floor:
+
+    step    = floor + max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x bandwidth_efficiency))
+    FLOPs   = 2 x LM parameters x tokens + 4 x layers x attention width x sum over runs of new x mean context
+    bytes   = LM weight bytes (read once a step) + sum over runs of context x KV bytes per token
+    encode  = encode_floor + max(tower FLOPs / ..., tower weight bytes / ...), per batch of pictures
+    tower   = 2 x vision parameters x patches + 4 x depth x vision width x patches x the patches each attends to
+    link    = bytes / link bandwidth + link latency
+
+The floor is what a real engine pays whatever the batch: kernel launches, the host's scheduling and sampling.
+Rooflines alone make a 2B model on an H200 answer in microseconds; engines take milliseconds. Defaults, and
+where each comes from:
+- peak dense bf16 FLOP/s, HBM bytes/s and memory: the vendors' datasheets (GPUS);
+- compute 50% and bandwidth 70% of peak: assumed, typical of tuned serving kernels at large batches;
+- step floor 1 ms + 30 us a layer: assumed, the order of nanomm's own H200 run (BENCHMARKS.md: a one-layer
+  2B-wide decode step took 0.84 ms median, nearly all of it fixed cost);
+- a 200 Gb/s link (25 GB/s) with 50 us latency: a common datacenter NIC.
+A cost file measured on a real GPU (`CostModel.from_json`) replaces any of them.
+"""
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    bf16_flops: float  # dense, per second
+    hbm_bytes_per_s: float
+    memory_gib: float
+
+
+GPUS = {  # FLOP/s and bytes/s: the vendors' datasheets (SXM parts); memory: the total nvidia-smi reports, in GiB
+    "h100": Gpu("NVIDIA H100 SXM", 989e12, 3.35e12, 81559 / 1024),
+    "h200": Gpu("NVIDIA H200 SXM", 989e12, 4.8e12, 143771 / 1024),  # nanomm's own H200 run (BENCHMARKS.md)
+    "a100": Gpu("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 81920 / 1024),
+    "l4": Gpu("NVIDIA L4", 121e12, 300e9, 23034 / 1024),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the formulas need of a model: counts and widths (emulate/models.py reads them off a config)."""
+    lm_params: int
+    lm_weight_bytes: int
+    layers: int
+    attention_width: int  # query heads x head_dim
+    kv_bytes_per_token: int
+    vision_params: int
+    vision_weight_bytes: int
+    vision_depth: int
+    vision_width: int
+    vision_window_patches: int  # patches a windowed block attends within (0: every block sees the whole image)
+    vision_full_blocks: int  # blocks that attend over the whole image (all of them when not windowed)
+    visual_token_bytes: int  # one visual token as it crosses to the language model
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    compute: float = 0.5
+    bandwidth: float = 0.7
+    step_floor_s: float = 1e-3
+    step_floor_per_layer_s: float = 30e-6
+    encode_floor_s: float = 1e-3
+    link_bytes_per_s: float = 25e9
+    link_latency_s: float = 50e-6
+
+
+class CostModel:
+    """Seconds for a step, an encode and a transfer of one model on one GPU."""
+
+    def __init__(self, gpu: Gpu, shape: ModelShape, efficiency: Efficiency = Efficiency()):
+        self.gpu, self.shape, self.efficiency = gpu, shape, efficiency
+
+    def _roofline(self, flops: float, num_bytes: float) -> float:
+        e = self.efficiency
+        return max(flops / (self.gpu.bf16_flops * e.compute), num_bytes / (self.gpu.hbm_bytes_per_s * e.bandwidth))
+
+    def step_seconds(self, runs: list[tuple[int, int]]) -> float:
+        """One forward of the language model over runs of (new tokens, context length after them): a prompt
+        chunk or a decode each. Nothing runs: no time."""
+        if not runs:
+            return 0.0
+        s, e = self.shape, self.efficiency
+        tokens = sum(new for new, _ in runs)
+        # each new token attends to its context: the run's new tokens see on average context - (new - 1) / 2 keys
+        attended = sum(new * (context - (new - 1) / 2) for new, context in runs)
+        flops = 2 * s.lm_params * tokens + 4 * s.layers * s.attention_width * attended
+        num_bytes = s.lm_weight_bytes + sum(context for _, context in runs) * s.kv_bytes_per_token
+        return e.step_floor_s + e.step_floor_per_layer_s * s.layers + self._roofline(flops, num_bytes)
+
+    def encode_seconds(self, patches_per_image: list[int]) -> float:
+        """One vision forward over pictures of these patch counts (before the 2x2 merge), batched."""
+        if not patches_per_image:
+            return 0.0
+        s = self.shape
+        window = s.vision_window_patches
+        attended = 0.0
+        for patches in patches_per_image:  # full-attention blocks see the image, windowed ones their window
+            attended += patches * patches * s.vision_full_blocks
+            attended += patches * min(window or patches, patches) * (s.vision_depth - s.vision_full_blocks)
+        flops = 2 * s.vision_params * sum(patches_per_image) + 4 * s.vision_width * attended
+        return self.efficiency.encode_floor_s + self._roofline(flops, s.vision_weight_bytes)
+
+    def transfer_seconds(self, num_bytes: int) -> float:
+        return num_bytes / self.efficiency.link_bytes_per_s + self.efficiency.link_latency_s
+
+    # -- a cost file --------------------------------------------------------------------------------------------
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"gpu": asdict(self.gpu), "efficiency": asdict(self.efficiency)}, f, indent=2)
+
+    def with_cost_file(self, path: str) -> "CostModel":
+        """This model with the GPU figures and efficiencies of a cost file (e.g. measured on a real GPU): any
+        field the file names replaces the default; an unknown one is an error."""
+        with open(path) as f:
+            values = json.load(f)
+        unknown = set(values) - {"gpu", "efficiency"}
+        gpu, efficiency = self.gpu, self.efficiency
+        for name, current in (("gpu", gpu), ("efficiency", efficiency)):
+            given = values.get(name, {})
+            known = {f.name for f in fields(current)}
+            unknown |= {f"{name}.{key}" for key in given if key not in known}
+            if name == "gpu":
+                gpu = replace(current, **{k: v for k, v in given.items() if k in known})
+            else:
+                efficiency = replace(current, **{k: float(v) for k, v in given.items() if k in known})
+        if unknown:
+            raise ValueError(f"cost file {path}: unknown fields {sorted(unknown)}")
+        return CostModel(gpu, self.shape, efficiency)

@@ -1,0 +1,178 @@
+"""The emulated device (nanomm/emulate): the real engine serving a named model on a named GPU with no weights, the
+device's work replaced by the cost model's time (slept) and tokens from a stand-in. Every check here is of a value
+or a counter, never of a clock: time.sleep is replaced by a recorder wherever a test reads what was slept."""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from PIL import Image
+
+from nanomm import LLM, SamplingParams
+from nanomm.emulate import runner as runner_module
+from nanomm.emulate.costs import GPUS, CostModel, Efficiency, Gpu, ModelShape
+from nanomm.emulate.models import model_folder
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+
+TWIN = "h200:qwen2-vl-2b"
+
+
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    """What the twin sleeps, in order, instead of sleeping it."""
+    seconds = []
+    monkeypatch.setattr(runner_module.time, "sleep", seconds.append)
+    return seconds
+
+
+def chats(count: int, size: int = 448, words: str = "What is in the picture?") -> list:
+    colours = ["red", "green", "blue", "white", "black", "yellow"]
+    return [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (size, size), colours[i % 6])},
+                                          {"type": "text", "text": f"{words} {i}"}]}] for i in range(count)]
+
+
+def record_steps(llm) -> list[list[tuple[int, int]]]:
+    """(new tokens, context after them) of every chunk of every step the runner is handed."""
+    steps, run = [], llm.engine.runner.run
+
+    def recording(chunks):
+        steps.append([(c.num_tokens, c.end) for c in chunks])
+        return run(chunks)
+
+    llm.engine.runner.run = recording
+    return steps
+
+
+def test_each_step_and_encode_takes_the_cost_model_s_time(slept):
+    """The twin assigns every step the cost model's time for exactly the chunks the scheduler handed it, every
+    encode the tower's time for the pictures it had to encode, and sleeps each, in order."""
+    with LLM(emulate=TWIN, max_num_batched_tokens=512) as llm:
+        steps = record_steps(llm)
+        llm.chat(chats(5), SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        runner, costs = llm.engine.runner, llm.emulated.costs
+        assert len(steps) == len(runner.step_seconds) > 5  # 512-token chunks: the prompts take several steps
+        assert runner.step_seconds == [costs.step_seconds(runs) for runs in steps]
+        assert any(new > 1 for runs in steps for new, _ in runs) and any(new == 1 for new, _ in steps[-1])
+        patches = 448 * 448 // 14 ** 2  # a 448x448 picture is 32x32 patches of 14 pixels
+        assert sorted(p for batch in runner.encoded_patches for p in batch) == [patches] * 5  # five colours
+        assert runner.encode_seconds == [costs.encode_seconds(batch) for batch in runner.encoded_patches]
+        assert sorted(slept) == sorted(runner.step_seconds + runner.encode_seconds)
+        assert llm.stats()["visual_tokens_encoded"] == 5 * patches // 4
+
+
+def test_the_cost_model_by_hand():
+    """The formulas on round numbers: a step is its floor plus the larger of its compute and its memory time."""
+    gpu = Gpu("test", bf16_flops=1e12, hbm_bytes_per_s=1e11, memory_gib=10)
+    shape = ModelShape(lm_params=10**9, lm_weight_bytes=2 * 10**9, layers=10, attention_width=1000,
+                       kv_bytes_per_token=1000, vision_params=10**8, vision_weight_bytes=2 * 10**8, vision_depth=4,
+                       vision_width=100, vision_window_patches=0, vision_full_blocks=4, visual_token_bytes=10)
+    costs = CostModel(gpu, shape, Efficiency(compute=0.5, bandwidth=0.5, step_floor_s=1e-3,
+                                             step_floor_per_layer_s=1e-4, encode_floor_s=2e-3,
+                                             link_bytes_per_s=1e9, link_latency_s=1e-4))
+    floor = 1e-3 + 10 * 1e-4
+    # one decode at context 100: reads 2e9 weight bytes + 1e5 KV bytes at 5e10 B/s; 2e9 + 4e6 FLOPs at 5e11
+    assert costs.step_seconds([(1, 100)]) == pytest.approx(floor + (2e9 + 1e5) / 5e10)
+    # 1000 new tokens after 1000 cached: 2e12 + 4 * 10 * 1000 * 1000 * (2000 - 499.5) FLOPs: compute bound
+    assert costs.step_seconds([(1000, 2000)]) == pytest.approx(floor + (2e12 + 4e4 * 1000 * 1500.5) / 5e11)
+    assert costs.step_seconds([]) == 0.0
+    # a picture of 100 patches: 2 * 1e8 * 100 + 4 * 100 (width) * 100 * 100 * 4 (blocks) FLOPs against 2e8
+    # weight bytes: compute bound
+    assert costs.encode_seconds([100]) == pytest.approx(2e-3 + (2e10 + 1.6e7) / 5e11)
+    assert costs.transfer_seconds(10**6) == pytest.approx(1e-3 + 1e-4)
+
+
+def test_a_cost_file_replaces_the_defaults_it_names(tmp_path):
+    costs = CostModel(GPUS["h200"], ModelShape(*[1] * 12))
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"efficiency": {"step_floor_s": 0.004}, "gpu": {"hbm_bytes_per_s": 4e12}}))
+    measured = costs.with_cost_file(str(path))
+    assert measured.efficiency.step_floor_s == 0.004 and measured.gpu.hbm_bytes_per_s == 4e12
+    assert measured.efficiency.compute == costs.efficiency.compute  # what the file leaves out stays
+    path.write_text(json.dumps({"efficiency": {"step_floor": 0.004}}))
+    with pytest.raises(ValueError, match="efficiency.step_floor"):
+        costs.with_cost_file(str(path))
+
+
+def test_the_kv_pool_holds_the_blocks_nanomm_plan_computes_for_that_model_on_that_gpu():
+    """256 sequences, so that the H200's memory, not max_num_seqs x max_model_len, bounds the pool."""
+    with LLM(emulate=TWIN, max_num_seqs=256) as llm:
+        blocks = llm.engine.config.num_kv_blocks
+        assert llm.stats()["kv_blocks_total"] == blocks
+    plan = subprocess.run(["nanomm-plan", str(model_folder("qwen2-vl-2b")), "--device-memory",
+                           str(GPUS["h200"].memory_gib), "--max-num-seqs", "256", "--json"],
+                          capture_output=True, text=True, check=True)
+    planned = json.loads(plan.stdout)
+    assert planned["num_kv_blocks"] == blocks and "capped" not in planned["budget_rule"]
+    assert planned["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2  # the real model's KV, not the demo's
+
+
+def test_a_second_pass_hits_the_prefix_and_encoder_caches_and_answers_the_same(slept):
+    with LLM(emulate=TWIN) as llm:
+        params = SamplingParams(temperature=0.8, seed=1, max_tokens=8)
+        first = [o.outputs[0].token_ids for o in llm.chat(chats(3), params, use_tqdm=False)]
+        before = llm.stats()
+        second = [o.outputs[0].token_ids for o in llm.chat(chats(3), params, use_tqdm=False)]
+        after = llm.stats()
+    assert second == first and len(set(map(tuple, first))) == 3  # the stand-in is the request's, not the batch's
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 3 * 256
+    assert after["visual_tokens_encoded"] == before["visual_tokens_encoded"]  # nothing encoded again
+    assert after["computed_tokens"] - before["computed_tokens"] < before["computed_tokens"] / 2
+
+
+def test_a_small_kv_budget_preempts_and_the_answers_do_not_change(slept):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with LLM(emulate=TWIN) as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.chat(chats(6), params, use_tqdm=False)]
+        assert roomy.stats()["preemptions"] == 0
+    with LLM(emulate=TWIN, num_kv_blocks=40, block_size=16, enable_prefix_caching=False,
+             max_num_batched_tokens=64) as tight:  # six 19-block prompts in 40 blocks, prefilled 64 tokens a step
+        got = [o.outputs[0].token_ids for o in tight.chat(chats(6), params, use_tqdm=False)]
+        assert tight.stats()["preemptions"] > 0 and tight.stats()["kv_blocks_total"] == 40
+    assert got == expected
+
+
+@pytest.mark.parametrize("value", ["h300:qwen2-vl-2b", "h200:llama-3-8b", "h200", "qwen2-vl-2b:h200", ""])
+def test_a_bad_emulate_value_is_an_error_naming_the_known_ones(value):
+    with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'l4'\] and MODEL one of "
+                                         r"\['qwen2-vl-2b', 'qwen2.5-vl-3b', 'qwen3-vl-2b'\]"):
+        LLM(emulate=value)
+
+
+def test_the_server_refuses_a_bad_emulate_value_before_starting():
+    done = subprocess.run(["nanomm-serve", "--emulate", "h300:qwen2-vl-2b", "--port", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "h200" in done.stderr and "qwen2-vl-2b" in done.stderr
+    done = subprocess.run(["nanomm-serve", "--emulate", TWIN, "--demo", "--port", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "loads no model" in done.stderr
+
+
+def test_a_model_argument_must_name_the_emulated_model():
+    with pytest.raises(ValueError, match="serves qwen2-vl-2b"):
+        LLM("Qwen/Qwen2.5-VL-3B-Instruct", emulate=TWIN)
+
+
+def test_an_emulated_server_answers_over_http_with_the_real_model_s_metrics():
+    """The OpenAI route and /metrics of a twin: the pool is the H200's, a picture costs qwen2-vl-2b's tokens."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (448, 448), "red").save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    with LLM(emulate=TWIN) as llm, BackgroundServer(Server(llm, ServerConfig(TWIN))) as base:
+        chat = {"model": TWIN, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it"}]}]}
+        reply = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
+        metrics = httpx.get(base + "/metrics").text
+    assert reply["usage"]["completion_tokens"] == 5 and reply["usage"]["visual_tokens"] == 256
+    assert f"nanomm_kv_blocks_total {float(llm.engine.config.num_kv_blocks)}" in metrics
+
+
+def test_the_image_path_never_imports_the_emulated_device():
+    code = ("import sys, nanomm; from nanomm import LLM, SamplingParams; "
+            "LLM(nanomm.demo_checkpoint(), device='cpu').generate('hi', SamplingParams(max_tokens=2), use_tqdm=False); "
+            "assert not [m for m in sys.modules if m.startswith('nanomm.emulate')], 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
