@@ -87,7 +87,7 @@ class LLM:
         GPU, the emulated device's runner behind the engine's seam. Checked before anything starts."""
         from nanomm.demo import demo_checkpoint  # the twin's tokenizer
         from nanomm.emulate import EmulatedDevice  # imported only here: the image path never needs it
-        from nanomm.emulate.models import model_folder
+        from nanomm.emulate import model_folder
 
         device = EmulatedDevice.from_value(config.emulate, config.emulate_cost_file)
         if model not in (None, device.model_name):

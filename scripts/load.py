@@ -282,13 +282,16 @@ def server_command(port: int, role_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
 
 
-def topology_commands(topology: str, checkpoint: Path, model: str, extra: list[str],
+def topology_commands(topology: str, checkpoint: "Path | str", model: str, extra: list[str],
                       peer_timeout_s: float = 600.0) -> tuple[dict[str, list[str]], str]:
     """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. `extra` goes
-    to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
+    to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree).
+    checkpoint: a folder, or "emulate:GPU:MODEL" for an engine on the emulated device (nanomm/emulate)."""
     ports = {role: free_local_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
-    served = [str(checkpoint), "--served-model-name", model, *extra]
+    source = str(checkpoint)
+    model_args = ["--emulate", source.removeprefix("emulate:")] if source.startswith("emulate:") else [source]
+    served = [*model_args, "--served-model-name", model, *extra]
     if topology == "integrated":
         return {"integrated": server_command(ports["integrated"], served)}, "integrated"
     encoder = server_command(ports["encoder"], [*served, "--role", "encoder"])
@@ -465,6 +468,8 @@ def parse_args(argv=None):
     which = p.add_mutually_exclusive_group()
     which.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
     which.add_argument("--demo", action="store_true", help="serve the trained demo model instead of the preset")
+    which.add_argument("--emulate", metavar="GPU:MODEL", help="serve on the emulated device, e.g. h200:qwen2-vl-2b "
+                       "(nanomm/emulate: no weights, each step sleeps its cost-model time; integrated only)")
     p.add_argument("--instance-threads", type=int, help="torch threads of each instance started here (default: "
                    "torch's, one per core: several instances on one machine then oversubscribe its cores)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -477,6 +482,15 @@ def parse_args(argv=None):
         p.error(str(exc))
     if min(args.rate) <= 0 or args.num_requests < 1:
         p.error("--rate must be > 0 and --num-requests >= 1")
+    if args.emulate:
+        from nanomm.emulate import parse_emulate
+        try:
+            parse_emulate(args.emulate)
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.topology != "integrated" or args.url:
+            p.error("--emulate starts one integrated engine on the emulated device (the split roles are not "
+                    "emulated yet)")
     if args.url and args.topology != "integrated":
         p.error("--topology starts servers: it cannot go with --url (point --url at the router instead)")
     return args
@@ -491,7 +505,9 @@ def main(argv=None) -> int:
     started, url = {}, args.url
     role_urls = {f"metrics {i + 1}": u for i, u in enumerate(args.metrics_url)}
     if url is None:
-        if args.demo:
+        if args.emulate:
+            checkpoint = f"emulate:{args.emulate}"
+        elif args.demo:
             from nanomm import demo_checkpoint
             checkpoint = demo_checkpoint()
         else:

@@ -13,7 +13,7 @@ from PIL import Image
 from nanomm import LLM, SamplingParams
 from nanomm.emulate import runner as runner_module
 from nanomm.emulate.costs import GPUS, CostModel, Efficiency, Gpu, ModelShape
-from nanomm.emulate.models import model_folder
+from nanomm.emulate import model_folder
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
 
 TWIN = "h200:qwen2-vl-2b"
@@ -176,3 +176,19 @@ def test_the_image_path_never_imports_the_emulated_device():
             "LLM(nanomm.demo_checkpoint(), device='cpu').generate('hi', SamplingParams(max_tokens=2), use_tqdm=False); "
             "assert not [m for m in sys.modules if m.startswith('nanomm.emulate')], 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_load_generator_drives_an_emulated_server(tmp_path):
+    """scripts/load.py --emulate starts nanomm-serve --emulate and measures it: every request answered, each
+    picture qwen2-vl-2b's 256 visual tokens (448x448), the JSON complete. A bad value stops it before it starts."""
+    out = tmp_path / "twin.json"
+    done = subprocess.run([sys.executable, "scripts/load.py", "--emulate", TWIN, "--mix", "1x448x448:1,0x0x0:1",
+                           "--rate", "20", "--num-requests", "8", "--max-tokens", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["errors"] == 0 and len(result["records"]) == 8
+    assert {r["visual_tokens"] for r in result["records"]} <= {0, 256}
+    bad = subprocess.run([sys.executable, "scripts/load.py", "--emulate", "h200:nope"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "qwen2-vl-2b" in bad.stderr

@@ -45,7 +45,7 @@ GPUS = {  # FLOP/s and bytes/s: the vendors' datasheets (SXM parts); memory: the
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the formulas need of a model: counts and widths (emulate/models.py reads them off a config)."""
+    """What the formulas need of a model: counts and widths (`emulate.model_shape` reads them off a config)."""
     lm_params: int
     lm_weight_bytes: int
     layers: int
