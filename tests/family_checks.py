@@ -8,7 +8,8 @@ import os
 import httpx
 import torch
 
-from helpers import assert_engine_matches_reference, assert_no_leaks, chat_prompt, data_url, hf_inputs, random_image, random_workload
+from helpers import (assert_engine_matches_reference, assert_no_leaks, chat_prompt, data_url, hf_inputs, random_image,
+                     random_workload)
 from nanomm import LLM, SamplingParams
 from nanomm.accel.quant import QuantizedLinear
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
@@ -96,14 +97,15 @@ QUANTIZED_LOGITS_ATOL = 0.05  # the most a quantized engine's logit moves from t
 def assert_quantized_engine_tracks_reference(llm, prompts, params_list) -> int:
     """A mixed batch through a quantized engine against the dense reference that runs the same quantized layers.
 
-    Where the engine's float32 work differs from the reference's in its last bit (another summation order:
-    pictures of several prompts encoded in one forward, a prompt whose prefix came from the cache, keys padded to
-    a longer sequence's, and which shapes do that depends on the CPU's BLAS), the quantized layers' bfloat16
-    rounding makes the difference visible: up to QUANTIZED_LOGITS_ATOL in a logit, so a seeded draw may land on
-    another token. What holds on every CPU, and is checked here: every logits row the engine samples from is
-    within that of the reference's; wherever a row is the reference's bit for bit, so is the token drawn from
-    it; a request is followed up to its first differing token (past it, the two histories differ). Returns how
-    many rows were the reference's bit for bit. A request alone gets them all (`quantized_alone_matches_reference`)."""
+    Where the engine's float32 work differs from the reference's in its last bit (pictures of several prompts
+    encoded in one forward, a prefix from the cache, keys padded to a longer sequence's: which shapes do that
+    depends on the CPU's BLAS), the layers' bfloat16 rounding makes it visible, and a seeded draw may land on
+    another token. What holds on every CPU, and is checked:
+    - every logits row the engine samples from is within QUANTIZED_LOGITS_ATOL of the reference's;
+    - wherever a row is the reference's bit for bit, the token drawn from it is the reference's;
+    - a request is followed up to its first differing token (past it, the two histories differ).
+    Returns how many rows were the reference's bit for bit. A request alone gets them all
+    (`quantized_alone_matches_reference`)."""
     rows = record_logit_rows(llm)
     exact = 0
     for i, (prompt, params, out) in enumerate(zip(prompts, params_list, llm.generate(prompts, params_list))):

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from nanomm import LLM, SamplingParams
-from nanomm.emulate import runner as runner_module
+from nanomm.emulate.runner import EmulatedRunner
 from nanomm.emulate.costs import GPUS, CostModel, Efficiency, Gpu, ModelShape
 from nanomm.emulate import model_folder
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
@@ -21,9 +21,9 @@ TWIN = "h200:qwen2-vl-2b"
 
 @pytest.fixture
 def slept(monkeypatch) -> list[float]:
-    """What the twin sleeps, in order, instead of sleeping it."""
+    """What the twin waits, in order, instead of waiting it (only the twin's runner: other threads sleep as usual)."""
     seconds = []
-    monkeypatch.setattr(runner_module.time, "sleep", seconds.append)
+    monkeypatch.setattr(EmulatedRunner, "wait", lambda runner, s: seconds.append(s))
     return seconds
 
 
@@ -53,12 +53,12 @@ def test_each_step_and_encode_takes_the_cost_model_s_time(slept):
         llm.chat(chats(5), SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         runner, costs = llm.engine.runner, llm.emulated.costs
         assert len(steps) == len(runner.step_seconds) > 5  # 512-token chunks: the prompts take several steps
-        assert runner.step_seconds == [costs.step_seconds(runs) for runs in steps]
+        assert list(runner.step_seconds) == [costs.step_seconds(runs) for runs in steps]
         assert any(new > 1 for runs in steps for new, _ in runs) and any(new == 1 for new, _ in steps[-1])
         patches = 448 * 448 // 14 ** 2  # a 448x448 picture is 32x32 patches of 14 pixels
         assert sorted(p for batch in runner.encoded_patches for p in batch) == [patches] * 5  # five colours
-        assert runner.encode_seconds == [costs.encode_seconds(batch) for batch in runner.encoded_patches]
-        assert sorted(slept) == sorted(runner.step_seconds + runner.encode_seconds)
+        assert list(runner.encode_seconds) == [costs.encode_seconds(batch) for batch in runner.encoded_patches]
+        assert sorted(slept) == sorted([*runner.step_seconds, *runner.encode_seconds])
         assert llm.stats()["visual_tokens_encoded"] == 5 * patches // 4
 
 
@@ -192,3 +192,35 @@ def test_the_load_generator_drives_an_emulated_server(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/load.py", "--emulate", "h200:nope"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "qwen2-vl-2b" in bad.stderr
+
+
+DRAFT = {"method": "draft", "model": "x", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("setting, named", [(dict(encoder_url="http://127.0.0.1:1"), "encoder_url"),
+                                            (dict(quantization="int8"), "quantization"),
+                                            (dict(speculative=DRAFT), "a draft model"),
+                                            (dict(dtype="float32"), "dtype"), (dict(max_model_len=10**7), "max_model")])
+def test_what_the_twin_does_not_emulate_is_refused_by_name(setting, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(emulate=TWIN, **setting)
+
+
+def test_the_stand_in_answers_by_request_picture_and_seed(slept):
+    """Unseeded samples differ from each other; the same words about two pictures differ; a seed or greedy
+    decoding repeats itself; past the drawn length, min_tokens gets ordinary tokens, never a special one."""
+    with LLM(emulate=TWIN) as llm:
+        special = set(llm.tokenizer.special_token_ids) if hasattr(llm.tokenizer, "special_token_ids") else set()
+        sampled = llm.generate(["hi"], SamplingParams(n=3, temperature=1.0, max_tokens=6), use_tqdm=False)[0]
+        assert len({tuple(c.token_ids) for c in sampled.outputs}) == 3
+        two = llm.chat(chats(2, words="same words"), SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert two[0].outputs[0].token_ids != two[1].outputs[0].token_ids
+        greedy = [llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+                  .outputs[0].token_ids for _ in range(2)]
+        assert greedy[0] == greedy[1]
+        long = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=600, min_tokens=600),
+                            use_tqdm=False)[0].outputs[0]
+        model = llm.model.config
+    assert len(long.token_ids) == 600 and long.finish_reason == "length"
+    assert not set(long.token_ids) & ({model.image_token_id, model.vision_start_token_id,
+                                      model.vision_end_token_id, *model.eos_token_ids} | special)

@@ -1,6 +1,6 @@
 """The emulated device (the twin): the real engine serving a named model on a named GPU, with no weights and no GPU.
 
-Lesson: lessons/13-topologies.md (the emulated device).
+Lesson: lessons/13-three-topologies.md (the emulated device).
 
     LLM(emulate="h200:qwen2-vl-2b")
     nanomm-serve --emulate h200:qwen2-vl-2b
@@ -54,9 +54,10 @@ def _params(module: torch.nn.Module, skip: tuple = ()) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) not in skipped)
 
 
-def model_shape(config: ModelConfig) -> ModelShape:
+def model_shape(config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape:
     """The cost model's view of a model: parameters a step multiplies (the decoder and the head; the embedding
-    is a lookup), the tower's, widths, and the bytes a token's KV and a visual token take in bfloat16."""
+    is a lookup), the tower's, widths, and the bytes a token's KV (bfloat16, or an fp8 cache) and a visual token
+    take."""
     from nanomm.planner import meta_model  # the module tree on the meta device: shapes, no memory
 
     model = meta_model(config)
@@ -68,19 +69,18 @@ def model_shape(config: ModelConfig) -> ModelShape:
     full_blocks = len(vision.fullatt_block_indexes) if window else vision.depth
     text = config.text
     levels = 1 + len(vision.deepstack_visual_indexes)
+    vision_params = _params(model.visual)
     return ModelShape(
         lm_params=lm_params, lm_weight_bytes=lm_params * size, layers=text.num_hidden_layers,
         attention_width=text.num_attention_heads * text.head_dim,
         kv_bytes_per_token=kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
-                                              WEIGHT_DTYPE),
-        vision_params=_params(model.visual), vision_weight_bytes=_params(model.visual) * size,
+                                              WEIGHT_DTYPE, kv_cache_dtype),
+        vision_params=vision_params, vision_weight_bytes=vision_params * size,
         vision_depth=vision.depth, vision_width=vision.embed_dim, vision_window_patches=window,
         vision_full_blocks=full_blocks, visual_token_bytes=levels * text.hidden_size * size)
 
 
 # -- the twin ------------------------------------------------------------------------------------------------------
-
-
 
 def parse_emulate(value: str) -> tuple[str, str]:
     """"GPU:MODEL" -> (gpu, model), each one the twin knows; else a ValueError naming the known ones."""
@@ -99,10 +99,10 @@ class EmulatedDevice:
     costs: CostModel
 
     @classmethod
-    def from_value(cls, value: str, cost_file: str | None = None) -> "EmulatedDevice":
+    def from_value(cls, value: str, cost_file: str | None = None, kv_cache_dtype: str = "auto") -> "EmulatedDevice":
         gpu, model = parse_emulate(value)
         config, _ = load_configs(model)
-        costs = CostModel(GPUS[gpu], model_shape(config))
+        costs = CostModel(GPUS[gpu], model_shape(config, kv_cache_dtype))
         return cls(GPUS[gpu], model, config, costs.with_cost_file(cost_file) if cost_file else costs)
 
     def twin_model(self, demo_config: ModelConfig):
@@ -120,6 +120,7 @@ class EmulatedDevice:
         return model.to(WEIGHT_DTYPE)
 
     def make_runner(self, model, kv_cache, block_size: int, encoder_cache, trace) -> EmulatedRunner:
+        """The engine's runner: this device's costs, the stand-in answers over the twin's vocabulary."""
         config = model.config
         special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
                    config.vision_end_token_id, *config.eos_token_ids}
@@ -133,7 +134,11 @@ class EmulatedDevice:
         reserve estimated rather than profiled). Returns (that config, the memory split for stats())."""
         from nanomm.planner import make_plan
 
-        max_model_len = config.max_model_len or self.config.text.max_position_embeddings
+        limit = self.config.text.max_position_embeddings
+        max_model_len = config.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} is beyond {self.model_name}'s max_position_embeddings="
+                             f"{limit}")
         token_budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
             max(config.max_num_batched_tokens, max_model_len)
         plan = make_plan(self.config, image_config, model=self.model_name, dtype=str(WEIGHT_DTYPE).split(".")[1],
@@ -141,7 +146,7 @@ class EmulatedDevice:
                          max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          device_memory_gib=self.gpu.memory_gib, gpu_memory_utilization=config.gpu_memory_utilization,
                          kv_cache_memory_gib=config.kv_cache_memory_gib, num_kv_blocks=config.num_kv_blocks,
-                         quantization=config.quantization, alternatives=False,
+                         visual_token_compression=config.visual_token_compression, alternatives=False,
                          cuda_graphs=not config.enforce_eager, max_seq_len_to_capture=config.max_seq_len_to_capture)
         sized = replace(config, max_model_len=max_model_len, num_kv_blocks=plan.num_kv_blocks,
                         max_num_batched_tokens=token_budget,

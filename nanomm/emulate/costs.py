@@ -1,9 +1,10 @@
 """The cost model: how long a device takes for a step, an encode and a transfer, from FLOPs and bytes.
 
-Lesson: lessons/13-topologies.md (the emulated device).
+Lesson: lessons/13-three-topologies.md (the emulated device).
 
-One module, plain Python (no torch), so the emulated device (emulate/runner.py), the planner and the topology
-simulator (scripts/simulate_topologies.py) share one set of formulas. Every figure is a roofline with a floor:
+One module in plain Python (no torch), so that any tool can share its formulas; the emulated device
+(emulate/runner.py) runs on it. The topology simulator (scripts/simulate_topologies.py) still has its own
+per-token `StageCosts`. Every figure is a roofline with a floor:
 
     step    = floor + max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x bandwidth_efficiency))
     FLOPs   = 2 x LM parameters x tokens + 4 x layers x attention width x sum over runs of new x mean context
@@ -20,7 +21,7 @@ where each comes from:
 - step floor 1 ms + 30 us a layer: assumed, the order of nanomm's own H200 run (BENCHMARKS.md: a one-layer
   2B-wide decode step took 0.84 ms median, nearly all of it fixed cost);
 - a 200 Gb/s link (25 GB/s) with 50 us latency: a common datacenter NIC.
-A cost file measured on a real GPU (`CostModel.from_json`) replaces any of them.
+A cost file measured on a real GPU (`CostModel.with_cost_file`) replaces any of them.
 """
 
 import json

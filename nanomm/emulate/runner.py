@@ -1,18 +1,20 @@
 """The emulated device's model runner: the engine's own step, with the device's work replaced by its time.
 
-Lesson: lessons/13-topologies.md (the emulated device).
+Lesson: lessons/13-three-topologies.md (the emulated device).
 
 Everything up to the device runs for real: the encoder cache is looked up and filled, the prefill passes images
 and releases them, the scheduler's chunks arrive as they would. Then, instead of the tower and the forward pass,
 the runner asks the cost model (emulate/costs.py) how long they would take and sleeps that long: the host is
 free, as it is while a GPU computes. The tokens come from a stand-in that is a function of the request alone
-(its prompt and seed) and the position, so an answer is the same whatever the batching or the topology, and
-stop strings, max_tokens and the end-of-sequence token work as with a model.
+(its prompt, its pictures and its seed) and the position, so an answer is the same whatever the batching, and
+stop strings, max_tokens and the end-of-sequence token work as with a model. The stand-in never repeats itself
+the way a model does, so n-gram speculation finds nothing to propose on the twin.
 """
 
 import math
 import time
 import zlib
+from collections import deque
 
 import torch
 
@@ -21,7 +23,11 @@ from nanomm.engine.model_runner import ModelRunner, StepLogits, _wants_prompt_lo
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.inputs.compression import VisualTokens
 
-STAND_IN_MARGIN = 30.0  # the stand-in token's logit above every other: sampled at any temperature, ~always
+# The stand-in token's logit above the others' (0): at temperature T another token is drawn with probability about
+# vocab x exp(-30 / T): 6e-11 at T = 1, 2e-4 at T = 2. The runner-up (for when the end of sequence is not allowed
+# yet: min_tokens) sits halfway.
+STAND_IN_MARGIN = 30.0
+RECORDED_CALLS = 10_000  # the last calls' assigned times the runner keeps (a server runs for days)
 
 
 class StandInTokens:
@@ -35,17 +41,23 @@ class StandInTokens:
 
     @staticmethod
     def seed(request) -> int:
-        """The request's own number: its prompt and its sampling seed, hashed once and kept on the request."""
+        """The request's own number, hashed once and kept on the request: its prompt, its pictures and its seed,
+        and, for a sampled request without a seed, its id (so that n answers differ, as they would)."""
         if getattr(request, "stand_in_seed", None) is None:
-            key = f"{request.prompt.token_ids}|{request.params.seed}".encode()
-            request.stand_in_seed = zlib.crc32(key)
+            params = request.params
+            unseeded = params.seed is None and not params.greedy
+            own = request.request_id if unseeded else ""
+            key = f"{request.prompt.token_ids}|{request.image_keys}|{params.seed}|{own}"
+            request.stand_in_seed = zlib.crc32(key.encode())
         return request.stand_in_seed
 
-    def token(self, request, position: int) -> int:
+    def tokens(self, request, position: int) -> tuple[int, int]:
+        """(the token at this position, the runner-up): past the answer's drawn length, the end of sequence."""
         seed = self.seed(request)
+        word = self.ordinary[zlib.crc32(f"{seed}:{position}".encode()) % len(self.ordinary)]
         if position - request.num_prompt_tokens >= 16 + seed % 497:
-            return self.eos_token_id
-        return self.ordinary[zlib.crc32(f"{seed}:{position}".encode()) % len(self.ordinary)]
+            return self.eos_token_id, word
+        return word, self.ordinary[zlib.crc32(f"{seed}:{position}:2".encode()) % len(self.ordinary)]
 
 
 class EmulatedRunner(ModelRunner):
@@ -57,9 +69,15 @@ class EmulatedRunner(ModelRunner):
         super().__init__(model, kv_cache, block_size, encoder_cache, trace)
         self.costs, self.stand_in, self.vocab_size = costs, stand_in, vocab_size
         self.device = torch.device("cpu")  # where the stand-in logits live: the meta model computes nothing
-        self.step_seconds: list[float] = []
-        self.encode_seconds: list[float] = []
-        self.encoded_patches: list[list[int]] = []  # per encode call: each picture's patches
+        self.step_seconds = deque(maxlen=RECORDED_CALLS)
+        self.encode_seconds = deque(maxlen=RECORDED_CALLS)
+        self.encoded_patches = deque(maxlen=RECORDED_CALLS)  # per encode call: each picture's patches
+        text, vision = model.config.text, model.config.vision
+        self.visual_shape = (1 + len(vision.deepstack_visual_indexes), text.hidden_size)  # (levels, hidden)
+
+    def wait(self, seconds: float) -> None:
+        """The device's time: the host sleeps, free for other work, as while a GPU computes."""
+        time.sleep(seconds)
 
     def encode(self, images: list, urls: list) -> list[VisualTokens]:
         """The tower's time for these pictures, slept; one placeholder row a visual token (never read)."""
@@ -67,9 +85,16 @@ class EmulatedRunner(ModelRunner):
         seconds = self.costs.encode_seconds(patches)
         self.encoded_patches.append(patches)
         self.encode_seconds.append(seconds)
-        time.sleep(seconds)
+        self.wait(seconds)
         self.visual_tokens_encoded += sum(im.num_encoded_tokens for im in images)
-        return [VisualTokens(torch.zeros(im.num_tokens, 1), None) for im in images]
+        return [VisualTokens(self._placeholder(im.num_tokens), None) for im in images]
+
+    def _placeholder(self, num_tokens: int) -> torch.Tensor:
+        """Visual tokens of the real model's shape and dtype on the meta device: the encoder cache counts their
+        bytes, and nothing ever reads them. ([levels,] tokens, hidden)"""
+        levels, hidden = self.visual_shape
+        shape = (num_tokens, hidden) if levels == 1 else (levels, num_tokens, hidden)
+        return torch.empty(shape, dtype=torch.bfloat16, device="meta")
 
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         with self.trace.span("encode"):
@@ -79,23 +104,26 @@ class EmulatedRunner(ModelRunner):
                 self._visual_slices(chunk, 0, [])  # the prefill passes its images: their cache entries are let go
             seconds = self.costs.step_seconds([(c.num_tokens, c.end) for c in chunks])
             self.step_seconds.append(seconds)
-            time.sleep(seconds)
+            self.wait(seconds)
             return StepLogits(self._sampling_logits(chunks), self._prompt_logits(chunks))
 
     def _sampling_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """(sample rows, vocab): each row's stand-in token STAND_IN_MARGIN above the rest. A chunk's rows predict
-        the positions after its last token and after each proposal."""
-        targets = []
+        """(sample rows, vocab): each row's stand-in token STAND_IN_MARGIN above the rest, its runner-up half that.
+        A chunk's rows predict the positions after its last known token and after each proposal."""
+        picks = []  # (token, runner-up) per sampling row
         for chunk in chunks:
             if chunk.samples_next_token:
                 first = chunk.end - len(chunk.spec_token_ids)  # the position the first sampling row predicts
-                targets += [self.stand_in.token(chunk.request, p) for p in range(first, chunk.end + 1)]
-        logits = torch.zeros(len(targets), self.vocab_size)
-        logits[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)] = STAND_IN_MARGIN
+                picks += [self.stand_in.tokens(chunk.request, p) for p in range(first, chunk.end + 1)]
+        logits = torch.zeros(len(picks), self.vocab_size)  # (sample rows, vocab)
+        rows = torch.arange(len(picks))
+        logits[rows, torch.tensor([p[1] for p in picks], dtype=torch.long)] = STAND_IN_MARGIN / 2
+        logits[rows, torch.tensor([p[0] for p in picks], dtype=torch.long)] = STAND_IN_MARGIN
         return logits
 
     def _prompt_logits(self, chunks: list[ScheduledChunk]) -> list:
-        """Flat logits for the prompt rows of requests that asked for prompt_logprobs."""
+        """Flat logits, (prompt rows, vocab), for each chunk whose request asked for prompt_logprobs: the rows
+        `ModelRunner._pack` would take, positions start..min(end, prompt length - 1) - 1."""
         out = []
         for chunk in chunks:
             if _wants_prompt_logprobs(chunk):

@@ -32,7 +32,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if q.shape[0] == 1:
         return single_query_attention(q, k, v)
     new, total = q.shape[0], k.shape[0]
-    # Query i sees keys up to total - new + i: lower-right causal, a whole sequence (new == total) included.
+    # Query i sees keys up to total - new + i: lower-right causal, a whole sequence (new == total) included. An
+    # explicit mask, as the engine's batched form passes, where the causal flag would let a fused kernel skip the
+    # masked half: the price is new x total bytes, and no flash kernel on a GPU.
     return masked_attention(q, k, v, torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new))
 
 

@@ -335,19 +335,29 @@ class BackgroundServer:
 
 def free_local_port(rng: random.Random | None = None) -> int:
     """A free port on 127.0.0.1 for a server process that starts later (tests, lesson 13's clusters, the load
-    generator), chosen below Linux's ephemeral range (32768 and up by default). Asking the kernel for port 0 and
-    closing it would hand out a port from that range, which any outgoing connection made before the server binds
-    (a health check, a peer's request) may take: then the server dies with "address already in use"."""
+    generator), chosen below the kernel's ephemeral range (Linux: ip_local_port_range, 32768 and up by default).
+    Asking the kernel for port 0 and closing it would hand out a port from that range, which any outgoing
+    connection made before the server binds (a health check, a peer's request) may take: then the server dies
+    with "address already in use"."""
     rng = rng or random.Random()
+    top = min(32768, ephemeral_ports_start())
     for _ in range(200):
-        port = rng.randrange(20000, 32768)
+        port = rng.randrange(max(1024, top - 12768), top)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:  # taken: try another
                 continue
         return port
-    raise RuntimeError("no free port between 20000 and 32767 on 127.0.0.1")
+    raise RuntimeError(f"no free port below {top} on 127.0.0.1")
+
+
+def ephemeral_ports_start() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 where it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # -- the command ----------------------------------------------------------------------------------------------
@@ -405,6 +415,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(stderr=True)
     where = f"http://{args.host}:{args.port}"
+    if args.emulate and (args.role != "integrated" or args.model or args.demo or args.encoder_url or args.device
+                         or args.dtype):
+        raise SystemExit("nanomm-serve --emulate serves one integrated engine and loads no model: drop the model, "
+                         "--demo, --encoder-url, --device, --dtype and --role")
     if args.role == "router":
         from nanomm.serve.router import Router
 
@@ -416,9 +430,6 @@ def main(argv=None) -> int:
                       f"encoders {args.encoder_url or '(the prefill instances own)'}")
         uvicorn.run(router.app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
-    if args.emulate and (args.role != "integrated" or args.model or args.demo or args.encoder_url):
-        raise SystemExit("nanomm-serve --emulate serves one integrated engine and loads no model: drop the model, "
-                         "--demo, --encoder-url and --role")
     model, name = (None, args.served_model_name or args.emulate) if args.emulate else _model_and_name(args, console)
     if args.role == "encoder":
         from nanomm.serve.encoder_server import EncoderServer, load_encoder
