@@ -144,23 +144,32 @@ def kernel_layers(llm) -> tuple[int, int]:
     return sum(layer.uses_kernel for layer in layers), len(layers)
 
 
+ROUNDING_LEVERS = {"int8": dict(quantization="int8"), "int4": dict(quantization="int4"),
+                   "fp8-kv": dict(kv_cache_dtype="fp8")}
+# (lever, path) of the alone tests: the weights on either path; an fp8 cache has no quantized layer to force
+ALONE_CASES = [(lever, path) for lever in ("int8", "int4") for path in QUANTIZED_PATHS] + [("fp8-kv", "kernel")]
+
+
 def quantized_alone_matches_reference(folder, method: str, path: str, max_pixels: int, monkeypatch) -> None:
-    """Each prompt of a mixed workload alone in a quantized engine (no prefix cache, so every step's tensors have
-    the reference's shapes), greedy and seeded: every logits row it samples from is the dense reference's, bit
-    for bit, so every draw is too. On every CPU: the two run the same kernels on the same tensors, the quantized
-    layers on the path forced here (the kernel: on every layer whose shape it accepts; or the definition)."""
+    """Each prompt of a mixed workload alone in an engine with a rounding lever (ROUNDING_LEVERS; no prefix cache,
+    so every step's tensors have the reference's shapes), greedy and seeded: every logits row it samples from is
+    the dense reference's, bit for bit, so every draw is too. On every CPU: the two run the same kernels on the
+    same tensors, quantized layers on the path forced here (the kernel: on every layer whose shape it accepts; or
+    the definition)."""
     force_quantized_path(monkeypatch, path)
     with LLM(str(folder), device="cpu", dtype="float32", max_pixels=max_pixels, num_preprocess_workers=0,
-             quantization=method, quantization_group_size=32, enable_prefix_caching=False) as llm:
+             quantization_group_size=32, enable_prefix_caching=False, **ROUNDING_LEVERS[method]) as llm:
         on_kernel, total = kernel_layers(llm)
-        assert (on_kernel > 0) if path == "kernel" else (on_kernel == 0), f"{on_kernel} of {total} on the kernel"
+        if total:  # quantized weights: the path forced is the path taken
+            assert (on_kernel > 0) if path == "kernel" else (on_kernel == 0), f"{on_kernel} of {total} on the kernel"
         rows = record_logit_rows(llm)
         for i, prompt in enumerate(random_workload(seed=3, num_prompts=6)):
             params = SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=40, seed=i, max_tokens=4 + 3 * (i % 4),
                                     ignore_eos=True)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             prepared = llm.engine.prepare(prompt, params)
-            reference = generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True)
+            reference = generate(llm.model, prepared.token_ids, prepared.images, params, keep_logits=True,
+                                 kv_cache_dtype=llm.engine.config.kv_cache_dtype)
             assert out.outputs[0].token_ids == reference.token_ids, f"prompt {i} differs ({on_kernel}/{total} kernel)"
             for step, (ours, theirs) in enumerate(zip(rows[out.request_id], reference.logits, strict=True)):
                 assert torch.equal(ours, theirs), f"prompt {i}, step {step}: logits differ by " \

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from family_checks import (QUANTIZED_PATHS, assert_quantized_engine_tracks_reference, force_quantized_path,
+from family_checks import (ALONE_CASES, assert_quantized_engine_tracks_reference, force_quantized_path,
                            quantized_alone_matches_reference)
 from helpers import assert_engine_matches_reference, random_workload, run_to_completion
 from test_engine import record_logit_rows
@@ -243,8 +243,7 @@ def test_the_engine_matches_its_quantized_reference(ckpt, fmt, setting, monkeypa
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("path", QUANTIZED_PATHS)
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method, path", ALONE_CASES)
 def test_a_quantized_request_alone_is_the_reference_bit_for_bit(ckpt, method, path, monkeypatch):
     quantized_alone_matches_reference(ckpt, method, path, MAX_PIXELS, monkeypatch)
 

@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from family_checks import (LEVERS, QUANTIZED_PATHS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens,
+from family_checks import (ALONE_CASES, LEVERS, chat_cli_answers_as_the_engine, engine_gives_transformers_tokens,
                            expanded_prompt, lever_matches_reference, metric, quantized_alone_matches_reference,
                            real_width_cut_matches_transformers, reference_matches_transformers,
                            split_and_integrated_answers, static_decode_matches_reference)
@@ -129,8 +129,7 @@ def test_each_lever_matches_the_dense_reference(folder, lever, monkeypatch):
     lever_matches_reference(folder, lever, MAX_PIXELS, monkeypatch)
 
 
-@pytest.mark.parametrize("path", QUANTIZED_PATHS)
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method, path", ALONE_CASES)
 def test_a_quantized_request_alone_is_the_reference_bit_for_bit(folder, method, path, monkeypatch):
     quantized_alone_matches_reference(folder, method, path, MAX_PIXELS, monkeypatch)
 
