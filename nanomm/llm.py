@@ -89,13 +89,13 @@ class LLM:
         from nanomm.emulate import EmulatedDevice  # imported only here: the image path never needs it
         from nanomm.emulate import model_folder
 
-        unsupported = {"encoder_url": config.encoder_url, "quantization": config.quantization,
+        unsupported = {"quantization": config.quantization,
                        "a draft model": config.speculative is not None and config.speculative.method == "draft",
                        "device": config.device not in (None, "meta"), "dtype": config.dtype not in (None, "bfloat16")}
         refused = [name for name, given in unsupported.items() if given]
         if refused:
-            raise ValueError(f"emulate={config.emulate!r} serves one integrated engine in bfloat16 on the emulated "
-                             f"GPU; it does not emulate {', '.join(refused)}")
+            raise ValueError(f"emulate={config.emulate!r} serves an engine in bfloat16 on the emulated GPU; it does "
+                             f"not emulate {', '.join(refused)}")
         device = EmulatedDevice.from_value(config.emulate, config.emulate_cost_file, config.kv_cache_dtype)
         if model not in (None, device.model_name):
             raise ValueError(f"emulate={config.emulate!r} serves {device.model_name}; drop the model argument "

@@ -469,7 +469,7 @@ def parse_args(argv=None):
     which.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
     which.add_argument("--demo", action="store_true", help="serve the trained demo model instead of the preset")
     which.add_argument("--emulate", metavar="GPU:MODEL", help="serve on the emulated device, e.g. h200:qwen2-vl-2b "
-                       "(nanomm/emulate: no weights, each step sleeps its cost-model time; integrated only)")
+                       "(nanomm/emulate: no weights, each step sleeps its cost-model time; integrated or 1e1pd)")
     p.add_argument("--instance-threads", type=int, help="torch threads of each instance started here (default: "
                    "torch's, one per core: several instances on one machine then oversubscribe its cores)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -488,9 +488,9 @@ def parse_args(argv=None):
             parse_emulate(args.emulate)
         except ValueError as exc:
             p.error(str(exc))
-        if args.topology != "integrated" or args.url:
-            p.error("--emulate starts one integrated engine on the emulated device (the split roles are not "
-                    "emulated yet)")
+        if args.topology == "1e1p1d" or args.url:
+            p.error("--emulate starts an integrated engine, or 1E1PD, on the emulated device (prefill and decode "
+                    "instances are not emulated)")
     if args.url and args.topology != "integrated":
         p.error("--topology starts servers: it cannot go with --url (point --url at the router instead)")
     return args

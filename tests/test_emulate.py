@@ -197,8 +197,7 @@ def test_the_load_generator_drives_an_emulated_server(tmp_path):
 DRAFT = {"method": "draft", "model": "x", "num_speculative_tokens": 2}
 
 
-@pytest.mark.parametrize("setting, named", [(dict(encoder_url="http://127.0.0.1:1"), "encoder_url"),
-                                            (dict(quantization="int8"), "quantization"),
+@pytest.mark.parametrize("setting, named", [(dict(quantization="int8"), "quantization"),
                                             (dict(speculative=DRAFT), "a draft model"),
                                             (dict(dtype="float32"), "dtype"), (dict(max_model_len=10**7), "max_model")])
 def test_what_the_twin_does_not_emulate_is_refused_by_name(setting, named):
@@ -224,3 +223,34 @@ def test_the_stand_in_answers_by_request_picture_and_seed(slept):
     assert len(long.token_ids) == 600 and long.finish_reason == "length"
     assert not set(long.token_ids) & ({model.image_token_id, model.vision_start_token_id,
                                       model.vision_end_token_id, *model.eos_token_ids} | special)
+
+
+def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
+    """1E1PD on the twin: the engine runs no tower; the service's tower takes the cost model's time; the bytes
+    counted on both sides are the real model's visual tokens (256 tokens x 1536 x 2 bytes a 448x448 picture)
+    while placeholders cross; the answers are the integrated twin's."""
+    from nanomm import demo_checkpoint
+    from nanomm.emulate import EmulatedDevice
+    from nanomm.model.config import ModelConfig
+    from nanomm.serve.encoder_server import EncoderServer
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with LLM(emulate=TWIN) as whole:
+        expected = [o.outputs[0].token_ids for o in whole.chat(chats(2), params, use_tqdm=False)]
+    service = EmulatedDevice.from_value(TWIN).encoder_service(ModelConfig.from_pretrained(demo_checkpoint()),
+                                                              sleep=slept.append)
+    with BackgroundServer(EncoderServer(service, TWIN)) as url, LLM(emulate=TWIN, encoder_url=url) as split:
+        got = [o.outputs[0].token_ids for o in split.chat(chats(2), params, use_tqdm=False)]
+        stats = split.stats()
+        metrics = httpx.get(url + "/metrics").text
+    real_bytes = 2 * 256 * 1536 * 2
+    assert got == expected
+    assert stats["visual_tokens_encoded"] == 0 and len(split.engine.runner.encode_seconds) == 0  # no local tower
+    assert stats["visual_token_bytes_received"] == real_bytes
+    sent = next(line for line in metrics.splitlines()
+                if line.startswith('nanomm_visual_token_transfer_bytes_total{direction="sent"}'))
+    assert float(sent.split()[-1]) == real_bytes
+    assert "nanomm_encoder_visual_tokens_total 512.0" in metrics
+    costs = split.emulated.costs
+    assert service.tower_seconds == [costs.encode_seconds([1024, 1024])]  # both pictures of the step, one call
+    assert costs.transfer_seconds(real_bytes) in slept  # their link time, waited on the engine's side

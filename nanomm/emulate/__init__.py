@@ -15,17 +15,23 @@ What the twin is made of: the model's module tree on PyTorch's meta device (shap
 built from its real config.json (shipped in emulate/models/); the demo model's tokenizer, whose special tokens
 the tree takes over (so its stand-in logits are 619 wide, not 151,936: sampling stays cheap). Prompts are
 therefore counted in the demo tokenizer's tokens, pictures in the real model's visual tokens.
-Nothing on the image path imports this package: `LLM` imports it only when `emulate` is given.
+It serves an integrated engine, an encoder service (`EmulatedDevice.encoder_service`) and an engine that uses one
+(1E1PD): placeholders cross the wire, and both sides count the real visual tokens' bytes; prefill and decode
+instances are not emulated. Nothing on the image path imports this package: `LLM` imports it only when `emulate`
+is given.
 """
 
+import math
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from nanomm.emulate.costs import GPUS, CostModel, Gpu, ModelShape
-from nanomm.emulate.runner import EmulatedRunner, StandInTokens
+from nanomm.emulate.runner import EmulatedRunner, StandInTokens, wire_placeholder
 from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.inputs.compression import VisualTokens
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.model.config import ModelConfig
 
@@ -119,14 +125,39 @@ class EmulatedDevice:
             model = Qwen2VL(twin, name_or_path=f"emulated {self.model_name}")
         return model.to(WEIGHT_DTYPE)
 
-    def make_runner(self, model, kv_cache, block_size: int, encoder_cache, trace) -> EmulatedRunner:
+    def make_runner(self, model, kv_cache, block_size: int, encoder_cache, trace,
+                    remote_encoder=None) -> EmulatedRunner:
         """The engine's runner: this device's costs, the stand-in answers over the twin's vocabulary."""
         config = model.config
         special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
                    config.vision_end_token_id, *config.eos_token_ids}
         stand_in = StandInTokens(config.text.vocab_size, special, config.eos_token_ids[0])
         return EmulatedRunner(model, kv_cache, block_size, encoder_cache, trace, self.costs, stand_in,
-                              config.text.vocab_size)
+                              config.text.vocab_size, remote_encoder)
+
+    def encoder_service(self, demo_config: ModelConfig, max_pixels: int | None = None, sleep=time.sleep):
+        """What `nanomm-serve --role encoder --emulate GPU:MODEL` serves: the real service (its cache, checks and
+        counters) over the twin's model tree and the real model's image processor, its tower taking the cost
+        model's time and sending placeholders, its sent bytes counted as the real visual tokens would weigh (the
+        engine's side waits their link time: `EmulatedRemoteEncoder`)."""
+        from nanomm.serve.encoder_server import EncoderService  # the server extra, only for this role
+
+        image_config = ImageProcessorConfig.from_pretrained(model_folder(self.model_name))
+        if max_pixels is not None:
+            image_config = replace(image_config, max_pixels=max_pixels)
+
+        def tower(images: list) -> list[VisualTokens]:
+            seconds = self.costs.encode_seconds([math.prod(im.grid_thw) for im in images])
+            service.tower_seconds = (service.tower_seconds + [seconds])[-1000:]  # the last calls', for the tests
+            sleep(seconds)
+            return [VisualTokens(wire_placeholder(im.num_tokens), None) for im in images]
+
+        def counted_bytes(answer: bytes, images: list) -> int:
+            return sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
+
+        service = EncoderService(self.twin_model(demo_config), image_config, tower=tower, counted_bytes=counted_bytes)
+        service.tower_seconds = []
+        return service
 
     def size(self, config, image_config) -> tuple:
         """The engine's config with what depends on the model filled in, as `engine.sizing.size_engine` does for a

@@ -22,11 +22,13 @@ from nanomm.emulate.costs import CostModel
 from nanomm.engine.model_runner import ModelRunner, StepLogits, _wants_prompt_logprobs
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.inputs.compression import VisualTokens
+from nanomm.transfer import RemoteEncoder
 
 # The stand-in token's logit above the others' (0): at temperature T another token is drawn with probability about
 # vocab x exp(-30 / T): 6e-11 at T = 1, 2e-4 at T = 2. The runner-up (for when the end of sequence is not allowed
 # yet: min_tokens) sits halfway.
 STAND_IN_MARGIN = 30.0
+WIRE_WIDTH, WIRE_DTYPE = 1, torch.float32  # what crosses instead of (tokens, hidden) in bfloat16
 RECORDED_CALLS = 10_000  # the last calls' assigned times the runner keeps (a server runs for days)
 
 
@@ -60,13 +62,38 @@ class StandInTokens:
         return word, self.ordinary[zlib.crc32(f"{seed}:{position}:2".encode()) % len(self.ordinary)]
 
 
+def wire_placeholder(num_tokens: int) -> torch.Tensor:
+    """What an emulated encoder service sends for a picture's visual tokens: (tokens, 1) zeros."""
+    return torch.zeros(num_tokens, WIRE_WIDTH, dtype=WIRE_DTYPE)
+
+
+class EmulatedRemoteEncoder(RemoteEncoder):
+    """The engine's side of an emulated encoder service: placeholders on the wire; the link's time for the real
+    bytes slept; the real bytes counted as received."""
+
+    def __init__(self, url: str, costs, timeout_s: float, wait):
+        super().__init__(url, WIRE_WIDTH, WIRE_DTYPE, torch.device("cpu"), timeout_s)
+        self.costs, self.wait = costs, wait
+
+    def encode(self, images: list, url: str | None = None) -> list[VisualTokens]:
+        received = self.bytes_received
+        tokens = super().encode(images, url)
+        real = sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
+        self.bytes_received = received + real
+        self.wait(self.costs.transfer_seconds(real))
+        return tokens
+
+
 class EmulatedRunner(ModelRunner):
     """`ModelRunner` whose tower and forward pass take the cost model's time. `step_seconds` and
     `encode_seconds` list what each call was assigned (and `encoded_patches` what each encode was given)."""
 
     def __init__(self, model, kv_cache, block_size: int, encoder_cache, trace, costs: CostModel,
-                 stand_in: StandInTokens, vocab_size: int):
-        super().__init__(model, kv_cache, block_size, encoder_cache, trace)
+                 stand_in: StandInTokens, vocab_size: int, remote_encoder: RemoteEncoder | None = None):
+        """remote_encoder: the engine's, for an emulated encoder service; replaced by one that takes placeholders."""
+        remote = None if remote_encoder is None else EmulatedRemoteEncoder(
+            remote_encoder.url, costs, remote_encoder.timeout_s, self.wait)
+        super().__init__(model, kv_cache, block_size, encoder_cache, trace, remote_encoder=remote)
         self.costs, self.stand_in, self.vocab_size = costs, stand_in, vocab_size
         self.device = torch.device("cpu")  # where the stand-in logits live: the meta model computes nothing
         self.step_seconds = deque(maxlen=RECORDED_CALLS)
@@ -80,7 +107,10 @@ class EmulatedRunner(ModelRunner):
         time.sleep(seconds)
 
     def encode(self, images: list, urls: list) -> list[VisualTokens]:
-        """The tower's time for these pictures, slept; one placeholder row a visual token (never read)."""
+        """The tower's time for these pictures, slept (or the encoder service's answer, and the link's time);
+        visual tokens of the real shape on the meta device (never read)."""
+        if self.remote_encoder is not None:
+            return [VisualTokens(self._placeholder(t.embeds.shape[0]), t.coords) for t in super().encode(images, urls)]
         patches = [math.prod(im.grid_thw) for im in images]
         seconds = self.costs.encode_seconds(patches)
         self.encoded_patches.append(patches)

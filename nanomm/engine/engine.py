@@ -46,8 +46,8 @@ class LLMEngine:
     def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
                  config: EngineConfig, draft_model: Qwen2VL | None = None, make_runner=None):
         """config: with every None resolved (`LLM` does that): max_model_len, num_kv_blocks, max_num_encoder_tokens.
-        make_runner(model, kv_cache, block_size, encoder_cache, trace): another runner behind the seam (the
-        emulated device's, nanomm/emulate); None: the model's own, `ModelRunner`."""
+        make_runner(model, kv_cache, block_size, encoder_cache, trace, remote_encoder): another runner behind the
+        seam (the emulated device's, nanomm/emulate); None: the model's own, `ModelRunner`."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
@@ -72,7 +72,8 @@ class LLMEngine:
             self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                       decode_graphs=graphs, remote_encoder=remote_encoder)
         else:
-            self.runner = make_runner(model, kv_cache, config.block_size, self.encoder_cache, self.trace)
+            self.runner = make_runner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
+                                      remote_encoder)
         self.scheduler = Scheduler(self.block_manager, self.encoder_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
                                    config.enable_chunked_prefill, self.trace)

@@ -391,8 +391,8 @@ def parse_args(argv=None):
     p.add_argument("--allowed-local-media-path", type=Path,
                    help="a folder whose image files requests may name (default: data URLs only)")
     p.add_argument("--emulate", type=_emulate_value, metavar="GPU:MODEL",
-                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; integrated "
-                        "role)")
+                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; the "
+                        "integrated and encoder roles)")
     p.add_argument("--emulate-cost-file", metavar="JSON", help="with --emulate: GPU figures measured on a real GPU")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level ('info' logs every request)")
@@ -415,10 +415,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(stderr=True)
     where = f"http://{args.host}:{args.port}"
-    if args.emulate and (args.role != "integrated" or args.model or args.demo or args.encoder_url or args.device
+    if args.emulate and (args.role not in ("integrated", "encoder") or args.model or args.demo or args.device
                          or args.dtype):
-        raise SystemExit("nanomm-serve --emulate serves one integrated engine and loads no model: drop the model, "
-                         "--demo, --encoder-url, --device, --dtype and --role")
+        raise SystemExit("nanomm-serve --emulate serves an integrated engine (with --encoder-url: 1E1PD) or an "
+                         "encoder and loads no model: drop the model, --demo, --device and --dtype")
     if args.role == "router":
         from nanomm.serve.router import Router
 
@@ -434,7 +434,15 @@ def main(argv=None) -> int:
     if args.role == "encoder":
         from nanomm.serve.encoder_server import EncoderServer, load_encoder
 
-        service = load_encoder(model, args.device, args.dtype, args.max_pixels)
+        if args.emulate:
+            from nanomm.demo import demo_checkpoint
+            from nanomm.emulate import EmulatedDevice
+            from nanomm.model.config import ModelConfig
+
+            device = EmulatedDevice.from_value(args.emulate, args.emulate_cost_file)
+            service = device.encoder_service(ModelConfig.from_pretrained(demo_checkpoint()), args.max_pixels)
+        else:
+            service = load_encoder(model, args.device, args.dtype, args.max_pixels)
         console.print(f"encoding for {name} on {where} (POST /v1/encode)")
         uvicorn.run(EncoderServer(service, name).app, host=args.host, port=args.port, log_level=args.log_level)
         return 0

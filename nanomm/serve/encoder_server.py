@@ -51,8 +51,13 @@ HEX64 = re.compile(r"[0-9a-f]{64}")
 class EncoderService:
     """The vision tower, its cache and its counters; `encode(body) -> body`, one call at a time."""
 
-    def __init__(self, model, image_config: ImageProcessorConfig, cache_tokens: int = 65536):
+    def __init__(self, model, image_config: ImageProcessorConfig, cache_tokens: int = 65536, tower=None,
+                 counted_bytes=None):
+        """tower(images) -> visual tokens, and counted_bytes(answer, images) -> what /metrics counts as sent: the
+        model's own tower and the answer's length unless given (the emulated device gives both: nanomm/emulate)."""
         self.model, self.image_config = model, image_config
+        self.tower = tower or (lambda images: encode_visual_tokens(self.model, images))
+        self.counted_bytes = counted_bytes or (lambda answer, images: len(answer))
         self.model_identity = f"{model.name_or_path}:{model.dtype}"  # as the engine names it (engine.py)
         self.cache = EncoderCache(cache_tokens)
         self._lock = threading.Lock()
@@ -73,7 +78,7 @@ class EncoderService:
             missing = {k: im for k, im in zip(keys, images) if self.cache.lookup(k) is None}
             start = time.perf_counter()
             if missing:
-                for key, tokens in zip(missing, encode_visual_tokens(self.model, list(missing.values()))):
+                for key, tokens in zip(missing, self.tower(list(missing.values()))):
                     self.cache.add(key, tokens.embeds, tokens.coords)
                 self.encode_seconds.observe(time.perf_counter() - start)
             tensors = {}
@@ -87,7 +92,7 @@ class EncoderService:
         self.images.labels(cache="hit").inc(len(images) - len(missing))
         self.images.labels(cache="miss").inc(len(missing))
         answer = pack(tensors, {"encoded_images": len(missing)})
-        self.transfer_bytes.labels(direction="sent").inc(len(answer))
+        self.transfer_bytes.labels(direction="sent").inc(self.counted_bytes(answer, images))
         return answer
 
     def read_request(self, body: bytes) -> list[ProcessedImage]:
