@@ -24,7 +24,6 @@ from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
-from nanomm.model.config import ModelConfig
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
 from nanomm.planner import Plan, Workload, make_plan, plan_lines
@@ -87,7 +86,6 @@ class LLM:
         GPU, the emulated device's runner behind the engine's seam. Checked before anything starts."""
         from nanomm.demo import demo_checkpoint  # the twin's tokenizer
         from nanomm.emulate import EmulatedDevice  # imported only here: the image path never needs it
-        from nanomm.emulate import model_folder
 
         unsupported = {"quantization": config.quantization,
                        "a draft model": config.speculative is not None and config.speculative.method == "draft",
@@ -100,16 +98,14 @@ class LLM:
         if model not in (None, device.model_name):
             raise ValueError(f"emulate={config.emulate!r} serves {device.model_name}; drop the model argument "
                              f"{model!r} or name the same one")
-        demo = demo_checkpoint()
-        self.model = device.twin_model(ModelConfig.from_pretrained(demo))
+        self.model = device.twin_model()
         self.draft_model, self.model_name, self.emulated = None, device.model_name, device
         self.tokenizer = Tokenizer.from_pretrained(
-            demo, image_token_id=self.model.config.image_token_id,
+            demo_checkpoint(), image_token_id=self.model.config.image_token_id,
             vision_start_token_id=self.model.config.vision_start_token_id,
             vision_end_token_id=self.model.config.vision_end_token_id)
-        image_config = ImageProcessorConfig.from_pretrained(model_folder(device.model_name))
         pixel_cap = {k: getattr(config, k) for k in ("min_pixels", "max_pixels") if getattr(config, k) is not None}
-        self.image_config = replace(image_config, **pixel_cap)
+        self.image_config = replace(device.image_config, **pixel_cap)
         self.default_sampling_params = SamplingParams()
         config = replace(config, device="meta", dtype="bfloat16")
         config, self.memory = device.size(config, self.image_config)

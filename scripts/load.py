@@ -282,15 +282,13 @@ def server_command(port: int, role_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
 
 
-def topology_commands(topology: str, checkpoint: "Path | str", model: str, extra: list[str],
+def topology_commands(topology: str, model_args: list[str], model: str, extra: list[str],
                       peer_timeout_s: float = 600.0) -> tuple[dict[str, list[str]], str]:
-    """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. `extra` goes
-    to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree).
-    checkpoint: a folder, or "emulate:GPU:MODEL" for an engine on the emulated device (nanomm/emulate)."""
+    """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. model_args: what
+    names the model to nanomm-serve (a checkpoint folder, or `--emulate GPU:MODEL`). `extra` goes to every
+    instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
     ports = {role: free_local_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
-    source = str(checkpoint)
-    model_args = ["--emulate", source.removeprefix("emulate:")] if source.startswith("emulate:") else [source]
     served = [*model_args, "--served-model-name", model, *extra]
     if topology == "integrated":
         return {"integrated": server_command(ports["integrated"], served)}, "integrated"
@@ -357,7 +355,7 @@ def stop_servers(started: dict[str, tuple]) -> None:
 
 def start_server(checkpoint: Path, model: str, extra: list[str], log) -> tuple[subprocess.Popen, str]:
     """One integrated nanomm-serve as its own process on 127.0.0.1; returns once /health answers."""
-    commands, front = topology_commands("integrated", checkpoint, model, extra)
+    commands, front = topology_commands("integrated", [str(checkpoint)], model, extra)
     return start_servers(commands, log)[front]
 
 
@@ -506,13 +504,13 @@ def main(argv=None) -> int:
     role_urls = {f"metrics {i + 1}": u for i, u in enumerate(args.metrics_url)}
     if url is None:
         if args.emulate:
-            checkpoint = f"emulate:{args.emulate}"
+            model_args = ["--emulate", args.emulate]
         elif args.demo:
             from nanomm import demo_checkpoint
-            checkpoint = demo_checkpoint()
+            model_args = [str(demo_checkpoint())]
         else:
-            checkpoint = load_checkpoint(args, print)
-        commands, front = topology_commands(args.topology, checkpoint, args.model,
+            model_args = [str(load_checkpoint(args, print))]
+        commands, front = topology_commands(args.topology, model_args, args.model,
                                             [a for s in args.server_arg for a in shlex.split(s)])
         started = start_servers(commands, print, threads=args.instance_threads)
         role_urls = {role: u for role, (_, u) in started.items() if role != "router"}

@@ -229,16 +229,13 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     """1E1PD on the twin: the engine runs no tower; the service's tower takes the cost model's time; the bytes
     counted on both sides are the real model's visual tokens (256 tokens x 1536 x 2 bytes a 448x448 picture)
     while placeholders cross; the answers are the integrated twin's."""
-    from nanomm import demo_checkpoint
     from nanomm.emulate import EmulatedDevice
-    from nanomm.model.config import ModelConfig
     from nanomm.serve.encoder_server import EncoderServer
 
     params = SamplingParams(temperature=0, max_tokens=6)
     with LLM(emulate=TWIN) as whole:
         expected = [o.outputs[0].token_ids for o in whole.chat(chats(2), params, use_tqdm=False)]
-    service = EmulatedDevice.from_value(TWIN).encoder_service(ModelConfig.from_pretrained(demo_checkpoint()),
-                                                              sleep=slept.append)
+    service = EmulatedDevice.from_value(TWIN).encoder_service(sleep=slept.append)
     with BackgroundServer(EncoderServer(service, TWIN)) as url, LLM(emulate=TWIN, encoder_url=url) as split:
         got = [o.outputs[0].token_ids for o in split.chat(chats(2), params, use_tqdm=False)]
         stats = split.stats()

@@ -30,7 +30,7 @@ import torch
 
 from nanomm.emulate.costs import GPUS, CostModel, Gpu, ModelShape
 from nanomm.emulate.runner import EmulatedRunner, StandInTokens, wire_placeholder
-from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.engine.sizing import context_and_token_budget, kv_bytes_per_token, sized_config
 from nanomm.inputs.compression import VisualTokens
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.model.config import ModelConfig
@@ -102,20 +102,23 @@ class EmulatedDevice:
     gpu: Gpu
     model_name: str
     config: ModelConfig  # the real model's
+    image_config: ImageProcessorConfig  # the real model's, at its own pixel cap
     costs: CostModel
 
     @classmethod
     def from_value(cls, value: str, cost_file: str | None = None, kv_cache_dtype: str = "auto") -> "EmulatedDevice":
         gpu, model = parse_emulate(value)
-        config, _ = load_configs(model)
+        config, image_config = load_configs(model)
         costs = CostModel(GPUS[gpu], model_shape(config, kv_cache_dtype))
-        return cls(GPUS[gpu], model, config, costs.with_cost_file(cost_file) if cost_file else costs)
+        return cls(GPUS[gpu], model, config, image_config, costs.with_cost_file(cost_file) if cost_file else costs)
 
-    def twin_model(self, demo_config: ModelConfig):
+    def twin_model(self):
         """The real model's module tree on the meta device, with the demo tokenizer's vocabulary and special
         tokens (the only part of the model the engine reads is its config)."""
+        from nanomm.demo import demo_checkpoint
         from nanomm.model.qwen2_vl import Qwen2VL
 
+        demo_config = ModelConfig.from_pretrained(demo_checkpoint())
         twin = replace(self.config, text=replace(self.config.text, vocab_size=demo_config.text.vocab_size),
                        image_token_id=demo_config.image_token_id, video_token_id=demo_config.video_token_id,
                        vision_start_token_id=demo_config.vision_start_token_id,
@@ -135,16 +138,14 @@ class EmulatedDevice:
         return EmulatedRunner(model, kv_cache, block_size, encoder_cache, trace, self.costs, stand_in,
                               config.text.vocab_size, remote_encoder)
 
-    def encoder_service(self, demo_config: ModelConfig, max_pixels: int | None = None, sleep=time.sleep):
+    def encoder_service(self, max_pixels: int | None = None, sleep=time.sleep):
         """What `nanomm-serve --role encoder --emulate GPU:MODEL` serves: the real service (its cache, checks and
         counters) over the twin's model tree and the real model's image processor, its tower taking the cost
         model's time and sending placeholders, its sent bytes counted as the real visual tokens would weigh (the
         engine's side waits their link time: `EmulatedRemoteEncoder`)."""
         from nanomm.serve.encoder_server import EncoderService  # the server extra, only for this role
 
-        image_config = ImageProcessorConfig.from_pretrained(model_folder(self.model_name))
-        if max_pixels is not None:
-            image_config = replace(image_config, max_pixels=max_pixels)
+        image_config = self.image_config if max_pixels is None else replace(self.image_config, max_pixels=max_pixels)
 
         def tower(images: list) -> list[VisualTokens]:
             seconds = self.costs.encode_seconds([math.prod(im.grid_thw) for im in images])
@@ -155,7 +156,7 @@ class EmulatedDevice:
         def counted_bytes(answer: bytes, images: list) -> int:
             return sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
 
-        service = EncoderService(self.twin_model(demo_config), image_config, tower=tower, counted_bytes=counted_bytes)
+        service = EncoderService(self.twin_model(), image_config, tower=tower, counted_bytes=counted_bytes)
         service.tower_seconds = []
         return service
 
@@ -165,13 +166,7 @@ class EmulatedDevice:
         reserve estimated rather than profiled). Returns (that config, the memory split for stats())."""
         from nanomm.planner import make_plan
 
-        limit = self.config.text.max_position_embeddings
-        max_model_len = config.max_model_len or limit
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} is beyond {self.model_name}'s max_position_embeddings="
-                             f"{limit}")
-        token_budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
-            max(config.max_num_batched_tokens, max_model_len)
+        max_model_len, token_budget = context_and_token_budget(config, self.config.text.max_position_embeddings)
         plan = make_plan(self.config, image_config, model=self.model_name, dtype=str(WEIGHT_DTYPE).split(".")[1],
                          kv_dtype=config.kv_cache_dtype, block_size=config.block_size,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
@@ -179,9 +174,7 @@ class EmulatedDevice:
                          kv_cache_memory_gib=config.kv_cache_memory_gib, num_kv_blocks=config.num_kv_blocks,
                          visual_token_compression=config.visual_token_compression, alternatives=False,
                          cuda_graphs=not config.enforce_eager, max_seq_len_to_capture=config.max_seq_len_to_capture)
-        sized = replace(config, max_model_len=max_model_len, num_kv_blocks=plan.num_kv_blocks,
-                        max_num_batched_tokens=token_budget,
-                        max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget)
+        sized = sized_config(config, max_model_len, token_budget, plan.num_kv_blocks)
         memory = {"kv_budget_rule": plan.budget_rule, "kv_budget_bytes": plan.kv_budget_bytes,
                   "emulated_gpu": self.gpu.name, "emulated_model": self.model_name}
         return sized, memory

@@ -205,13 +205,7 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig, profil
     imports nothing from accel/ that imports the engine back). Returns (that config, how the memory was split: a
     dict for `LLM.stats()`)."""
     model = models[0]
-    limit = model.config.text.max_position_embeddings
-    max_model_len = config.max_model_len or limit
-    if max_model_len > limit:  # positions past the trained range: the model was never taught them
-        raise ValueError(f"max_model_len={max_model_len} is beyond this model's max_position_embeddings={limit}")
-    token_budget = config.max_num_batched_tokens
-    if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
-        token_budget = max(token_budget, max_model_len)
+    max_model_len, token_budget = context_and_token_budget(config, model.config.text.max_position_embeddings)
     memory, num_kv_blocks = {}, config.num_kv_blocks
     if num_kv_blocks is None:
         per_block = config.block_size * sum(
@@ -222,9 +216,25 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig, profil
         if num_kv_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise "
                              "gpu_memory_utilization")
+    return sized_config(config, max_model_len, token_budget, num_kv_blocks), memory
+
+
+def context_and_token_budget(config, limit: int) -> tuple[int, int]:
+    """(max_model_len, tokens a step) of an engine whose model knows `limit` positions."""
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:  # positions past the trained range: the model was never taught them
+        raise ValueError(f"max_model_len={max_model_len} is beyond this model's max_position_embeddings={limit}")
+    token_budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:  # every prompt must fit one step, as in vLLM
+        token_budget = max(token_budget, max_model_len)
+    return max_model_len, token_budget
+
+
+def sized_config(config, max_model_len: int, token_budget: int, num_kv_blocks: int):
+    """The config with its sizes filled in (the encoder's budget defaults to the step's)."""
     return replace(config, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
                    max_num_batched_tokens=token_budget,
-                   max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget), memory
+                   max_num_encoder_tokens=config.max_num_encoder_tokens or token_budget)
 
 
 def _kv_budget(config, model, image_config: ImageProcessorConfig, max_model_len: int, token_budget: int,

@@ -435,12 +435,9 @@ def main(argv=None) -> int:
         from nanomm.serve.encoder_server import EncoderServer, load_encoder
 
         if args.emulate:
-            from nanomm.demo import demo_checkpoint
             from nanomm.emulate import EmulatedDevice
-            from nanomm.model.config import ModelConfig
 
-            device = EmulatedDevice.from_value(args.emulate, args.emulate_cost_file)
-            service = device.encoder_service(ModelConfig.from_pretrained(demo_checkpoint()), args.max_pixels)
+            service = EmulatedDevice.from_value(args.emulate, args.emulate_cost_file).encoder_service(args.max_pixels)
         else:
             service = load_encoder(model, args.device, args.dtype, args.max_pixels)
         console.print(f"encoding for {name} on {where} (POST /v1/encode)")
