@@ -159,6 +159,13 @@ class RemoteEncoder:
 # -- the KV connector --------------------------------------------------------------------------------------------
 
 class KVConnector(ABC):
+    """Both ends of a KV transfer: the prefill instance's body (`export`), the decode instance's `pull`."""
+
+    def export(self, tensors: dict[str, torch.Tensor], from_token: int, num_tokens: int) -> tuple[bytes, int]:
+        """The body a parked request's KV leaves in, and the bytes it counts as sent."""
+        body = pack(tensors, {"from_token": from_token, "num_tokens": num_tokens})
+        return body, len(body)
+
     @abstractmethod
     def pull(self, remote_url: str, transfer_id: str, from_token: int, num_tokens: int,
              layout: dict[str, tuple[torch.dtype, tuple]]) -> tuple[dict[str, torch.Tensor], int]:

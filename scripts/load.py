@@ -23,9 +23,9 @@ new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos)
 
 Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.app`), so that
 the load generator and the engines do not share an interpreter, on free ports of 127.0.0.1; `--topology` says
-which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower) or
-`1e1p1d` (an encoder, a prefill and a decode instance behind the router, which takes the load). All of them
-are stopped at the end. Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
+which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower),
+`1e1p1d` or `1e2p1d` (an encoder, one or two prefill instances and a decode instance behind the router, which
+takes the load). All of them are stopped at the end. Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
 timing. The JSON holds every request as the client saw it (`records`), so a run can be replayed elsewhere
 (the simulator in lesson 13 replays them).
 """
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
@@ -79,6 +80,8 @@ class RequestRecord:
     visual_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # prompt positions the server's prefix cache held
+    body_bytes: int = 0  # the request's JSON body
 
     @property
     def ttft_s(self) -> float | None:
@@ -117,18 +120,29 @@ def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]
     return times
 
 
-def image_data_url(width: int, height: int, seed: int, kind: str = "JPEG") -> str:
-    """A new random picture as a data URL: JPEG (quality 90) or PNG."""
+def smooth_image(width: int, height: int, seed: int) -> Image.Image:
+    """Random colours 32 pixels apart, blended between: every picture new, its JPEG the size of a photo's
+    (about 0.13 bytes a pixel at quality 90, where noise takes 0.9)."""
+    rng = random.Random(seed)
+    small = (max(1, width // 32), max(1, height // 32))
+    coarse = Image.frombytes("RGB", small, rng.randbytes(small[0] * small[1] * 3))
+    return coarse.resize((width, height), Image.BILINEAR)
+
+
+PICTURES = {"noise": random_image, "smooth": smooth_image}  # --pictures: what each picture is made of
+
+
+def image_data_url(width: int, height: int, seed: int, kind: str = "JPEG", pictures: str = "noise") -> str:
+    """A new random picture as a data URL: JPEG (quality 90) or PNG, of noise or smooth."""
     buffer = io.BytesIO()
-    random_image(width, height, seed).save(buffer, kind, **({"quality": 90} if kind == "JPEG" else {}))
+    PICTURES[pictures](width, height, seed).save(buffer, kind, **({"quality": 90} if kind == "JPEG" else {}))
     return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: int) -> dict:
+def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: int, pictures: str = "noise") -> dict:
     """A streamed chat request: the entry's images (new pictures) and a short question of random words."""
-    images = [{"type": "image_url", "image_url": {"url": image_data_url(entry.width, entry.height,
-                                                                        rng.randrange(2**31))}}
-              for _ in range(entry.num_images)]
+    images = [{"type": "image_url", "image_url": {"url": image_data_url(
+        entry.width, entry.height, rng.randrange(2**31), pictures=pictures)}} for _ in range(entry.num_images)]
     question = " ".join(rng.choice(WORDS) for _ in range(12))
     return {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "messages": [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]}
@@ -156,6 +170,7 @@ async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, c
                     usage = chunk["usage"]
                     record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
                     record.visual_tokens = usage.get("visual_tokens", 0)
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             record.finished_at = clock()
             if record.first_token_at is None or not record.completion_tokens:
                 record.error = "the stream ended without a token or without its usage chunk"
@@ -164,19 +179,24 @@ async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, c
 
 
 async def run_load(url: str, model: str, mix: list[MixEntry], rate: float, num_requests: int, max_tokens: int,
-                   seed: int, content_seed: int, timeout_s: float = 600.0) -> list[RequestRecord]:
+                   seed: int, content_seed: int, timeout_s: float = 600.0, on_start=None,
+                   pictures: str = "noise") -> list[RequestRecord]:
     """Open-loop load: every request is sent on its Poisson schedule, answered or not. Bodies are made first,
     so that encoding pictures on the client does not delay the schedule. `seed` draws the arrival gaps (one
-    seed at every rate: the same pattern, squeezed); `content_seed` the mix entries, pictures and words."""
+    seed at every rate: the same pattern, squeezed); `content_seed` the mix entries, pictures and words.
+    on_start(): called once the bodies are made, as the first request is due (where a CPU count starts)."""
     arrivals = poisson_arrivals(rate, num_requests, random.Random(seed))  # one seed: the same gaps, scaled
     rng = random.Random(content_seed)
     entries = rng.choices(mix, weights=[e.weight for e in mix], k=num_requests)
-    bodies = [request_body(e, rng, model, max_tokens) for e in entries]
-    records = [RequestRecord(t, e.num_images) for t, e in zip(arrivals, entries)]
+    bodies = [request_body(e, rng, model, max_tokens, pictures) for e in entries]
+    records = [RequestRecord(t, e.num_images, body_bytes=len(json.dumps(b))) for t, e, b in
+               zip(arrivals, entries, bodies)]
     # A fresh connection per request, as from independent users: a kept-alive connection that the server closes
     # for idleness (uvicorn: after 5 s) just as a request goes out on it fails that request (a ReadError).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+        if on_start is not None:
+            on_start()
         start = time.monotonic()
 
         def clock():
@@ -275,7 +295,7 @@ def mean_stages(before: dict, after: dict) -> dict[str, float]:
     return means
 
 
-TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d")
+TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d", "1e2p1d")  # 1eNp1d: N prefill instances
 
 
 def server_command(port: int, role_args: list[str]) -> list[str]:
@@ -287,7 +307,9 @@ def topology_commands(topology: str, model_args: list[str], model: str, extra: l
     """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. model_args: what
     names the model to nanomm-serve (a checkpoint folder, or `--emulate GPU:MODEL`). `extra` goes to every
     instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
-    ports = {role: free_local_port() for role in ("encoder", "prefill", "decode", "router", "integrated")}
+    num_prefills = int(topology[2]) if topology.endswith("p1d") else 0
+    prefills = [f"prefill {i + 1}" if num_prefills > 1 else "prefill" for i in range(num_prefills)]
+    ports = {role: free_local_port() for role in ("encoder", *prefills, "decode", "router", "integrated")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     served = [*model_args, "--served-model-name", model, *extra]
     if topology == "integrated":
@@ -296,12 +318,13 @@ def topology_commands(topology: str, model_args: list[str], model: str, extra: l
     if topology == "1e1pd":  # one engine whose images go to the encoder service
         return {"encoder": encoder, "lm": server_command(
             ports["integrated"], [*served, "--encoder-url", url["encoder"]])}, "lm"
+    prefill_urls = [a for role in prefills for a in ("--prefill-url", url[role])]
     return {"encoder": encoder,
-            "prefill": server_command(ports["prefill"],
-                                      [*served, "--role", "prefill", "--encoder-url", url["encoder"]]),
+            **{role: server_command(ports[role], [*served, "--role", "prefill", "--encoder-url", url["encoder"]])
+               for role in prefills},
             "decode": server_command(ports["decode"], [*served, "--role", "decode"]),
             "router": server_command(ports["router"], [
-                "--role", "router", "--encoder-url", url["encoder"], "--prefill-url", url["prefill"],
+                "--role", "router", "--encoder-url", url["encoder"], *prefill_urls,
                 "--decode-url", url["decode"], "--peer-timeout", str(peer_timeout_s)])}, "router"
 
 
@@ -368,6 +391,8 @@ def report_line(s: dict) -> str:
         f"{what.split()[0]} {v:,.0f}" for what, v in moved.items() if v)
     other = s.get("other_cpu_share")
     other = "" if other is None or other < 0.05 else f" [other processes used {other:.0%} of the CPU: noisy]"
+    cluster = s.get("cluster_cpu_share")
+    other += "" if cluster is None else f", load + servers used {cluster:.0%} of the CPU"
     return (f"rate {s['rate']:g} req/s (arrived at {s['arrival_rate']:.2f}): {s['completed']}/{s['requests']} "
             f"done, TTFT p50/p95/p99 {ttft} ms, TPOT p50 {tpot} ms, goodput {s['goodput_rps']:.2f} req/s "
             f"({s['slo_attainment']:.0%} within SLO), visual tokens/s offered {s['offered_visual_tokens_per_s']:,.0f}, "
@@ -415,6 +440,14 @@ def other_cpu_share(before, after, wall_s: float) -> float | None:
     return max(0.0, other) / (wall_s * (os.cpu_count() or 1))
 
 
+def cluster_cpu_share(before, after, wall_s: float) -> float | None:
+    """The share of the machine's CPU time that the load generator and the servers it started used in a run
+    (their user and system time over the run's wall time x the cores)."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return (after[1] - before[1]) / (wall_s * (os.cpu_count() or 1))
+
+
 def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
           pids: list[int] | None = None) -> list[dict]:
     """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
@@ -427,11 +460,16 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
     for i, rate in enumerate(args.rate):
         before = ttft_stage_sums(stages_url)
         moved_before = {role: transfer_bytes(u) for role, u in role_urls.items()}
-        cpu_before, start = cpu_seconds([os.getpid(), *(pids or [])]), time.monotonic()
+        window = {}
+
+        def start_counting():  # once the bodies are made: the CPU the run itself takes
+            window["cpu"], window["start"] = cpu_seconds([os.getpid(), *(pids or [])]), time.monotonic()
+
         records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
-                                       seed=args.seed, content_seed=args.seed + 1 + i))  # new pictures per rate
-        wall_s = time.monotonic() - start
-        cpu_after = cpu_seconds([os.getpid(), *(pids or [])])
+                                       seed=args.seed, content_seed=args.seed + 1 + i,  # new pictures per rate
+                                       on_start=start_counting, pictures=args.pictures))
+        wall_s = time.monotonic() - window["start"]
+        cpu_before, cpu_after = window["cpu"], cpu_seconds([os.getpid(), *(pids or [])])
         summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
         summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(stages_url))
         moved = transfer_delta(role_urls, moved_before)
@@ -440,6 +478,7 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
             what: sum(v.get(what, 0.0) for v in moved.values()) / max(1, summary["completed"])
             for what in ("visual received", "kv received")}
         summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
+        summary["cluster_cpu_share"] = cluster_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
         summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))
         results.append(summary)
@@ -452,6 +491,8 @@ def parse_args(argv=None):
     p.add_argument("--mix", default="thumbnails", help=f"{', '.join(MIXES)}, or COUNTxWIDTHxHEIGHT:WEIGHT,...")
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
+    p.add_argument("--pictures", default="noise", choices=PICTURES, help="noise (the largest JPEGs: the worst "
+                   "case for the host) or smooth (a photo's JPEG size)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="the TTFT SLO for goodput (s)")
     p.add_argument("--slo-tpot", type=float, help="a TPOT SLO (s): goodput counts requests within both SLOs")
     p.add_argument("--seed", type=int, default=0)
@@ -467,7 +508,7 @@ def parse_args(argv=None):
     which.add_argument("--checkpoint", help="serve this checkpoint folder instead of the preset")
     which.add_argument("--demo", action="store_true", help="serve the trained demo model instead of the preset")
     which.add_argument("--emulate", metavar="GPU:MODEL", help="serve on the emulated device, e.g. h200:qwen2-vl-2b "
-                       "(nanomm/emulate: no weights, each step sleeps its cost-model time; integrated or 1e1pd)")
+                       "(nanomm/emulate: no weights, each step sleeps its cost-model time; every topology)")
     p.add_argument("--instance-threads", type=int, help="torch threads of each instance started here (default: "
                    "torch's, one per core: several instances on one machine then oversubscribe its cores)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -486,9 +527,8 @@ def parse_args(argv=None):
             parse_emulate(args.emulate)
         except ValueError as exc:
             p.error(str(exc))
-        if args.topology == "1e1p1d" or args.url:
-            p.error("--emulate starts an integrated engine, or 1E1PD, on the emulated device (prefill and decode "
-                    "instances are not emulated)")
+        if args.url:
+            p.error("--emulate starts the --topology here on the emulated device: it cannot go with --url")
     if args.url and args.topology != "integrated":
         p.error("--topology starts servers: it cannot go with --url (point --url at the router instead)")
     return args
@@ -529,7 +569,8 @@ def main(argv=None) -> int:
                                                    mix_entries=[asdict(e) for e in parse_mix(args.mix)],
                                                    topology=args.topology if args.url is None else None,
                                                    instance_threads=args.instance_threads,
-                                                   max_tokens=args.max_tokens, results=results), indent=1))
+                                                   max_tokens=args.max_tokens, pictures=args.pictures,
+                                                   results=results), indent=1))
     return 0 if all(r["errors"] == 0 for r in results) else 1
 
 

@@ -3,6 +3,7 @@ an engine with an encoder service runs no tower (transfer.py). The oracle is one
 engine, and the dense reference behind it: the same token ids and the same logprobs, whatever the split.
 The real processes, the router and the faults across processes are tests/test_disagg_processes.py."""
 
+import io
 import json
 import shutil
 import socket
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import chat_prompt, random_image, random_workload, reference_tokens, run_to_completion
+from helpers import chat_prompt, data_url, random_image, random_workload, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.engine.handoff import Handoff, decode_generator, kv_layout
 from nanomm.errors import PeerError
@@ -312,3 +313,104 @@ def test_a_router_with_an_empty_pool_answers_503_at_once():
     with BackgroundServer(Router([], [], [])) as url:
         answer = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=5)
     assert answer.status_code == 503 and "no prefill instance" in answer.json()["error"]["message"]
+
+
+class RecordedBodies:
+    """An ASGI app that hands every request on to `app` and keeps the bytes of each HTTP request's body."""
+
+    def __init__(self, app):
+        self.app, self.bodies = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = bytearray()
+
+        async def recording_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                body.extend(message.get("body", b""))
+                if not message.get("more_body"):
+                    self.bodies.append(bytes(body))
+            return message
+
+        await self.app(scope, recording_receive, send)
+
+
+def answer_of(url: str, path: str, body: dict) -> dict:
+    """One request's answer, streamed or not: its text, tokens, their logprobs, finish reason and usage."""
+    reply = httpx.post(url + path, json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    if body.get("stream"):
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    else:
+        chunks = [reply.json()]
+    text, tokens, logprobs, finish = "", [], [], None
+    for choice in (c for chunk in chunks for c in chunk["choices"]):
+        message = choice.get("message") or choice.get("delta") or {}
+        text += message.get("content") or choice.get("text") or ""
+        entries = choice["logprobs"] or {}
+        if "content" in entries:  # chat's logprobs
+            tokens += [e["token"] for e in entries["content"]]
+            logprobs += [e["logprob"] for e in entries["content"]]
+        else:  # /v1/completions'
+            tokens += entries.get("tokens", [])
+            logprobs += entries.get("token_logprobs", [])
+        finish = choice["finish_reason"] or finish
+    usage = chunks[-1]["usage"]
+    return {"text": text, "tokens": tokens, "logprobs": logprobs, "finish": finish,
+            "usage": [usage[k] for k in ("prompt_tokens", "completion_tokens", "visual_tokens")]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_router_sends_the_decode_instance_no_pictures_and_it_answers_as_one_engine(ckpt, stream):
+    """Hop 2 carries the sampling fields and the handoff, not the messages (their pictures) or the prompt; the
+    decode instance answers from them alone, as the integrated server answers the whole body."""
+    buffer = io.BytesIO()
+    random_image(112, 84, 8).save(buffer, "PNG")
+    picture = data_url(buffer.getvalue())
+    sampling = {"model": "m", "max_tokens": 6, "temperature": 1.0, "seed": 5, "ignore_eos": True, "stream": stream}
+    requests = {"/v1/chat/completions": {**sampling, "logprobs": True, "top_logprobs": 2, "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                 {"type": "text", "text": "what is it"}]}]},
+                "/v1/completions": {**sampling, "logprobs": 2, "prompt": "the cat sat on the mat"}}
+    decode = Server(make_llm(ckpt), ServerConfig("m", role="decode"))
+    decode.app = received = RecordedBodies(decode.app)
+    with BackgroundServer(Server(make_llm(ckpt), ServerConfig("m"))) as whole_url, \
+            BackgroundServer(Server(make_llm(ckpt), ServerConfig("m", role="prefill"))) as prefill_url, \
+            BackgroundServer(decode) as decode_url, \
+            BackgroundServer(Router([], [prefill_url], [decode_url])) as router_url:
+        for path, body in requests.items():
+            whole, split = answer_of(whole_url, path, body), answer_of(router_url, path, body)
+            assert split["logprobs"] == pytest.approx(whole["logprobs"], abs=1e-5), path
+            del split["logprobs"], whole["logprobs"]
+            assert split == whole and len(whole["tokens"]) == 6 and whole["finish"] == "length", path
+    assert len(received.bodies) == 2 and all(len(raw) < len(picture) for raw in received.bodies)
+    for raw, client_body in zip(received.bodies, requests.values()):
+        sent = json.loads(raw)
+        assert "messages" not in sent and "prompt" not in sent and "transfer_id" in sent["kv_transfer_params"]
+        assert {k: v for k, v in sent.items() if k != "kv_transfer_params"} == \
+            {k: v for k, v in client_body.items() if k not in ("messages", "prompt")}
+
+
+def test_a_decode_instance_checks_a_continuations_fields_and_handoff_and_only_it_takes_one(ckpt):
+    """A body with a handoff and no messages: its fields are checked as any request's (an unknown one named), its
+    handoff as before; an instance of another role still refuses a handoff."""
+    handoff = {"kv_transfer_params": {"transfer_id": "t"}, "max_tokens": 2}
+    prompts = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+               "/v1/completions": {"prompt": "hi"}}
+    with BackgroundServer(Server(make_llm(ckpt), ServerConfig("m", role="decode"))) as decode_url, \
+            BackgroundServer(Server(make_llm(ckpt), ServerConfig("m"))) as whole_url:
+        for path, prompt in prompts.items():
+            instruction = {**prompt, "kv_transfer_params": {"do_remote_decode": True}}
+            cases = [(decode_url, {**handoff, "tools": []}, "['tools']"),
+                     (decode_url, {**handoff, "temperature": -1}, "temperature"),
+                     (decode_url, handoff, "not a handoff from a nanomm prefill instance"),
+                     (decode_url, {**handoff, **prompt}, "not a handoff from a nanomm prefill instance"),
+                     (decode_url, instruction, "only a prefill instance hands off"),
+                     (decode_url, {k: v for k, v in instruction.items() if k not in prompt}, "non-empty"),
+                     (whole_url, handoff, "only a decode instance takes a handoff")]
+            for url, body, words in cases:
+                answer = httpx.post(url + path, json=body, timeout=30)
+                assert answer.status_code == 400 and words in answer.json()["error"]["message"], (path, answer.text)

@@ -251,3 +251,52 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     costs = split.emulated.costs
     assert service.tower_seconds == [costs.encode_seconds([1024, 1024])]  # both pictures of the step, one call
     assert costs.transfer_seconds(real_bytes) in slept  # their link time, waited on the engine's side
+
+
+
+def data_url_of(picture: Image.Image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_1e1p1d_handoff_on_the_twin_moves_the_real_model_s_bytes(monkeypatch):
+    """Encoder, prefill and decode instances of the twin behind the real router: the answer is the integrated
+    twin's; /metrics of each side counts the bytes qwen2-vl-2b's tensors would take (visual tokens 256 x 1536 x 2,
+    KV 28 layers x 2 x 2 heads x 128 x 2 a position) while placeholders cross; the decode side sleeps the KV's
+    link time; the prefill instance's blocks go back to its pool."""
+    from family_checks import metric
+    from nanomm.emulate import EmulatedDevice
+    from nanomm.emulate.runner import EmulatedKVConnector
+    from nanomm.serve.encoder_server import EncoderServer
+    from nanomm.serve.router import Router
+
+    link_waits = []
+    monkeypatch.setattr(EmulatedKVConnector, "wait", lambda connector, s: link_waits.append(s))
+    monkeypatch.setattr(EmulatedRunner, "wait", lambda runner, s: None)
+    chat = {"model": TWIN, "max_tokens": 6, "temperature": 0.0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url_of(Image.new("RGB", (448, 448), "red"))}},
+        {"type": "text", "text": "what is it"}]}]}
+    service = EmulatedDevice.from_value(TWIN).encoder_service(sleep=lambda s: None)
+    with LLM(emulate=TWIN) as whole_llm, BackgroundServer(Server(whole_llm, ServerConfig(TWIN))) as whole_url, \
+            BackgroundServer(EncoderServer(service, TWIN)) as encoder_url, \
+            LLM(emulate=TWIN, encoder_url=encoder_url) as prefill, LLM(emulate=TWIN) as decode, \
+            BackgroundServer(Server(prefill, ServerConfig(TWIN, role="prefill", encoder_urls=(encoder_url,)))) \
+            as prefill_url, BackgroundServer(Server(decode, ServerConfig(TWIN, role="decode"))) as decode_url, \
+            BackgroundServer(Router([encoder_url], [prefill_url], [decode_url])) as router_url:
+        whole = httpx.post(whole_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        split = httpx.post(router_url + "/v1/chat/completions", json=chat, timeout=120).json()
+        sent, received = (httpx.get(url + "/metrics").text for url in (prefill_url, decode_url))
+        prefill_blocks = prefill.stats()["kv_blocks_used"]
+    assert split["choices"][0]["message"] == whole["choices"][0]["message"]
+    assert split["usage"]["completion_tokens"] == 6 and split["usage"]["visual_tokens"] == 256
+    prompt_tokens = split["usage"]["prompt_tokens"]
+    kv_bytes = prompt_tokens * 28 * 2 * 2 * 128 * 2
+    assert metric(sent, 'nanomm_kv_transfer_bytes_total{direction="sent"}') == kv_bytes
+    assert metric(received, 'nanomm_kv_transfer_bytes_total{direction="received"}') == kv_bytes
+    assert metric(sent, 'nanomm_visual_token_transfer_bytes_total{direction="received"}') == 256 * 1536 * 2
+    assert link_waits == [decode.emulated.costs.transfer_seconds(kv_bytes)]
+    assert prefill_blocks == 0  # the parked blocks left with the pull

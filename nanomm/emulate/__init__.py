@@ -16,9 +16,10 @@ built from its real config.json (shipped in emulate/models/); the demo model's t
 the tree takes over (so its stand-in logits are 619 wide, not 151,936: sampling stays cheap). Prompts are
 therefore counted in the demo tokenizer's tokens, pictures in the real model's visual tokens.
 It serves an integrated engine, an encoder service (`EmulatedDevice.encoder_service`) and an engine that uses one
-(1E1PD): placeholders cross the wire, and both sides count the real visual tokens' bytes; prefill and decode
-instances are not emulated. Nothing on the image path imports this package: `LLM` imports it only when `emulate`
-is given.
+(1E1PD), and prefill and decode instances (a router in front of them needs no model): placeholders cross the
+wire, one element a visual token or a KV position, and both sides count the bytes the real model's tensors
+would take, and the receiver sleeps the link's time for them. Nothing on the image path imports this package:
+`LLM` imports it only when `emulate` is given.
 """
 
 import math
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from nanomm.emulate.costs import GPUS, CostModel, Gpu, ModelShape
-from nanomm.emulate.runner import EmulatedRunner, StandInTokens, wire_placeholder
+from nanomm.emulate.runner import EmulatedKVConnector, EmulatedRunner, StandInTokens, wire_placeholder
 from nanomm.engine.sizing import context_and_token_budget, kv_bytes_per_token, sized_config
 from nanomm.inputs.compression import VisualTokens
 from nanomm.inputs.image import ImageProcessorConfig
@@ -137,6 +138,11 @@ class EmulatedDevice:
         stand_in = StandInTokens(config.text.vocab_size, special, config.eos_token_ids[0])
         return EmulatedRunner(model, kv_cache, block_size, encoder_cache, trace, self.costs, stand_in,
                               config.text.vocab_size, remote_encoder)
+
+    def kv_connector(self, timeout_s: float) -> EmulatedKVConnector:
+        """A prefill or decode instance's KV connector: placeholders cross, the real KV's bytes are counted and
+        their link time is slept."""
+        return EmulatedKVConnector(self.costs, timeout_s)
 
     def encoder_service(self, max_pixels: int | None = None, sleep=time.sleep):
         """What `nanomm-serve --role encoder --emulate GPU:MODEL` serves: the real service (its cache, checks and

@@ -22,7 +22,8 @@ from nanomm.emulate.costs import CostModel
 from nanomm.engine.model_runner import ModelRunner, StepLogits, _wants_prompt_logprobs
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.inputs.compression import VisualTokens
-from nanomm.transfer import RemoteEncoder
+from nanomm.errors import PeerError
+from nanomm.transfer import HttpKVConnector, RemoteEncoder, fetch, pack, unpack
 
 # The stand-in token's logit above the others' (0): at temperature T another token is drawn with probability about
 # vocab x exp(-30 / T): 6e-11 at T = 1, 2e-4 at T = 2. The runner-up (for when the end of sequence is not allowed
@@ -49,7 +50,8 @@ class StandInTokens:
             params = request.params
             unseeded = params.seed is None and not params.greedy
             own = request.request_id if unseeded else ""
-            key = f"{request.prompt.token_ids}|{request.image_keys}|{params.seed}|{own}"
+            pictures = [span.content_hash for span in request.prompt.image_spans]  # a decode instance has them too
+            key = f"{request.prompt.token_ids}|{pictures}|{params.seed}|{own}"
             request.stand_in_seed = zlib.crc32(key.encode())
         return request.stand_in_seed
 
@@ -82,6 +84,38 @@ class EmulatedRemoteEncoder(RemoteEncoder):
         self.bytes_received = received + real
         self.wait(self.costs.transfer_seconds(real))
         return tokens
+
+
+class EmulatedKVConnector(HttpKVConnector):
+    """A KV transfer between emulated instances: the same GET and the same checks, but one byte a position
+    crosses instead of the real KV (whose pool lives on the meta device); the real KV's bytes are counted on both
+    sides and the link's time for them is slept by the puller."""
+
+    def __init__(self, costs, timeout_s: float):
+        super().__init__(timeout_s)
+        self.costs = costs
+
+    def wait(self, seconds: float) -> None:
+        """The link's time: the host sleeps, as while a NIC moves the bytes."""
+        time.sleep(seconds)
+
+    def export(self, tensors, from_token, num_tokens):
+        wire = {name: torch.zeros(num_tokens - from_token, dtype=torch.uint8) for name in tensors}  # (positions,)
+        body = pack(wire, {"from_token": from_token, "num_tokens": num_tokens})
+        return body, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def pull(self, remote_url, transfer_id, from_token, num_tokens, layout):
+        peer = f"the prefill instance at {remote_url}"
+        body = fetch(f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}", self.timeout_s, peer)
+        wire, message = unpack(body, peer)
+        if (message.get("from_token"), message.get("num_tokens")) != (from_token, num_tokens) or set(wire) != set(
+                layout):
+            raise PeerError(f"{peer} sent {sorted(wire)} for positions {message.get('from_token')}.."
+                            f"{message.get('num_tokens')}, not {sorted(layout)} for {from_token}..{num_tokens}")
+        tensors = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in layout.items()}
+        real = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.wait(self.costs.transfer_seconds(real))
+        return tensors, real
 
 
 class EmulatedRunner(ModelRunner):

@@ -42,7 +42,7 @@ from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
 from nanomm.serve.metrics import ServerMetrics
-from nanomm.transfer import MEDIA_TYPE, HttpKVConnector, pack
+from nanomm.transfer import MEDIA_TYPE, HttpKVConnector
 
 
 @dataclass
@@ -71,7 +71,10 @@ class Server:
         self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
         self.defaults = llm.get_default_sampling_params()
-        self.kv_connector = HttpKVConnector(config.kv_pull_timeout_s)
+        # the emulated device's connector moves placeholders and counts the real KV's bytes (nanomm/emulate)
+        emulated = getattr(llm, "emulated", None)
+        self.kv_connector = (HttpKVConnector(config.kv_pull_timeout_s) if emulated is None
+                             else emulated.kv_connector(config.kv_pull_timeout_s))
         routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
@@ -116,7 +119,11 @@ class Server:
             if body.get("model") not in (None, self.config.model_name):
                 return _error(f"the model {body['model']!r} does not exist; this server serves "
                               f"{self.config.model_name!r}", 404)
-            parsed = parse(body)
+            if _carries_handoff(body):  # a decode instance's part: the prompt ran on a prefill instance
+                chat = request.url.path.endswith("/chat/completions")
+                parsed = protocol.parse_continuation(body, self.defaults, chat)
+            else:
+                parsed = parse(body)
             transfer = self._transfer_params(body)
         except BodyTooLarge:
             return _error(f"the request body is larger than {self.config.max_body_bytes} bytes", 413)
@@ -243,8 +250,8 @@ class Server:
         except InvalidInputError as exc:
             return _error(str(exc), 404)
         self.engine_loop.call(lambda engine: engine.free_blocks(block_table))  # on the engine thread, not awaited
-        body = await asyncio.to_thread(pack, tensors, {"from_token": int(from_token), "num_tokens": num_tokens})
-        self.metrics.kv_transfer_bytes.labels(direction="sent").inc(len(body))
+        body, num_bytes = await asyncio.to_thread(self.kv_connector.export, tensors, int(from_token), num_tokens)
+        self.metrics.kv_transfer_bytes.labels(direction="sent").inc(num_bytes)
         return Response(body, media_type=MEDIA_TYPE)
 
     async def _next(self, outputs: asyncio.Queue, deadline: float, request_id: str, client: Request | None = None):
@@ -301,6 +308,14 @@ class Server:
         finally:
             if not isinstance(out, Response) and not out.finished:
                 self.engine_loop.abort(parsed.id)
+
+
+def _carries_handoff(body: dict) -> bool:
+    """Whether kv_transfer_params is a handoff to continue: an object, not the prefill instruction
+    {"do_remote_decode": true[, "encoder_url"]} (Server._transfer_params reads and checks either)."""
+    params = body.get("kv_transfer_params")
+    return isinstance(params, dict) and not (params.get("do_remote_decode") is True
+                                             and set(params) <= {"do_remote_decode", "encoder_url"})
 
 
 def _event(body: dict) -> str:
@@ -391,8 +406,8 @@ def parse_args(argv=None):
     p.add_argument("--allowed-local-media-path", type=Path,
                    help="a folder whose image files requests may name (default: data URLs only)")
     p.add_argument("--emulate", type=_emulate_value, metavar="GPU:MODEL",
-                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; the "
-                        "integrated and encoder roles)")
+                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; every "
+                        "role: the router, which runs no model, takes it and changes nothing)")
     p.add_argument("--emulate-cost-file", metavar="JSON", help="with --emulate: GPU figures measured on a real GPU")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level ('info' logs every request)")
@@ -415,10 +430,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(stderr=True)
     where = f"http://{args.host}:{args.port}"
-    if args.emulate and (args.role not in ("integrated", "encoder") or args.model or args.demo or args.device
-                         or args.dtype):
-        raise SystemExit("nanomm-serve --emulate serves an integrated engine (with --encoder-url: 1E1PD) or an "
-                         "encoder and loads no model: drop the model, --demo, --device and --dtype")
+    if args.emulate and (args.model or args.demo or args.device or args.dtype):
+        raise SystemExit("nanomm-serve --emulate loads no model: drop the model, --demo, --device and --dtype")
     if args.role == "router":
         from nanomm.serve.router import Router
 

@@ -5,6 +5,10 @@ and `/v1/completions` prompts (a string). The sampling fields are OpenAI's, plus
 repetition_penalty, min_tokens, ignore_eos, ...); a field the request leaves out takes the model's generation
 defaults (generation_config.json), as vLLM does. An unknown field is a 400 naming it, never silently dropped.
 
+A decode instance continuing a prefill instance's handoff (kv_transfer_params) reads the sampling fields only
+(`parse_continuation`): the prompt was run on the prefill instance, so the body may leave out the messages or
+prompt, and those it still carries are not read (nor are their pictures).
+
 Images arrive as data URLs. The server fetches nothing from the network, and reads a local file (a path or a
 file:// URL) only under the folder given with `--allowed-local-media-path`.
 
@@ -51,12 +55,7 @@ def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | Non
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
     text, images = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     prompt = {"prompt": text, "multi_modal_data": {"image": [_image_source(u, media_root) for u in images]}}
-    num_top = None
-    if _field(body, "logprobs", bool, False):
-        num_top = _field(body, "top_logprobs", int, 0)
-    elif "top_logprobs" in body:
-        raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
-    return _finish(body, prompt, defaults, num_top, chat=True)
+    return _finish(body, prompt, defaults, _chat_num_top(body), chat=True)
 
 
 def parse_completion(body, defaults: SamplingParams) -> ChatRequest:
@@ -64,12 +63,35 @@ def parse_completion(body, defaults: SamplingParams) -> ChatRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise InvalidInputError("'prompt' must be a non-empty string (one prompt per request)")
+    return _finish(body, {"prompt": prompt}, defaults, _completion_num_top(body), chat=False)
+
+
+def parse_continuation(body, defaults: SamplingParams, chat: bool) -> ChatRequest:
+    """A decode instance's part of a /v1/chat/completions (chat) or /v1/completions body whose kv_transfer_params
+    is a handoff: the sampling fields, checked as parse_chat and parse_completion check them. The messages or
+    prompt may be absent; present, they are not read. The prompt's text is None: it ran on the prefill instance."""
+    body = _check_object(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    num_top = _chat_num_top(body) if chat else _completion_num_top(body)
+    return _finish(body, {"prompt": None}, defaults, num_top, chat)
+
+
+def _chat_num_top(body: dict) -> int | None:
+    """Chat's logprobs: a bool, with the top-n count in top_logprobs (0 when left out). None: no logprobs."""
+    if _field(body, "logprobs", bool, False):
+        return _field(body, "top_logprobs", int, 0)
+    if "top_logprobs" in body:
+        raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+    return None
+
+
+def _completion_num_top(body: dict) -> int | None:
+    """/v1/completions' logprobs: the top-n count itself. None: no logprobs. `echo` is refused."""
     if body.get("echo"):
         raise InvalidInputError("'echo' is not supported")
     num_top = body.get("logprobs")
     if num_top is not None and (isinstance(num_top, bool) or not isinstance(num_top, int)):
         raise InvalidInputError(f"'logprobs' must be an integer (top-n) for /v1/completions, got {num_top!r}")
-    return _finish(body, {"prompt": prompt}, defaults, num_top, chat=False)
+    return num_top
 
 
 def _finish(body: dict, prompt: dict, defaults: SamplingParams, num_top: int | None, chat: bool) -> ChatRequest:

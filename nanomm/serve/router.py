@@ -11,7 +11,8 @@ sends it:
 1. to a prefill instance, with `kv_transfer_params: {"do_remote_decode": true, "encoder_url": E}`: it checks
    the request (a 400 comes straight back to the client), has its images encoded by the encoder service E,
    runs the prompt, samples the first token, parks the KV and answers with the handoff (engine/handoff.py);
-2. to a decode instance, with the original body and that handoff: it pulls the KV from the prefill instance
+2. to a decode instance, with the body's sampling fields and that handoff, not the messages or prompt (so not
+   the pictures: the decode instance never runs the prompt): it pulls the KV from the prefill instance
    (transfer.py), replays the first token and streams or returns the answer, which the router
    passes through to the client unchanged.
 
@@ -85,6 +86,11 @@ def estimated_visual_tokens(body: dict) -> float:
     return tokens
 
 
+def continuation_fields(body: dict) -> dict:
+    """What hop 2 forwards of the client's body: all but the messages or prompt, which the prefill instance ran."""
+    return {name: value for name, value in body.items() if name not in ("messages", "prompt")}
+
+
 class Router:
     def __init__(self, encoder_urls: list[str], prefill_urls: list[str], decode_urls: list[str],
                  peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20):
@@ -141,7 +147,7 @@ class Router:
         handoff = await self._prefill(request.url.path, body)
         if isinstance(handoff, Response):
             return handoff
-        decode_body = {**body, "kv_transfer_params": handoff}
+        decode_body = {**continuation_fields(body), "kv_transfer_params": handoff}
         if body.get("stream"):
             return await self._stream_from_decode(request.url.path, decode_body, arrival)
         return await self._answer_from_decode(request.url.path, decode_body, arrival)
