@@ -391,8 +391,9 @@ def report_line(s: dict) -> str:
         f"{what.split()[0]} {v:,.0f}" for what, v in moved.items() if v)
     other = s.get("other_cpu_share")
     other = "" if other is None or other < 0.05 else f" [other processes used {other:.0%} of the CPU: noisy]"
-    cluster = s.get("cluster_cpu_share")
-    other += "" if cluster is None else f", load + servers used {cluster:.0%} of the CPU"
+    each = s.get("cpu_share_by_process")
+    other += "" if not each else f"; CPU share {sum(each.values()):.0%} (" + ", ".join(
+        f"{name} {share:.0%}" for name, share in each.items()) + ")"
     return (f"rate {s['rate']:g} req/s (arrived at {s['arrival_rate']:.2f}): {s['completed']}/{s['requests']} "
             f"done, TTFT p50/p95/p99 {ttft} ms, TPOT p50 {tpot} ms, goodput {s['goodput_rps']:.2f} req/s "
             f"({s['slo_attainment']:.0%} within SLO), visual tokens/s offered {s['offered_visual_tokens_per_s']:,.0f}, "
@@ -440,19 +441,32 @@ def other_cpu_share(before, after, wall_s: float) -> float | None:
     return max(0.0, other) / (wall_s * (os.cpu_count() or 1))
 
 
-def cluster_cpu_share(before, after, wall_s: float) -> float | None:
-    """The share of the machine's CPU time that the load generator and the servers it started used in a run
-    (their user and system time over the run's wall time x the cores)."""
+def process_cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
+    """User + system CPU seconds of each named process so far; None off Linux or once one is gone."""
+    try:
+        ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
+        for name, pid in pids.items():
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            seconds[name] = sum(int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13]) / ticks
+        return seconds
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def cpu_shares(before: dict | None, after: dict | None, wall_s: float) -> dict[str, float] | None:
+    """Each process's share of the machine's CPU time in a run (its CPU seconds over wall time x cores)."""
     if before is None or after is None or wall_s <= 0:
         return None
-    return (after[1] - before[1]) / (wall_s * (os.cpu_count() or 1))
+    return {name: (after[name] - before[name]) / (wall_s * (os.cpu_count() or 1)) for name in before}
 
 
 def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
-          pids: list[int] | None = None) -> list[dict]:
+          pids: dict[str, int] | None = None) -> list[dict]:
     """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
-    that finishes requests (its TTFT stage histograms); pids: this run's processes, for other_cpu_share."""
+    that finishes requests (its TTFT stage histograms); pids: the processes started here, by role, for the CPU
+    each used (the load generator's own is counted too) and other_cpu_share."""
     role_urls, stages_url = role_urls or {}, stages_url or url
+    processes = {"load": os.getpid(), **(pids or {})}
     mix = parse_mix(args.mix)
     asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix), max_tokens=2, seed=0,
                          content_seed=-1))  # warm-up: one-off costs (first kernels, allocations) paid here
@@ -463,13 +477,15 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         window = {}
 
         def start_counting():  # once the bodies are made: the CPU the run itself takes
-            window["cpu"], window["start"] = cpu_seconds([os.getpid(), *(pids or [])]), time.monotonic()
+            window["cpu"], window["start"] = cpu_seconds(list(processes.values())), time.monotonic()
+            window["each"] = process_cpu_seconds(processes)
 
         records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
                                        seed=args.seed, content_seed=args.seed + 1 + i,  # new pictures per rate
                                        on_start=start_counting, pictures=args.pictures))
         wall_s = time.monotonic() - window["start"]
-        cpu_before, cpu_after = window["cpu"], cpu_seconds([os.getpid(), *(pids or [])])
+        cpu_before, cpu_after = window["cpu"], cpu_seconds(list(processes.values()))
+        by_process = cpu_shares(window["each"], process_cpu_seconds(processes), wall_s)
         summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
         summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(stages_url))
         moved = transfer_delta(role_urls, moved_before)
@@ -478,7 +494,8 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
             what: sum(v.get(what, 0.0) for v in moved.values()) / max(1, summary["completed"])
             for what in ("visual received", "kv received")}
         summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
-        summary["cluster_cpu_share"] = cluster_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
+        summary["cpu_share_by_process"] = by_process
+        summary["cluster_cpu_share"] = None if by_process is None else sum(by_process.values())
         summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))
         results.append(summary)
@@ -560,7 +577,7 @@ def main(argv=None) -> int:
     stages_url = started["decode"][1] if "decode" in started else url  # the instance that finishes requests
     try:
         results = sweep(url, args, lambda line: print(line, flush=True), role_urls, stages_url,
-                        [p.pid for p, _ in started.values()])
+                        {role: process.pid for role, (process, _) in started.items()})
     finally:
         stop_servers(started)
     print(markdown_table(results))

@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
@@ -108,6 +109,16 @@ def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
     return torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+
+
+def trimmed_least_squares(rows: list[list[float]], ys: list[float], spread: float = 3.0) -> list[float]:
+    """least_squares without the points that miss its first fit by more than `spread` x the median miss: a few
+    requests that queued behind another (or overtook one) would pull a fit of the unqueued path off."""
+    coefficients = least_squares(rows, ys)
+    misses = [abs(y - sum(c * x for c, x in zip(coefficients, row))) for row, y in zip(rows, ys)]
+    limit = spread * max(statistics.median(misses), 1e-3)
+    kept = [(row, y) for row, y, miss in zip(rows, ys, misses) if miss <= limit]
+    return least_squares([r for r, _ in kept], [y for _, y in kept]) if len(kept) > len(rows[0]) else coefficients
 
 
 def image_prompt(llm: LLM, images: list, words: str = "What colour is the shape?") -> dict:
@@ -341,6 +352,95 @@ def measure(model: str, repeats: int, seed: int, threads: int, log, quick: bool 
             "torch_threads": torch.get_num_threads()}
 
 
+# -- the host's costs on the emulated device (--emulate): what the engine-faithful simulator adds ---------------
+
+TWIN_DECODE_BATCHES = [1, 16, 48]
+TWIN_TOPOLOGIES = {"integrated": "integrated", "1e1pd": "e+pd", "1e1p1d": "epd"}  # load.py's name -> simulator's
+TWIN_POOLS = {"integrated": (1,), "e+pd": (1, 1), "epd": (1, 1, 1)}
+TWIN_MIX = "1x2240x2240:1,1x896x896:1,0x0x0:1"  # two picture sizes and text: the body's bytes vary widely
+
+
+def twin_step_host(url: str, costs, log, batches=TWIN_DECODE_BATCHES, max_tokens: int = 64) -> dict:
+    """An engine step's host work, as a served client sees it: b text requests sent at once decode together;
+    their median TPOT less the cost model's time for a step of b decodes is the host's part, fitted as
+    step_s + step_s_per_sequence x b."""
+    import asyncio
+
+    import load
+
+    rows, ys = [], []
+    for b in batches:
+        records = asyncio.run(load.run_load(url, "twin", load.parse_mix("0x0x0:1"), rate=1e6, num_requests=b,
+                                            max_tokens=max_tokens, seed=b, content_seed=b))
+        tpot = statistics.median(r.tpot_s for r in records if r.tpot_s is not None)
+        context = statistics.median(r.prompt_tokens for r in records) + max_tokens // 2
+        device = costs.device.step_seconds([(1, context)] * b)
+        rows.append([1.0, float(b)])
+        ys.append(tpot - device)
+        log(f"  {b:>3} decoding: TPOT {tpot * 1e3:.2f} ms, device {device * 1e3:.2f} ms, host {ys[-1] * 1e3:.2f} ms")
+    step_s, per_sequence = least_squares(rows, ys) if len(rows) > 1 else (ys[0], 0.0)
+    return {"step_s": max(0.0, step_s), "step_s_per_sequence": max(0.0, per_sequence),
+            "samples": [{"sequences": r[1], "host_s": y} for r, y in zip(rows, ys)]}
+
+
+def twin_request_delay(topology: str, records: list[dict], costs, log, rounds: int = 4) -> dict:
+    """A request's delay outside the engines in one topology, fitted as a + b x body bytes on TTFTs measured at a
+    rate where little queues: each round simulates the same requests with the delay fitted so far and fits what
+    is left (the delay changes the order in which requests reach the engine, so one round is not enough)."""
+    import simulate_topologies as sim
+    from simulate_engine import TOPOLOGY_KEYS, simulate_twin
+
+    name, key = TWIN_TOPOLOGIES[topology], TOPOLOGY_KEYS[TWIN_TOPOLOGIES[topology]]
+    requests = sim.requests_from_load({"records": records})
+    measured = sorted((r for r in records if r["error"] is None), key=lambda r: r["sent_at"])
+    rows = [[1.0, float(r["body_bytes"])] for r in measured]
+    fixed = per_byte = 0.0
+    for _ in range(rounds):
+        costs.host.request_s[key], costs.host.request_s_per_byte[key] = fixed, per_byte
+        simulated, _ = simulate_twin(name, TWIN_POOLS[name], costs, requests)
+        left = [(r["first_token_at"] - r["sent_at"]) - s[0] for r, s in zip(measured, simulated)]
+        more_fixed, more_per_byte = trimmed_least_squares(rows, left)
+        fixed, per_byte = fixed + more_fixed, per_byte + more_per_byte
+    log(f"  {topology}: {fixed * 1e3:.1f} ms + {per_byte * 1e9:.1f} ms per MB of body ({len(left)} requests, "
+        f"residual after the fit {statistics.median(abs(x) for x in left) * 1e3:.1f} ms median)")
+    return {"request_s": fixed, "request_s_per_byte": per_byte,
+            "samples": [{"body_bytes": r[1], "left_s": y} for r, y in zip(rows, left)]}
+
+
+def measure_twin(emulate: str, log, quick: bool = False) -> dict:
+    """HostCosts (scripts/simulate_engine.py) of `nanomm-serve --emulate`, each instance its own process."""
+    import asyncio
+
+    import load
+    from simulate_engine import HostCosts, TwinCosts
+
+    costs = TwinCosts.for_twin(emulate, HostCosts())
+    host, found = HostCosts(), {}
+    for topology in (["integrated"] if quick else TWIN_TOPOLOGIES):
+        commands, front = load.topology_commands(topology, ["--emulate", emulate], "twin", [])
+        started = load.start_servers(commands, log)
+        try:
+            url = started[front][1]
+            asyncio.run(load.run_load(url, "twin", load.parse_mix("1x448x448:1"), rate=1e6, num_requests=2,
+                                      max_tokens=2, seed=0, content_seed=-1))  # warm-up
+            if topology == "integrated":
+                log("engine step (host):")
+                found["step"] = twin_step_host(url, costs, log, [1, 4] if quick else TWIN_DECODE_BATCHES)
+                host.step_s, host.step_s_per_sequence = found["step"]["step_s"], found["step"]["step_s_per_sequence"]
+                costs.host = host
+                log("request path (host), by topology:")
+            records = asyncio.run(load.run_load(url, "twin", load.parse_mix(TWIN_MIX), rate=0.4 if not quick else 4,
+                                                num_requests=6 if quick else 40, max_tokens=16, seed=1,
+                                                content_seed=1, pictures="smooth"))
+        finally:
+            load.stop_servers(started)
+        found[topology] = twin_request_delay(topology, [asdict(r) for r in records], costs, log)
+        pictures = [(r.body_bytes, r.visual_tokens) for r in records if r.visual_tokens]
+        pixels_per_token = 28 * 28  # 2 x 2 patches of 14 pixels: what the resized picture's area buys
+        host.body_bytes_per_pixel = sum(b for b, _ in pictures) / sum(t * pixels_per_token for _, t in pictures)
+    return {"host": asdict(host), "samples": found}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group()
@@ -353,6 +453,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke run: a few samples each, one repeat, no waiting "
                    "for a quiet machine")
     p.add_argument("--json", help="write the costs here (the simulator's --costs reads it)")
+    p.add_argument("--emulate", metavar="GPU:MODEL", help="instead: the host's costs of nanomm-serve --emulate "
+                   "(what the simulator's --host-costs reads), e.g. h200:qwen2-vl-2b")
     return p.parse_args(argv)
 
 
@@ -363,6 +465,13 @@ def main(argv=None) -> dict:
     machine = machine_info()
     print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
           f"{machine['memory_gib']} GiB, torch {machine['torch']}", flush=True)
+    if args.emulate:
+        result = measure_twin(args.emulate, lambda line: print(line, flush=True), args.quick)
+        report = {**result["host"], "measured": result["samples"], "emulate": args.emulate, "machine": machine,
+                  "command": command}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return report
     if args.checkpoint:
         model = args.checkpoint
     else:

@@ -7,7 +7,11 @@
     python scripts/simulate_topologies.py --costs l4.json                    # feed costs measured elsewhere
     python scripts/simulate_topologies.py --costs costs.json --replay load.json --pools 1 1,1,1 --slo-tpot 0.05
 
-A discrete-event simulation, standard library only. A pool spec's length names its topology:
+    python scripts/simulate_topologies.py --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \
+        --pools 1 1,1 1,1,1 1,2,1                       # nanomm's scheduler on the twin's cost model
+
+A discrete-event simulation, standard library only (`--emulate` also reads nanomm's cost model and engine config:
+scripts/simulate_engine.py, whose engine replaces the one below). A pool spec's length names its topology:
   integrated  `--pools 3`: N identical workers, continuous batching: each step runs every running decode plus FCFS
               prompt chunks up to a token budget (a running decode takes one token of it); a prompt's images are
               encoded inside the step that takes its first chunk.
@@ -50,9 +54,11 @@ from t=0 to the last arrival (Poisson gaps start at t=0: N requests at rate r sp
 pool's busy time / (its workers * time of the last finish). Visual tokens per image = resized area / 784 after
 Qwen2-VL's smart_resize (sides to multiples of 28, area within [3136, --max-pixels]).
 
-Left out: preemption and KV-memory limits (batches grow without bound), prefix and encoder caches, priorities
-(FCFS everywhere), link contention, encoder batching across requests, attention cost growing with context,
-tokenisation and image decoding, tensor parallelism.
+Left out here (`--emulate` models the first four, as nanomm's engine does them, and measures the host's part: see
+scripts/simulate_engine.py): preemption and KV-memory limits (batches grow without bound), prefix and encoder
+caches, attention cost growing with context, the engine's encoder budget and max_num_seqs, priorities
+(FCFS everywhere), link contention, encoder batching across requests, tokenisation and image decoding, tensor
+parallelism.
 """
 
 import argparse
@@ -62,6 +68,7 @@ import json
 import math
 import random
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 FACTOR, MIN_PIXELS, DEFAULT_MAX_PIXELS = 28, 56 * 56, 16384 * 28 * 28  # Qwen2-VL's Hub preprocessor values
@@ -144,6 +151,9 @@ class SimRequest:
     image_tokens: tuple[int, ...]  # visual tokens of each image
     text_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # prompt positions the prefix cache held (a replay's records say)
+    body_bytes: int = 0  # the request's JSON body, pictures included
+    image_keys: tuple = ()  # each picture's identity, for encoder-cache hits (default: every picture new)
 
     @property
     def prompt_tokens(self) -> int:
@@ -165,15 +175,17 @@ def parse_mix(text: str) -> list[tuple[int, int, int, float]]:
 
 def make_requests(mix: str | list, rate: float, num_requests: int, seed: int = 0, text_tokens: int = 64,
                   output_tokens: int = 32, max_pixels: int = DEFAULT_MAX_PIXELS,
-                  factor: int = FACTOR) -> list[SimRequest]:
-    """Poisson arrivals at `rate` per second from t=0; each request's kind drawn from the mix by weight."""
+                  factor: int = FACTOR, body_bytes_per_pixel: float = 0.0) -> list[SimRequest]:
+    """Poisson arrivals at `rate` per second from t=0; each request's kind drawn from the mix by weight (its
+    body's bytes estimated from its pictures' pixels, for the host's costs of --emulate)."""
     mix = parse_mix(mix) if isinstance(mix, str) else mix
     rng, now, requests = random.Random(seed), 0.0, []
     for i in range(num_requests):
         now += rng.expovariate(rate)
         count, width, height, _ = rng.choices(mix, weights=[m[3] for m in mix])[0]
         images = tuple(visual_tokens(width, height, max_pixels, factor) for _ in range(count))
-        requests.append(SimRequest(i, now, images, text_tokens, output_tokens))
+        body_bytes = round(body_bytes_per_pixel * count * width * height)
+        requests.append(SimRequest(i, now, images, text_tokens, output_tokens, body_bytes=body_bytes))
     return requests
 
 
@@ -186,7 +198,7 @@ def requests_from_load(result: dict) -> list[SimRequest]:
         n, tokens = r["num_images"], r["visual_tokens"]
         images = tuple(tokens // n + (k < tokens % n) for k in range(n)) if n else ()
         requests.append(SimRequest(i, r["sent_at"] - start, images, r["prompt_tokens"] - tokens,
-                                   r["completion_tokens"]))
+                                   r["completion_tokens"], r.get("cached_tokens", 0), r.get("body_bytes", 0)))
     return requests
 
 
@@ -428,11 +440,28 @@ def canonical(topology: str) -> str:
 
 def simulate(topology: str, pools: tuple[int, ...], costs: StageCosts, requests: list[SimRequest],
              slo_ttft_s: float, slo_tpot_s: float, token_budget: int = 2048) -> SimResult:
+    """costs: StageCosts (this file's engine), or simulate_engine.TwinCosts (nanomm's scheduler on the emulated
+    device's cost model; token_budget then comes from the twin's engine config)."""
     topology = canonical(topology)
     if len(pools) != len(TOPOLOGIES[topology]) or min(pools) < 1:
         raise ValueError(f"{topology} needs {len(TOPOLOGIES[topology])} pool sizes >= 1, got {pools}")
     if any(r.prompt_tokens < 1 or r.output_tokens < 1 for r in requests):
         raise ValueError("every request needs a prompt token and an output token")
+    if isinstance(costs, StageCosts):
+        ttft, tpot, busy = _simulate_stages(topology, pools, costs, requests, token_budget)
+    else:
+        from simulate_engine import simulate_twin
+
+        outcomes, busy = simulate_twin(topology, pools, costs, requests)
+        ttft, tpot = [o[0] for o in outcomes if o], [o[1] for o in outcomes if o]  # failed requests: neither
+    good = sum(a <= slo_ttft_s and b <= slo_tpot_s for a, b in zip(ttft, tpot))
+    span = max((r.arrival_s for r in requests), default=0.0)
+    return SimResult(topology, dict(zip(TOPOLOGIES[topology], pools)), ttft, tpot, good / max(1, len(requests)),
+                     good / span if span > 0 else None, span, busy)
+
+
+def _simulate_stages(topology: str, pools: tuple[int, ...], costs: StageCosts, requests: list[SimRequest],
+                     token_budget: int) -> tuple[list[float], list[float], dict[str, float]]:
     clock = _Clock(costs, token_budget)
     workers, entry = build_pools(topology, pools, clock)
     tracks = [_Track(r) for r in requests]
@@ -443,10 +472,7 @@ def simulate(topology: str, pools: tuple[int, ...], costs: StageCosts, requests:
     tpot = [(t.finish_s - t.first_token_s) / max(1, t.request.output_tokens - 1) for t in tracks]
     end = max((t.finish_s for t in tracks), default=0.0)
     busy = {name: sum(w.busy_s for w in pool) / (len(pool) * end) if end else 0.0 for name, pool in workers.items()}
-    good = sum(a <= slo_ttft_s and b <= slo_tpot_s for a, b in zip(ttft, tpot))
-    span = max((r.arrival_s for r in requests), default=0.0)
-    return SimResult(topology, dict(zip(TOPOLOGIES[topology], pools)), ttft, tpot, good / max(1, len(tracks)),
-                     good / span if span > 0 else None, span, busy)
+    return ttft, tpot, busy
 
 
 def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
@@ -492,6 +518,10 @@ def format_row(rate: float, result: SimResult | None, topology: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--costs", help="StageCosts JSON (e.g. measured); default: derived for --gpu")
+    p.add_argument("--emulate", metavar="GPU:MODEL", help="nanomm's scheduler on the emulated device's cost model "
+                   "(scripts/simulate_engine.py) instead of StageCosts, e.g. h200:qwen2-vl-2b")
+    p.add_argument("--host-costs", metavar="JSON", help="with --emulate: the host's costs measured on the twin "
+                   "(scripts/measure_stage_costs.py --emulate); default: none (the device alone)")
     p.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     p.add_argument("--model", default="qwen2-vl-2b", choices=sorted(MODELS))
     p.add_argument("--save-costs", metavar="FILE", help="write the costs in use as JSON")
@@ -517,9 +547,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def stage_or_twin_costs(args):
+    if args.emulate:
+        from simulate_engine import HostCosts, TwinCosts
+
+        with open(args.host_costs) if args.host_costs else nullcontext() as f:
+            host = HostCosts.from_json(json.load(f)) if f else HostCosts()
+        return TwinCosts.for_twin(args.emulate, host)
+    return StageCosts.from_json(args.costs) if args.costs else StageCosts.for_gpu(args.model, args.gpu)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    costs = StageCosts.from_json(args.costs) if args.costs else StageCosts.for_gpu(args.model, args.gpu)
+    costs = stage_or_twin_costs(args)
     if args.save_costs:
         costs.to_json(args.save_costs)
     slo = (args.slo_ttft, args.slo_tpot)
@@ -532,7 +572,7 @@ def main(argv=None) -> dict:
     for rate in (replayed if args.replay else args.rate):
         requests = replayed[rate] if args.replay else make_requests(
             args.mix, rate, args.num_requests, args.seed, args.text_tokens, args.output_tokens, args.max_pixels,
-            args.factor)
+            args.factor, getattr(getattr(costs, "host", None), "body_bytes_per_pixel", 0.0))
         if args.search:
             runs = [(canonical(t), search_pools(t, costs, requests, *slo, args.max_workers, args.target_share,
                                                 args.token_budget)) for t in args.topologies]
@@ -542,7 +582,7 @@ def main(argv=None) -> dict:
         for topology, result in runs:
             print(format_row(rate, result, topology))
             results.append({"rate": rate, "topology": topology, **(result.summary() if result else {"pools": None})})
-    report = {"costs": asdict(costs), "args": vars(args), "results": results}
+    report = {"costs": costs.describe() if args.emulate else asdict(costs), "args": vars(args), "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

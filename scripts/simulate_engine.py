@@ -1,0 +1,413 @@
+"""The topology simulator's engine-faithful mode: nanomm's scheduler and the emulated device's cost model, in events.
+
+    python scripts/simulate_topologies.py --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \
+        --pools 1 1,1 1,1,1 1,2,1
+
+Lesson: lessons/13-three-topologies.md (the simulator checked against the twin).
+
+`scripts/simulate_topologies.py`'s own engine prices a step per token (`StageCosts`); this one asks the cost
+model that the emulated device sleeps on (nanomm/emulate/costs.py: `CostModel.step_seconds`, `encode_seconds`,
+`transfer_seconds`), so a prediction and a run of `nanomm-serve --emulate` differ only in what the simulator
+leaves out, never in a formula. What it models, as the engine does (engine/scheduler.py):
+
+- a step: the running decodes first, then running prompts, then waiting prompts first come first served, within
+  the token budget (max_num_batched_tokens) and max_num_seqs; attention's cost grows with each chunk's context;
+- the encoder budget: a chunk that reaches a picture not yet encoded encodes it whole in its step, within
+  max_num_encoder_tokens visual tokens (a larger picture goes alone); an engine's encoder cache (by picture
+  key) and the prefix cache (the cached positions a replayed request's record names) skip work;
+- the KV pool: blocks of block_size positions; a step that needs blocks the pool lacks preempts the newest
+  running request, which is recomputed from the start (a transferred request cannot be: it fails);
+- an encoder service: one job (a step's pictures) at a time, first come first served; the engine that sent it
+  waits for the answer and its link time inside its step, as nanomm's model runner does;
+- prefill then decode: a prompt's KV crosses the link to the decode instance, whose next step emits the
+  first token together with the second.
+
+What the host adds, measured on the twin (`scripts/measure_stage_costs.py --emulate`, `HostCosts`): each
+engine step's host work (scheduling, sampling, outputs) as a + b x sequences + c x tokens, and a request's
+path outside the engines (HTTP, JSON, base64 and picture decoding, the router's hops, the stream back) as a
+delay of a + b x body bytes per topology, fitted at a low rate where nothing queues. Left out: the host's
+processes sharing the machine's cores under load (the twin's host should stay far from saturation: load.py
+reports its CPU share), link contention, tensor parallelism.
+"""
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+TOPOLOGY_KEYS = {"integrated": "integrated", "e+pd": "1e1pd", "epd": "1eNp1d"}  # HostCosts' key per topology
+
+
+@dataclass
+class HostCosts:
+    """The host's share of the work, measured on the twin (scripts/measure_stage_costs.py --emulate)."""
+    step_s: float = 0.0  # an engine step's host work: a + b x sequences + c x tokens
+    step_s_per_sequence: float = 0.0
+    step_s_per_token: float = 0.0
+    request_s: dict = field(default_factory=dict)  # topology key -> a request's fixed delay outside the engines
+    request_s_per_byte: dict = field(default_factory=dict)  # topology key -> its delay per byte of body
+    body_bytes_per_pixel: float = 0.0  # a request body's bytes per picture pixel (the load's JPEGs, base64)
+
+    def step(self, sequences: int, tokens: int) -> float:
+        return self.step_s + self.step_s_per_sequence * sequences + self.step_s_per_token * tokens
+
+    def request_delay(self, topology: str, body_bytes: int) -> float:
+        key = TOPOLOGY_KEYS[topology]
+        return self.request_s.get(key, 0.0) + self.request_s_per_byte.get(key, 0.0) * body_bytes
+
+    @classmethod
+    def from_json(cls, values: dict) -> "HostCosts":
+        return cls(**{k: values[k] for k in asdict(cls()) if k in values})
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What bounds a step, as the twin's engine is configured (`EmulatedDevice.size`)."""
+    token_budget: int = 2048
+    encoder_budget: int = 2048
+    max_num_seqs: int = 64
+    num_kv_blocks: int = 131072
+    block_size: int = 16
+    prefix_tokens: int = 16  # prompt positions before the first picture (the chat template's)
+    patches_per_token: int = 4  # 2 x 2 patches merge into one visual token
+
+
+class TwinCosts:
+    """The device's times from the shared cost model, the host's from measurement, the engine's limits."""
+
+    def __init__(self, device, host: HostCosts, limits: EngineLimits):
+        self.device, self.host, self.limits = device, host, limits
+
+    @classmethod
+    def for_twin(cls, emulate: str, host: HostCosts) -> "TwinCosts":
+        """The cost model and limits of `nanomm-serve --emulate GPU:MODEL` with its default engine config."""
+        from nanomm.emulate import EmulatedDevice
+        from nanomm.engine.config import EngineConfig
+
+        device = EmulatedDevice.from_value(emulate)
+        config, _ = device.size(EngineConfig(), device.image_config)
+        vision = device.config.vision
+        limits = EngineLimits(config.max_num_batched_tokens, config.max_num_encoder_tokens, config.max_num_seqs,
+                              config.num_kv_blocks, config.block_size,
+                              patches_per_token=vision.spatial_merge_size ** 2)
+        return cls(device.costs, host, limits)
+
+    def describe(self) -> dict:
+        return {"gpu": asdict(self.device.gpu), "efficiency": asdict(self.device.efficiency),
+                "model": asdict(self.device.shape), "host": asdict(self.host), "limits": asdict(self.limits)}
+
+    def to_json(self, path: str) -> None:
+        self.device.to_json(path)
+
+    def encode_s(self, image_tokens: list[int]) -> float:
+        return self.device.encode_seconds([t * self.limits.patches_per_token for t in image_tokens])
+
+    def visual_link_s(self, image_tokens: list[int]) -> float:
+        return self.device.transfer_seconds(sum(image_tokens) * self.device.shape.visual_token_bytes)
+
+    def kv_link_s(self, positions: int) -> float:
+        return self.device.transfer_seconds(positions * self.device.shape.kv_bytes_per_token)
+
+
+class EventClock:
+    """Events in time order (ties: in the order they were set)."""
+
+    def __init__(self):
+        self.now, self._events, self._order = 0.0, [], itertools.count()
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn, args))
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+
+
+@dataclass(eq=False)  # compared by identity: two requests may look alike
+class _Request:  # one request's progress in the engine it is in
+    request: object  # SimRequest
+    computed: int = 0  # positions whose KV is written
+    generated: int = 0
+    blocks: int = 0
+    encoded: set = field(default_factory=set)  # indices of its pictures this engine holds
+    transferred: bool = False
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    failed: bool = False
+    handed_to: "_Request | None" = None  # a prefill instance's request: its decode instance's copy
+
+    @property
+    def remaining(self) -> int:  # positions to compute before the next token
+        prompt = self.request.prompt_tokens
+        return prompt - self.computed if self.computed < prompt else 1
+
+    def image_spans(self, prefix_tokens: int) -> list[tuple[int, int]]:
+        start, spans = prefix_tokens, []
+        for tokens in self.request.image_tokens:
+            spans.append((start, tokens))
+            start += tokens
+        return spans
+
+
+class _EncoderService:
+    """One job at a time, first come first served: a step's pictures; `then` runs when the answer has crossed."""
+
+    def __init__(self, clock, costs: TwinCosts):
+        self.clock, self.costs, self.queue, self.busy, self.busy_s = clock, costs, deque(), False, 0.0
+
+    def load(self) -> int:
+        return len(self.queue) + self.busy
+
+    def submit(self, image_tokens: list[int], then) -> None:
+        self.queue.append((image_tokens, then))
+        self._start()
+
+    def _start(self) -> None:
+        if self.busy or not self.queue:
+            return
+        image_tokens, then = self.queue.popleft()
+        seconds = self.costs.encode_s(image_tokens)
+        self.busy, self.busy_s = True, self.busy_s + seconds
+        self.clock.at(self.clock.now + seconds, self._done, image_tokens, then)
+
+    def _done(self, image_tokens: list[int], then) -> None:
+        self.busy = False
+        self.clock.at(self.clock.now + self.costs.visual_link_s(image_tokens), then)
+        self._start()
+
+
+class TwinEngine:
+    """An engine instance: role "integrated" (its own tower), "lm" (an encoder service's), "prefill" (hands each
+    request on after its prompt) or "decode" (takes them over)."""
+
+    def __init__(self, clock, costs: TwinCosts, role: str, encoders: list | None = None, hand_off=None):
+        self.clock, self.costs, self.role, self.encoders, self.hand_off = clock, costs, role, encoders, hand_off
+        self.waiting, self.running = deque(), []
+        self.free_blocks = costs.limits.num_kv_blocks
+        self.cached_pictures: set = set()  # the encoder cache's keys
+        self.busy, self.busy_s = False, 0.0
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def submit(self, track: _Request) -> None:
+        self.waiting.append(track)
+        self._start()
+
+    def admit_transferred(self, track: _Request) -> None:
+        """A decode instance: the prompt's KV arrived; it decodes from the next step."""
+        need = self._blocks_for(track.request.prompt_tokens + 1)
+        if need > self.free_blocks:
+            track.failed = True  # nanomm answers 503: it cannot recompute a prompt whose pixels never came
+            return
+        self.free_blocks -= need
+        track.blocks, track.computed, track.generated, track.transferred = need, track.request.prompt_tokens, 1, True
+        if track.request.output_tokens <= 1:  # the handed-off token was the whole answer
+            track.first_token_s = track.finish_s = self.clock.now
+            self.free_blocks += need
+            return
+        self.running.append(track)
+        self._start()
+
+    # -- one step --------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self.busy or not (self.waiting or self.running):
+            return
+        chunks, pictures = self._schedule()
+        if not chunks:
+            return
+        self.busy = True
+        started = self.clock.now
+        host = self.costs.host.step(len(chunks), sum(n for _, n in chunks))
+        runs = [(n, t.computed + n) for t, n in chunks]
+        device = self.costs.device.step_seconds(runs)
+        tokens = [t.request.image_tokens[i] for t, i in pictures]
+        if not tokens:
+            self.clock.at(started + host + device, self._done, chunks, started)
+        elif self.role == "integrated":
+            self.clock.at(started + host + self.costs.encode_s(tokens) + device, self._done, chunks, started)
+        else:  # the host's part, then the encoder service's answer (waited for inside the step), then the forward
+            def forward():
+                self.clock.at(self.clock.now + device, self._done, chunks, started)
+
+            encoder = min(self.encoders, key=lambda e: e.load())
+            self.clock.at(started + host, encoder.submit, tokens, forward)
+        for track, index in pictures:
+            track.encoded.add(index)
+            self.cached_pictures.add(self._key(track, index))
+
+    def _schedule(self) -> tuple[list, list]:
+        """(chunks [(request, positions)], pictures [(request, picture index)] to encode) for this step."""
+        limits = self.costs.limits
+        budget, state = limits.token_budget, {"encoder": limits.encoder_budget, "pictures": [], "keys": set()}
+        chunks = []
+        decodes = [t for t in self.running if t.computed >= t.request.prompt_tokens]
+        prompts = [t for t in self.running if t.computed < t.request.prompt_tokens]
+        for track in decodes + prompts:
+            if budget == 0:
+                break
+            if track not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state)
+            if n and self._grow(track, n, chunks):
+                chunks.append((track, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
+            track = self.waiting[0]
+            if track.computed == 0:
+                track.computed = min(track.request.cached_tokens // limits.block_size * limits.block_size,
+                                     track.request.prompt_tokens - 1)
+            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state)
+            need = self._blocks_for(track.computed + n) - track.blocks
+            if n == 0 or need > self.free_blocks:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.free_blocks -= need
+            track.blocks += need
+            self.running.append(track)
+            chunks.append((track, n))
+            budget -= n
+        return chunks, state["pictures"]
+
+    def _fit_encoder(self, track: _Request, start: int, n: int, state: dict) -> int:
+        """The chunk shortened to stop before a picture that does not fit this step's encoder budget."""
+        limits = self.costs.limits
+        for index, (span_start, tokens) in enumerate(track.image_spans(limits.prefix_tokens)):
+            if span_start + tokens <= start or span_start >= start + n:
+                continue
+            if index in track.encoded or self._key(track, index) in self.cached_pictures:
+                continue
+            if (id(track), index) in state["keys"]:
+                continue
+            alone = state["encoder"] == limits.encoder_budget  # nothing else encodes this step
+            if tokens > state["encoder"] and not alone:
+                return max(0, span_start - start)
+            state["encoder"] -= tokens
+            state["pictures"].append((track, index))
+            state["keys"].add((id(track), index))
+        return n
+
+    def _grow(self, track: _Request, n: int, chunks: list) -> bool:
+        """Blocks for n more positions, preempting the newest running requests not in this step if needed."""
+        while True:
+            need = self._blocks_for(track.computed + n) - track.blocks
+            if need <= self.free_blocks:
+                self.free_blocks -= need
+                track.blocks += need
+                return True
+            scheduled = {id(t) for t, _ in chunks}
+            newer = self.running[self.running.index(track) + 1:]
+            victims = [t for t in newer if id(t) not in scheduled]
+            self._preempt(victims[-1] if victims else track)
+            if not victims:
+                return False
+
+    def _preempt(self, track: _Request) -> None:
+        self.running.remove(track)
+        self.free_blocks += track.blocks
+        track.blocks = 0
+        if track.transferred:
+            track.failed = True
+            return
+        track.computed, track.encoded = 0, set()
+        self.waiting.appendleft(track)
+
+    def _done(self, chunks: list, started: float) -> None:
+        now = self.clock.now
+        self.busy_s += now - started
+        for track, n in chunks:
+            if track.failed or track not in self.running:
+                continue
+            track.computed += n
+            if track.computed < track.request.prompt_tokens:
+                continue  # a prompt chunk: no token yet
+            self._token(track, now)
+        self.running = [t for t in self.running if t.finish_s is None and not t.failed]
+        self.busy = False
+        self._start()
+
+    def _token(self, track: _Request, now: float) -> None:
+        if track.generated == 0 and self.role == "prefill":
+            self.running.remove(track)
+            self.free_blocks += track.blocks  # the pull takes the KV right away (nanomm frees it as it leaves)
+            track.blocks = 0
+            self.hand_off(track)
+            return
+        if track.first_token_s is None:  # a decode instance's first step emits the handed-off token too
+            track.first_token_s = now
+        track.generated += 1
+        if track.generated >= track.request.output_tokens:
+            track.finish_s = now
+            self.free_blocks += track.blocks
+            track.blocks = 0
+
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self.costs.limits.block_size)
+
+    @staticmethod
+    def _key(track: _Request, index: int):
+        keys = track.request.image_keys
+        return keys[index] if index < len(keys) else (track.request.id, index)
+
+
+def build_twin_pools(topology: str, pools: tuple[int, ...], clock, costs: TwinCosts):
+    """The instances of each pool, and the function an arriving request goes to (after its host delay)."""
+    def delayed(entry):
+        return lambda track: clock.at(clock.now + costs.host.request_delay(topology, track.request.body_bytes),
+                                      entry, track)
+
+    def least_loaded(pool):
+        return min(pool, key=lambda worker: worker.load())
+
+    if topology == "integrated":
+        workers = [TwinEngine(clock, costs, "integrated") for _ in range(pools[0])]
+        return {"worker": workers}, delayed(lambda track: least_loaded(workers).submit(track))
+    encoders = [_EncoderService(clock, costs) for _ in range(pools[0])]
+    if topology == "e+pd":
+        lms = [TwinEngine(clock, costs, "lm", encoders) for _ in range(pools[1])]
+        return {"encode": encoders, "lm": lms}, delayed(lambda track: least_loaded(lms).submit(track))
+    decodes = [TwinEngine(clock, costs, "decode") for _ in range(pools[2])]
+
+    def hand_off(track: _Request) -> None:
+        taken = track.handed_to = _Request(track.request)
+        clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens),
+                 lambda: least_loaded(decodes).admit_transferred(taken))
+
+    prefills = [TwinEngine(clock, costs, "prefill", encoders, hand_off) for _ in range(pools[1])]
+    return ({"encode": encoders, "prefill": prefills, "decode": decodes},
+            delayed(lambda track: least_loaded(prefills).submit(track)))
+
+
+def final(track: _Request) -> _Request:
+    """Where a request ended: the decode instance's copy of a handed-off one."""
+    while track.handed_to is not None:
+        track = track.handed_to
+    return track
+
+
+def outcome(track: _Request) -> tuple[float, float, float] | None:
+    """(TTFT, TPOT, finish time) of a request that finished, None for one that failed."""
+    end = final(track)
+    if end.failed or end.finish_s is None:
+        return None
+    r = end.request
+    return (end.first_token_s - r.arrival_s, (end.finish_s - end.first_token_s) / max(1, r.output_tokens - 1),
+            end.finish_s)
+
+
+def simulate_twin(topology: str, pools: tuple[int, ...], costs: TwinCosts, requests: list) -> tuple[list, dict]:
+    """Every request through the topology: ([(TTFT, TPOT, finish) or None for a failed one], each pool's busy
+    share)."""
+    clock = EventClock()
+    workers, entry = build_twin_pools(topology, pools, clock, costs)
+    tracks = [_Request(r) for r in requests]
+    for track in tracks:
+        clock.at(track.request.arrival_s, entry, track)
+    clock.run()
+    outcomes = [outcome(t) for t in tracks]
+    end = max((final(t).finish_s or 0.0 for t in tracks), default=0.0)
+    busy = {name: sum(w.busy_s for w in pool) / (len(pool) * end) if end else 0.0 for name, pool in workers.items()}
+    return outcomes, busy
+
