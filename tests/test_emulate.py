@@ -300,3 +300,45 @@ def test_a_1e1p1d_handoff_on_the_twin_moves_the_real_model_s_bytes(monkeypatch):
     assert metric(sent, 'nanomm_visual_token_transfer_bytes_total{direction="received"}') == 256 * 1536 * 2
     assert link_waits == [decode.emulated.costs.transfer_seconds(kv_bytes)]
     assert prefill_blocks == 0  # the parked blocks left with the pull
+
+
+@pytest.mark.slow
+def test_lesson_13_s_five_role_command_lines_run_on_the_twin():
+    """The lesson's command lines as written (on free ports): a chat with a picture through the router, and one
+    to the E+PD engine, each answered with qwen2-vl-2b's 256 visual tokens."""
+    import re
+    import time
+    from pathlib import Path
+
+    from nanomm.serve.app import free_local_port
+
+    lesson = (Path(__file__).resolve().parents[1] / "lessons" / "13-three-topologies.md").read_text()
+    block = next(b for b in re.findall(r"```text\n(.*?)```", lesson, re.S) if "--emulate h200:qwen2-vl-2b --role" in b)
+    lines = [" ".join(line.split("#")[0].split()) for line in block.replace("\\\n", " ").splitlines()
+             if line.strip()]
+    ports = {port: str(free_local_port()) for port in ("8000", "8001", "8002", "8003", "8004")}
+    commands = [re.sub(r"\b(800[0-4])\b", lambda m: ports[m.group(1)], line).split() for line in lines]
+    assert len(commands) == 5 and all(c[0] == "nanomm-serve" for c in commands)
+    processes = [subprocess.Popen(c + ["--log-level", "warning"], stdout=subprocess.DEVNULL) for c in commands]
+    try:
+        for port in ports.values():
+            for _ in range(600):
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"port {port} never answered")
+        chat = {"max_tokens": 4, "temperature": 0.0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url_of(Image.new("RGB", (448, 448), "blue"))}},
+            {"type": "text", "text": "what is it"}]}]}
+        for front in (ports["8000"], ports["8004"]):  # the router, the E+PD engine
+            reply = httpx.post(f"http://127.0.0.1:{front}/v1/chat/completions", json=chat, timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["visual_tokens"] == 256 and reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)

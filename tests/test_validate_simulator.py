@@ -48,5 +48,5 @@ def test_the_validation_table_has_every_topology_and_load_measured_and_simulated
         assert run["cpu_share"] and {"load", "router" if row["topology"].endswith("p1d") else "load"} <= set(
             run["cpu_share"])
     table = report["table"].splitlines()
-    assert len(table) == 2 + 12 and all(line.count("|") == 15 for line in table)
+    assert len(table) == 2 + 12 and all(line.count("|") == 14 for line in table)
     assert table == done.stdout.strip().splitlines()[-14:]
