@@ -438,7 +438,12 @@ def other_cpu_share(before, after, wall_s: float) -> float | None:
     if before is None or after is None or wall_s <= 0:
         return None
     other = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, other) / (wall_s * (os.cpu_count() or 1))
+    return max(0.0, other) / (wall_s * usable_cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def process_cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
@@ -457,7 +462,7 @@ def cpu_shares(before: dict | None, after: dict | None, wall_s: float) -> dict[s
     """Each process's share of the machine's CPU time in a run (its CPU seconds over wall time x cores)."""
     if before is None or after is None or wall_s <= 0:
         return None
-    return {name: (after[name] - before[name]) / (wall_s * (os.cpu_count() or 1)) for name in before}
+    return {name: (after[name] - before[name]) / (wall_s * usable_cores()) for name in before}
 
 
 def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,

@@ -398,13 +398,16 @@ def twin_request_delay(topology: str, records: list[dict], costs, log, rounds: i
     for _ in range(rounds):
         costs.host.request_s[key], costs.host.request_s_per_byte[key] = fixed, per_byte
         simulated, _ = simulate_twin(name, TWIN_POOLS[name], costs, requests)
-        left = [(r["first_token_at"] - r["sent_at"]) - s[0] for r, s in zip(measured, simulated)]
-        more_fixed, more_per_byte = trimmed_least_squares(rows, left)
+        kept = [(row, (r["first_token_at"] - r["sent_at"]) - s[0]) for row, r, s in zip(rows, measured, simulated)
+                if s is not None]  # a request the simulator failed (none should) has no TTFT to compare
+        left = [y for _, y in kept]
+        more_fixed, more_per_byte = trimmed_least_squares([row for row, _ in kept], left)
         fixed, per_byte = fixed + more_fixed, per_byte + more_per_byte
+    costs.host.request_s[key], costs.host.request_s_per_byte[key] = fixed, per_byte  # the last round's too
     log(f"  {topology}: {fixed * 1e3:.1f} ms + {per_byte * 1e9:.1f} ms per MB of body ({len(left)} requests, "
-        f"residual after the fit {statistics.median(abs(x) for x in left) * 1e3:.1f} ms median)")
+        f"left before the last round's fit {statistics.median(abs(x) for x in left) * 1e3:.1f} ms median)")
     return {"request_s": fixed, "request_s_per_byte": per_byte,
-            "samples": [{"body_bytes": r[1], "left_s": y} for r, y in zip(rows, left)]}
+            "samples": [{"body_bytes": row[1], "left_s": y} for row, y in kept]}
 
 
 def measure_twin(emulate: str, log, quick: bool = False) -> dict:
@@ -414,7 +417,10 @@ def measure_twin(emulate: str, log, quick: bool = False) -> dict:
     import load
     from simulate_engine import HostCosts, TwinCosts
 
+    from nanomm.emulate import load_configs, parse_emulate
+
     costs = TwinCosts.for_twin(emulate, HostCosts())
+    vision = load_configs(parse_emulate(emulate)[1])[0].vision
     host, found = HostCosts(), {}
     for topology in (["integrated"] if quick else TWIN_TOPOLOGIES):
         commands, front = load.topology_commands(topology, ["--emulate", emulate], "twin", [])
@@ -436,7 +442,7 @@ def measure_twin(emulate: str, log, quick: bool = False) -> dict:
             load.stop_servers(started)
         found[topology] = twin_request_delay(topology, [asdict(r) for r in records], costs, log)
         pictures = [(r.body_bytes, r.visual_tokens) for r in records if r.visual_tokens]
-        pixels_per_token = 28 * 28  # 2 x 2 patches of 14 pixels: what the resized picture's area buys
+        pixels_per_token = (vision.patch_size * vision.spatial_merge_size) ** 2  # what a visual token's area is
         host.body_bytes_per_pixel = sum(b for b, _ in pictures) / sum(t * pixels_per_token for _, t in pictures)
     return {"host": asdict(host), "samples": found}
 

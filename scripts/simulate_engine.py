@@ -14,16 +14,20 @@ leaves out, never in a formula. What it models, as the engine does (engine/sched
   the token budget (max_num_batched_tokens) and max_num_seqs; attention's cost grows with each chunk's context;
 - the encoder budget: a chunk that reaches a picture not yet encoded encodes it whole in its step, within
   max_num_encoder_tokens visual tokens (a larger picture goes alone); an engine's encoder cache (by picture
-  key) and the prefix cache (the cached positions a replayed request's record names) skip work;
+  key, unbounded here: nanomm's evicts past its size) and the prefix cache (the cached positions a replayed
+  request's record names) skip work;
 - the KV pool: blocks of block_size positions; a step that needs blocks the pool lacks preempts the newest
   running request, which is recomputed from the start (a transferred request cannot be: it fails);
 - an encoder service: one job (a step's pictures) at a time, first come first served; the engine that sent it
   waits for the answer and its link time inside its step, as nanomm's model runner does;
+- the router (1ExPyD): each request goes to the prefill instance with the least outstanding visual tokens (the
+  first of equals), charged until its handoff, as `Router` picks; decode instances by their running requests;
 - prefill then decode: a prompt's KV crosses the link to the decode instance, whose next step emits the
   first token together with the second.
 
 What the host adds, measured on the twin (`scripts/measure_stage_costs.py --emulate`, `HostCosts`): each
-engine step's host work (scheduling, sampling, outputs) as a + b x sequences + c x tokens, and a request's
+engine step's host work (scheduling, sampling, outputs) as a + b x sequences (a term per token, c, is there for a
+cost file that names it; the measurement leaves it at 0), and a request's
 path outside the engines (HTTP, JSON, base64 and picture decoding, the router's hops, the stream back) as a
 delay of a + b x body bytes per topology, fitted at a low rate where nothing queues. Left out: the host's
 processes sharing the machine's cores under load (the twin's host should stay far from saturation: load.py
@@ -136,11 +140,15 @@ class _Request:  # one request's progress in the engine it is in
     finish_s: float | None = None
     failed: bool = False
     handed_to: "_Request | None" = None  # a prefill instance's request: its decode instance's copy
+    release: object = None  # the router's charge for it, given back when its prefill instance answers
 
     @property
-    def remaining(self) -> int:  # positions to compute before the next token
-        prompt = self.request.prompt_tokens
-        return prompt - self.computed if self.computed < prompt else 1
+    def known(self) -> int:  # positions whose token is known: the prompt and the tokens generated so far
+        return self.request.prompt_tokens + self.generated
+
+    @property
+    def remaining(self) -> int:  # positions to compute before the next token (a preempted request: all again)
+        return max(1, self.known - self.computed) if self.generated else self.request.prompt_tokens - self.computed
 
     def image_spans(self, prefix_tokens: int) -> list[tuple[int, int]]:
         start, spans = prefix_tokens, []
@@ -243,26 +251,30 @@ class TwinEngine:
         limits = self.costs.limits
         budget, state = limits.token_budget, {"encoder": limits.encoder_budget, "pictures": [], "keys": set()}
         chunks = []
-        decodes = [t for t in self.running if t.computed >= t.request.prompt_tokens]
-        prompts = [t for t in self.running if t.computed < t.request.prompt_tokens]
+        decodes = [t for t in self.running if t.remaining == 1]
+        prompts = [t for t in self.running if t.remaining > 1]
         for track in decodes + prompts:
             if budget == 0:
                 break
             if track not in self.running:  # preempted earlier in this loop
                 continue
-            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state)
+            found = []
+            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state, found)
             if n and self._grow(track, n, chunks):
                 chunks.append((track, n))
+                state["pictures"] += found  # encoded only if its chunk runs (the budget is spent either way)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
             track = self.waiting[0]
             if track.computed == 0:
                 track.computed = min(track.request.cached_tokens // limits.block_size * limits.block_size,
                                      track.request.prompt_tokens - 1)
-            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state)
+            found = []
+            n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state, found)
             need = self._blocks_for(track.computed + n) - track.blocks
             if n == 0 or need > self.free_blocks:
                 break  # first come, first served: nobody overtakes the head of the queue
+            state["pictures"] += found
             self.waiting.popleft()
             self.free_blocks -= need
             track.blocks += need
@@ -271,22 +283,22 @@ class TwinEngine:
             budget -= n
         return chunks, state["pictures"]
 
-    def _fit_encoder(self, track: _Request, start: int, n: int, state: dict) -> int:
-        """The chunk shortened to stop before a picture that does not fit this step's encoder budget."""
+    def _fit_encoder(self, track: _Request, start: int, n: int, state: dict, found: list) -> int:
+        """The chunk shortened to stop before a picture that does not fit this step's encoder budget; the pictures
+        it must encode go to `found`. A picture already taken this step (by its key) is not encoded twice."""
         limits = self.costs.limits
         for index, (span_start, tokens) in enumerate(track.image_spans(limits.prefix_tokens)):
             if span_start + tokens <= start or span_start >= start + n:
                 continue
-            if index in track.encoded or self._key(track, index) in self.cached_pictures:
-                continue
-            if (id(track), index) in state["keys"]:
+            key = self._key(track, index)
+            if index in track.encoded or key in self.cached_pictures or key in state["keys"]:
                 continue
             alone = state["encoder"] == limits.encoder_budget  # nothing else encodes this step
             if tokens > state["encoder"] and not alone:
                 return max(0, span_start - start)
             state["encoder"] -= tokens
-            state["pictures"].append((track, index))
-            state["keys"].add((id(track), index))
+            state["keys"].add(key)
+            found.append((track, index))
         return n
 
     def _grow(self, track: _Request, n: int, chunks: list) -> bool:
@@ -321,8 +333,8 @@ class TwinEngine:
             if track.failed or track not in self.running:
                 continue
             track.computed += n
-            if track.computed < track.request.prompt_tokens:
-                continue  # a prompt chunk: no token yet
+            if track.computed < track.known:
+                continue  # a prompt chunk (or a preempted request's recompute): no token yet
             self._token(track, now)
         self.running = [t for t in self.running if t.finish_s is None and not t.failed]
         self.busy = False
@@ -371,13 +383,22 @@ def build_twin_pools(topology: str, pools: tuple[int, ...], clock, costs: TwinCo
     decodes = [TwinEngine(clock, costs, "decode") for _ in range(pools[2])]
 
     def hand_off(track: _Request) -> None:
+        track.release()  # the prefill instance has answered the router
         taken = track.handed_to = _Request(track.request)
         clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens),
                  lambda: least_loaded(decodes).admit_transferred(taken))
 
     prefills = [TwinEngine(clock, costs, "prefill", encoders, hand_off) for _ in range(pools[1])]
-    return ({"encode": encoders, "prefill": prefills, "decode": decodes},
-            delayed(lambda track: least_loaded(prefills).submit(track)))
+    outstanding = [0] * len(prefills)  # visual tokens each prefill instance holds, as the router counts them
+
+    def route(track: _Request) -> None:
+        pick = min(range(len(prefills)), key=outstanding.__getitem__)
+        work = sum(track.request.image_tokens)
+        outstanding[pick] += work
+        track.release = lambda: outstanding.__setitem__(pick, outstanding[pick] - work)
+        prefills[pick].submit(track)
+
+    return {"encode": encoders, "prefill": prefills, "decode": decodes}, delayed(route)
 
 
 def final(track: _Request) -> _Request:

@@ -131,6 +131,7 @@ def test_a_full_kv_pool_preempts_the_newest_request_which_starts_again():
     assert all(o is not None for o in outcomes)
     recomputed = [runs for runs in device.steps if any(new > 1 for new, _ in runs)]
     assert len(recomputed) >= 3  # both prompts, then the preempted one again
+    assert any(new > 20 for runs in recomputed for new, _ in runs)  # its prompt and the tokens it had generated
     alone, _ = run("integrated", (1,), requests)
     assert outcomes[1][2] > alone[1][2]
 

@@ -108,10 +108,13 @@ class EmulatedKVConnector(HttpKVConnector):
         peer = f"the prefill instance at {remote_url}"
         body = fetch(f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}", self.timeout_s, peer)
         wire, message = unpack(body, peer)
-        if (message.get("from_token"), message.get("num_tokens")) != (from_token, num_tokens) or set(wire) != set(
-                layout):
+        positions = num_tokens - from_token
+        if ((message.get("from_token"), message.get("num_tokens")) != (from_token, num_tokens)
+                or set(wire) != set(layout)
+                or any(t.dtype != torch.uint8 or tuple(t.shape) != (positions,) for t in wire.values())):
             raise PeerError(f"{peer} sent {sorted(wire)} for positions {message.get('from_token')}.."
-                            f"{message.get('num_tokens')}, not {sorted(layout)} for {from_token}..{num_tokens}")
+                            f"{message.get('num_tokens')}, not {sorted(layout)} placeholders (one byte a position) "
+                            f"for {from_token}..{num_tokens}")
         tensors = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in layout.items()}
         real = sum(t.numel() * t.element_size() for t in tensors.values())
         self.wait(self.costs.transfer_seconds(real))
