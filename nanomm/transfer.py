@@ -178,15 +178,21 @@ class HttpKVConnector(KVConnector):
         self.timeout_s = timeout_s
 
     def pull(self, remote_url, transfer_id, from_token, num_tokens, layout):
+        tensors, peer, body_bytes = self.receive(remote_url, transfer_id, from_token, num_tokens)
+        if set(tensors) != set(layout):
+            raise PeerError(f"{peer} sent KV tensors {sorted(tensors)}, this instance stores {sorted(layout)} "
+                            "(do both use the same kv_cache_dtype?)")
+        for name, (dtype, shape) in layout.items():
+            expect(tensors[name], name, dtype, shape, peer)
+        return tensors, body_bytes
+
+    def receive(self, remote_url, transfer_id, from_token, num_tokens) -> tuple[dict[str, torch.Tensor], str, int]:
+        """GET the parked request's body: (its tensors, the peer's name for errors, the body's bytes), once its
+        positions are checked to be the ones asked for."""
         peer = f"the prefill instance at {remote_url}"
         body = fetch(f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}", self.timeout_s, peer)
         tensors, message = unpack(body, peer)
         if message.get("num_tokens") != num_tokens or message.get("from_token") != from_token:
             raise PeerError(f"{peer} sent positions {message.get('from_token')}..{message.get('num_tokens')}, "
                             f"not {from_token}..{num_tokens}")
-        if set(tensors) != set(layout):
-            raise PeerError(f"{peer} sent KV tensors {sorted(tensors)}, this instance stores {sorted(layout)} "
-                            "(do both use the same kv_cache_dtype?)")
-        for name, (dtype, shape) in layout.items():
-            expect(tensors[name], name, dtype, shape, peer)
-        return tensors, len(body)
+        return tensors, peer, len(body)

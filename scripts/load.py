@@ -423,13 +423,10 @@ def cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
         ticks = os.sysconf("SC_CLK_TCK")
         fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
         busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # all but idle and iowait
-        own = 0
-        for pid in pids:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            own += sum(int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13])  # utime, stime
-        return busy / ticks, own / ticks
     except (OSError, ValueError, AttributeError):
         return None
+    own = process_cpu_seconds(dict(enumerate(pids)))
+    return None if own is None else (busy / ticks, sum(own.values()))
 
 
 def other_cpu_share(before, after, wall_s: float) -> float | None:
@@ -452,7 +449,7 @@ def process_cpu_seconds(pids: dict[str, int]) -> dict[str, float] | None:
         ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
         for name, pid in pids.items():
             stat = Path(f"/proc/{pid}/stat").read_text()
-            seconds[name] = sum(int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13]) / ticks
+            seconds[name] = sum(int(v) for v in stat[stat.rindex(")") + 2:].split()[11:13]) / ticks  # utime, stime
         return seconds
     except (OSError, ValueError, AttributeError):
         return None

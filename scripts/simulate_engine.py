@@ -366,12 +366,11 @@ class TwinEngine:
 
 def build_twin_pools(topology: str, pools: tuple[int, ...], clock, costs: TwinCosts):
     """The instances of each pool, and the function an arriving request goes to (after its host delay)."""
+    from simulate_topologies import least_loaded  # the fewest requests queued or running, the first of equals
+
     def delayed(entry):
         return lambda track: clock.at(clock.now + costs.host.request_delay(topology, track.request.body_bytes),
                                       entry, track)
-
-    def least_loaded(pool):
-        return min(pool, key=lambda worker: worker.load())
 
     if topology == "integrated":
         workers = [TwinEngine(clock, costs, "integrated") for _ in range(pools[0])]

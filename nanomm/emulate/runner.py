@@ -23,7 +23,7 @@ from nanomm.engine.model_runner import ModelRunner, StepLogits, _wants_prompt_lo
 from nanomm.engine.scheduler import ScheduledChunk
 from nanomm.inputs.compression import VisualTokens
 from nanomm.errors import PeerError
-from nanomm.transfer import HttpKVConnector, RemoteEncoder, fetch, pack, unpack
+from nanomm.transfer import HttpKVConnector, RemoteEncoder, pack
 
 # The stand-in token's logit above the others' (0): at temperature T another token is drawn with probability about
 # vocab x exp(-30 / T): 6e-11 at T = 1, 2e-4 at T = 2. The runner-up (for when the end of sequence is not allowed
@@ -105,16 +105,12 @@ class EmulatedKVConnector(HttpKVConnector):
         return body, sum(t.numel() * t.element_size() for t in tensors.values())
 
     def pull(self, remote_url, transfer_id, from_token, num_tokens, layout):
-        peer = f"the prefill instance at {remote_url}"
-        body = fetch(f"{remote_url.rstrip('/')}/v1/kv/{transfer_id}?from_token={from_token}", self.timeout_s, peer)
-        wire, message = unpack(body, peer)
+        wire, peer, _ = self.receive(remote_url, transfer_id, from_token, num_tokens)
         positions = num_tokens - from_token
-        if ((message.get("from_token"), message.get("num_tokens")) != (from_token, num_tokens)
-                or set(wire) != set(layout)
-                or any(t.dtype != torch.uint8 or tuple(t.shape) != (positions,) for t in wire.values())):
-            raise PeerError(f"{peer} sent {sorted(wire)} for positions {message.get('from_token')}.."
-                            f"{message.get('num_tokens')}, not {sorted(layout)} placeholders (one byte a position) "
-                            f"for {from_token}..{num_tokens}")
+        if set(wire) != set(layout) or any(t.dtype != torch.uint8 or tuple(t.shape) != (positions,)
+                                           for t in wire.values()):
+            raise PeerError(f"{peer} sent {sorted(wire)}, not {sorted(layout)} placeholders (one byte a position) "
+                            f"for positions {from_token}..{num_tokens}")
         tensors = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in layout.items()}
         real = sum(t.numel() * t.element_size() for t in tensors.values())
         self.wait(self.costs.transfer_seconds(real))

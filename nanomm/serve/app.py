@@ -191,7 +191,7 @@ class Server:
             return None
         if not isinstance(params, dict):
             raise InvalidInputError("kv_transfer_params must be an object")
-        if params.get("do_remote_decode") is True and set(params) <= {"do_remote_decode", "encoder_url"}:
+        if _is_prefill_instruction(params):
             if role != "prefill":
                 raise InvalidInputError(f"this instance's role is {role!r}: only a prefill instance hands off")
             url = params.get("encoder_url")
@@ -310,12 +310,16 @@ class Server:
                 self.engine_loop.abort(parsed.id)
 
 
+def _is_prefill_instruction(params: dict) -> bool:
+    """{"do_remote_decode": true[, "encoder_url"]}: what the router sends a prefill instance."""
+    return params.get("do_remote_decode") is True and set(params) <= {"do_remote_decode", "encoder_url"}
+
+
 def _carries_handoff(body: dict) -> bool:
     """Whether kv_transfer_params is a handoff to continue: an object, not the prefill instruction
-    {"do_remote_decode": true[, "encoder_url"]} (Server._transfer_params reads and checks either)."""
+    (Server._transfer_params reads and checks either)."""
     params = body.get("kv_transfer_params")
-    return isinstance(params, dict) and not (params.get("do_remote_decode") is True
-                                             and set(params) <= {"do_remote_decode", "encoder_url"})
+    return isinstance(params, dict) and not _is_prefill_instruction(params)
 
 
 def _event(body: dict) -> str:
