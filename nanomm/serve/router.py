@@ -136,6 +136,19 @@ class Router:
         for role in ("prefill", "decode"):
             if not self.pools[role].urls:
                 return self._fail(f"the router has no {role} instance", 503)
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            return body
+        handoff = await self._prefill(request.url.path, body)
+        if isinstance(handoff, Response):
+            return handoff
+        decode_body = {**continuation_fields(body), "kv_transfer_params": handoff}
+        if body.get("stream"):
+            return await self._stream_from_decode(request.url.path, decode_body, arrival)
+        return await self._answer_from_decode(request.url.path, decode_body, arrival)
+
+    async def _read_body(self, request: Request) -> dict | Response:
+        """The client's JSON object, or the error to answer with (413 past max_body_bytes, 400 not an object)."""
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             return self._fail(f"the request body is larger than {self.max_body_bytes} bytes", 413)
@@ -144,13 +157,7 @@ class Router:
             assert isinstance(body, dict)
         except (ValueError, AssertionError):
             return self._fail("the request body must be a JSON object", 400)
-        handoff = await self._prefill(request.url.path, body)
-        if isinstance(handoff, Response):
-            return handoff
-        decode_body = {**continuation_fields(body), "kv_transfer_params": handoff}
-        if body.get("stream"):
-            return await self._stream_from_decode(request.url.path, decode_body, arrival)
-        return await self._answer_from_decode(request.url.path, decode_body, arrival)
+        return body
 
     async def _prefill(self, path: str, body: dict):
         """Hop 1: the handoff from the least loaded prefill instance (its encoder picked the same way), or an

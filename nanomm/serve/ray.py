@@ -1,0 +1,410 @@
+"""nanomm on Ray Serve: each role a deployment, the router the ingress, each pool autoscaled on its own load.
+
+    pip install -e ".[ray]"
+    serve run nanomm.serve.ray:app topology=epd demo=trained               # the demo model, split three ways
+    serve run nanomm.serve.ray:app topology=epd emulate=h200:qwen2-vl-2b policy=load max_replicas=4
+    serve deploy scripts/ray_serve.yaml                                     # the same, from a config file
+
+Lesson: lessons/15-scaling-each-pool.md. The processes-and-router path (nanomm-serve --role ..., lesson 13)
+stays as it is; this module is the same instances under an orchestrator, and nothing else imports it.
+
+The application (`app(args)`, Ray's application-builder convention, so `key=value` on `serve run` or `args:`
+in the YAML):
+
+- `topology=integrated`: one pool of whole engines behind the router.
+- `topology=epd`: an encoder pool, a prefill pool and a decode pool. The router sends each request to a
+  prefill replica; that replica leases an encoder replica for the request (a streamed Ray call that stays open,
+  so Ray counts it as that encoder's ongoing request) and runs the prompt there; the router then sends the
+  handoff to a decode replica, which pulls the KV from the prefill replica and streams the answer.
+
+Each replica is one ordinary nanomm instance (the Starlette app of `nanomm-serve --role ROLE`) served on its
+own port: the visual tokens and the KV move between replicas through the existing connectors (transfer.py),
+not through Ray's object store. Ray carries the requests: it places, restarts and drains replicas, counts each
+one's ongoing requests, and routes among a pool's replicas by their queue lengths.
+
+Each replica reports its load to Ray (`record_autoscaling_stats`, from a `LoadWindow`), and `policy=` picks
+how each pool's replica count follows it (serve/autoscaling.py): Ray's `default` (ongoing requests), `load`
+(visual tokens per second per encoder and prefill replica, running sequences per decode replica, against one
+replica's capacity from the cost model) or `slo` (each pool's first-answer p95 against its share of the TTFT
+target).
+
+Failures: a replica that dies mid-request gives the client a 502, or an error event inside a stream, never a
+hang; Ray restarts it, and a prefill replica frees the KV of a handoff no decode replica took (its own timeout).
+Bad arguments (an unknown topology or policy, a model that is not there) raise before any replica starts.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import httpx
+from ray import serve
+from ray.exceptions import RayError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from nanomm.serve import protocol
+from nanomm.serve.autoscaling import POLICIES, LoadWindow, replica_capacity
+from nanomm.serve.router import Router, continuation_fields, estimated_visual_tokens
+
+TOPOLOGIES = {"integrated": ("integrated",), "epd": ("encoder", "prefill", "decode")}
+# A prefill replica's engine has no fixed encoder: every request names the one it leased. A request that did
+# not would fail against this address, which never resolves (RFC 2606's .invalid).
+PER_REQUEST_ENCODER = "http://per-request-encoder.invalid"
+
+
+@dataclass
+class AppSpec:
+    """The application's arguments, checked. Every field is a `key=value` of `serve run` (strings there)."""
+    topology: str = "epd"
+    model: str | None = None  # a checkpoint folder or hub id; or demo=, or emulate=
+    demo: str | None = None  # "trained" or "random": the shipped demo model
+    emulate: str | None = None  # GPU:MODEL: every replica on the emulated device (nanomm/emulate)
+    served_model_name: str | None = None
+    policy: str = "default"
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 30.0
+    metrics_interval_s: float = 1.0
+    look_back_period_s: float = 5.0
+    window_s: float = 10.0  # each replica's load window
+    target_ongoing_requests: float = 4.0  # policy "default"
+    utilization: float = 0.7  # policy "load": the share of a replica's capacity to plan for
+    encoder_capacity: float | None = None  # policy "load": visual tokens/s one replica serves (emulate: computed)
+    prefill_capacity: float | None = None
+    decode_capacity: float | None = None  # running sequences one decode (or integrated) replica serves
+    tpot_slo_s: float = 0.05  # policy "load": a decode replica holds the sequences whose step fits this
+    ttft_slo_s: float = 2.0  # policy "slo": the TTFT target; the prefill pool answers to 0.8 of it, the encoder
+    max_num_seqs: int = 64  # to 0.4, the decode pool to 0.2 (its first token after the pull)
+    max_pixels: int | None = None
+    peer_timeout_s: float = 30.0
+    kv_handoff_timeout_s: float = 30.0
+    num_cpus: float = 0.0  # Ray resources per replica (a real model on a GPU: num_gpus=1)
+    num_gpus: float = 0.0
+    host: str = "127.0.0.1"  # where each replica serves its connector port; a multi-node cluster: "node"
+
+    @classmethod
+    def from_args(cls, args: dict) -> "AppSpec":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ValueError(f"unknown argument(s) {unknown}; the arguments are {sorted(known)}")
+        values = {}
+        for name, value in args.items():
+            kind = str(known[name].type)
+            try:
+                values[name] = (value if value is None or not isinstance(value, str) or "str" in kind
+                                else float(value) if "float" in kind else int(value))
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a number") from None
+        spec = cls(**values)
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {self.topology!r}; nanomm on Ray serves {sorted(TOPOLOGIES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown autoscaling policy {self.policy!r}; the policies are {list(POLICIES)}")
+        if sum(x is not None for x in (self.model, self.demo, self.emulate)) != 1:
+            raise ValueError("give exactly one of model=FOLDER_OR_HUB_ID, demo=trained|random, emulate=GPU:MODEL")
+        if self.emulate is not None:
+            from nanomm.emulate import parse_emulate
+
+            parse_emulate(self.emulate)
+        if self.demo is not None:
+            from rich.console import Console
+
+            from nanomm.demo import demo_folder
+
+            if self.demo not in ("trained", "random"):
+                raise ValueError(f"demo={self.demo!r}: the demo models are 'trained' and 'random'")
+            self.model = str(demo_folder(self.demo, Console(stderr=True)))
+        elif self.model is not None:
+            from nanomm.model.loader import resolve_checkpoint
+
+            self.model = str(resolve_checkpoint(self.model))  # a missing folder or hub id fails here, once
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}")
+        if self.policy == "load":
+            for role in TOPOLOGIES[self.topology]:
+                self.capacity(role)  # raises if it cannot be known
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.emulate or ("nanomm-demo" if self.demo else self.model)
+
+    def capacity(self, role: str) -> float:
+        """One replica's capacity in its pool's load unit: given, or from the emulated device's cost model."""
+        given = {"encoder": self.encoder_capacity, "prefill": self.prefill_capacity,
+                 "decode": self.decode_capacity, "integrated": self.decode_capacity}[role]
+        if given is not None:
+            return given
+        if self.emulate is None:
+            raise ValueError(f"policy=load needs {'decode' if role == 'integrated' else role}_capacity= for a real "
+                             "model (with emulate=, the cost model gives it)")
+        from nanomm.emulate import EmulatedDevice
+
+        costs = EmulatedDevice.from_value(self.emulate).costs
+        return replica_capacity(costs, role, self.max_num_seqs, self.tpot_slo_s)
+
+
+# -- one replica: a nanomm instance on its own port ---------------------------------------------------------------
+
+def build_server(role: str, spec: AppSpec):
+    """The Starlette server of `nanomm-serve --role ROLE` for this spec (encoder: the encoder service)."""
+    model = spec.model  # a folder by now (AppSpec.check), or None with emulate
+    if role == "encoder":
+        from nanomm.serve.encoder_server import EncoderServer, load_encoder
+
+        if spec.emulate:
+            from nanomm.emulate import EmulatedDevice
+
+            service = EmulatedDevice.from_value(spec.emulate).encoder_service(spec.max_pixels)
+        else:
+            service = load_encoder(model, max_pixels=spec.max_pixels)
+        return EncoderServer(service, spec.name), set()
+    from nanomm import LLM
+    from nanomm.serve.app import Server, ServerConfig
+
+    encoder_urls: set[str] = set()  # the encoders this replica leased: the only ones its requests may name
+    llm = LLM(None if spec.emulate else model, max_num_seqs=spec.max_num_seqs, max_pixels=spec.max_pixels,
+              encoder_url=PER_REQUEST_ENCODER if role == "prefill" else None, encoder_timeout_s=spec.peer_timeout_s,
+              kv_handoff_timeout_s=spec.kv_handoff_timeout_s, emulate=spec.emulate)
+    config = ServerConfig(spec.name, role=role, encoder_urls=encoder_urls, kv_pull_timeout_s=spec.peer_timeout_s)
+    return Server(llm, config), encoder_urls
+
+
+class Instance:
+    """One nanomm instance as a Ray Serve replica. Ray calls `answer`, `stream` or `lease`; the replica passes
+    the request to its own HTTP server and keeps its LoadWindow."""
+
+    def __init__(self, role: str, spec: dict, encoder=None):
+        from nanomm.serve.app import BackgroundServer
+
+        self.role, self.spec = role, AppSpec(**spec)
+        self.encoder = encoder  # epd prefill: a handle to the encoder pool
+        self.window = LoadWindow(self.spec.window_s)
+        self.server, self.encoder_urls = build_server(role, self.spec)
+        host = self.spec.host if self.spec.host != "node" else _node_address()
+        self.http = BackgroundServer(self.server, host)
+        self.url = self.http.__enter__()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.spec.peer_timeout_s, connect=5.0))
+
+    def __del__(self):  # Ray stops a replica (scaled down, or the app deleted): its port closes with it
+        if hasattr(self, "http"):
+            self.http.__exit__()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.window.report(time.monotonic())
+
+    async def where(self) -> str:
+        return self.url
+
+    async def lease(self, work: float):
+        """An encoder, held for one request: yields this replica's URL, then stays open until the caller
+        closes it (Ray counts it as an ongoing request all along)."""
+        self.window.arrive(time.monotonic(), work)
+        try:
+            yield self.url
+            while True:
+                await _sleep(3600)
+        finally:
+            self.window.leave()
+
+    async def answer(self, path: str, body: dict, work: float) -> tuple[int, bytes, str]:
+        """A whole answer: (HTTP status, body, this replica's URL)."""
+        arrival = time.monotonic()
+        self.window.arrive(arrival, work)
+        lease = None
+        try:
+            if self.encoder is not None:
+                lease, body = await self._with_encoder(body, work)
+            reply = await self.client.post(self.url + path, json=body)
+            self.window.first_answer(time.monotonic(), time.monotonic() - arrival)
+            return reply.status_code, reply.content, self.url
+        finally:
+            if lease is not None:
+                lease.cancel()
+            self.window.leave()
+
+    async def stream(self, path: str, body: dict, work: float):
+        """A streamed answer: first the HTTP status, then the body's pieces as they come."""
+        arrival = time.monotonic()
+        self.window.arrive(arrival, work)
+        try:
+            request = self.client.build_request("POST", self.url + path, json=body)
+            upstream = await self.client.send(request, stream=True)
+            yield upstream.status_code
+            first = True
+            async for piece in upstream.aiter_raw():
+                if first:
+                    self.window.first_answer(time.monotonic(), time.monotonic() - arrival)
+                    first = False
+                yield piece
+            await upstream.aclose()
+        finally:
+            self.window.leave()
+
+    async def _with_encoder(self, body: dict, work: float):
+        lease = self.encoder.options(stream=True).lease.remote(work)
+        encoder_url = await lease.__anext__()
+        self.encoder_urls.add(encoder_url)
+        params = {**body["kv_transfer_params"], "encoder_url": encoder_url}
+        return lease, {**body, "kv_transfer_params": params}
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+# -- the ingress: the router over deployment handles -----------------------------------------------------------
+
+class RayRouter(Router):
+    """lesson 13's router, over Ray deployment handles instead of URLs (same OpenAI API, same errors)."""
+
+    def __init__(self, topology: str, pools: dict, model_name: str, peer_timeout_s: float):
+        super().__init__([], [], [], peer_timeout_s)
+        self.topology, self.handles, self.model_name = topology, pools, model_name
+        self.last_pool = "decode" if topology == "epd" else "integrated"
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            return await self.route(request)
+        pages = {"/v1/models": self.models, "/health": self.health, "/metrics": self.scrape}
+        if path in pages:
+            return await pages[path](request)
+        return self._fail(f"no route {request.method} {path}", 404)
+
+    async def route(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            return body
+        path = request.url.path
+        if self.topology == "epd":
+            handoff = await self._prefill(path, body)
+            if isinstance(handoff, Response):
+                return handoff
+            body = {**continuation_fields(body), "kv_transfer_params": handoff}
+        if body.get("stream"):
+            return await self._stream_from_decode(path, body, arrival)
+        return await self._answer_from_decode(path, body, arrival)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": "router", "topology": self.topology,
+                             "pools": sorted(self.handles)})
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "nanomm"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _prefill(self, path: str, body: dict):
+        request = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        try:
+            status, content, prefill_url = await self.handles["prefill"].answer.remote(
+                path, request, estimated_visual_tokens(body))
+        except RayError as exc:
+            return self._fail(f"a prefill replica failed ({type(exc).__name__})", 502)
+        if status != 200:
+            self.requests.labels(outcome=str(status)).inc()
+            return Response(content, status, media_type="application/json")
+        handoff = json.loads(content)["kv_transfer_params"]
+        handoff["remote_url"] = prefill_url
+        return handoff
+
+    async def _answer_from_decode(self, path: str, body: dict, arrival: float) -> Response:
+        try:
+            status, content, _ = await self.handles[self.last_pool].answer.remote(path, body, 1)
+        except RayError as exc:
+            return self._fail(f"a {self.last_pool} replica failed ({type(exc).__name__})", 502)
+        self.requests.labels(outcome=str(status)).inc()
+        if status == 200:
+            self.ttft.observe(time.perf_counter() - arrival)
+        return Response(content, status, media_type="application/json")
+
+    async def _stream_from_decode(self, path: str, body: dict, arrival: float) -> Response:
+        upstream = self.handles[self.last_pool].options(stream=True).stream.remote(path, body, 1)
+        try:
+            status = await upstream.__anext__()
+            if status != 200:
+                content = b"".join([piece async for piece in upstream])
+                self.requests.labels(outcome=str(status)).inc()
+                return Response(content, status, media_type="application/json")
+        except (RayError, StopAsyncIteration) as exc:
+            return self._fail(f"a {self.last_pool} replica failed ({type(exc).__name__})", 502)
+
+        async def events():
+            first = True
+            try:
+                async for piece in upstream:
+                    if first:
+                        self.ttft.observe(time.perf_counter() - arrival)
+                        first = False
+                    yield piece
+                self.requests.labels(outcome="200").inc()
+            except RayError as exc:
+                self.requests.labels(outcome="peer_failed").inc()
+                message = f"a {self.last_pool} replica failed mid-stream ({type(exc).__name__})"
+                yield f"data: {json.dumps(protocol.error_body(message, 502))}\n\n".encode()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# -- the application -------------------------------------------------------------------------------------------
+
+def autoscaling_config(role: str, spec: AppSpec) -> dict:
+    """Ray's AutoscalingConfig for one pool under spec.policy."""
+    config = {"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
+              "initial_replicas": spec.initial_replicas or spec.min_replicas,
+              "upscale_delay_s": spec.upscale_delay_s, "downscale_delay_s": spec.downscale_delay_s,
+              "metrics_interval_s": spec.metrics_interval_s, "look_back_period_s": spec.look_back_period_s,
+              "target_ongoing_requests": spec.target_ongoing_requests}
+    if spec.policy == "load":
+        config["policy"] = {"policy_function": "nanomm.serve.autoscaling:LoadPolicy",
+                            "policy_kwargs": {"role": role, "capacity": spec.capacity(role),
+                                              "utilization": spec.utilization}}
+    elif spec.policy == "slo":
+        share = {"encoder": 0.4, "prefill": 0.8, "decode": 0.2, "integrated": 1.0}[role]
+        config["policy"] = {"policy_function": "nanomm.serve.autoscaling:SLOPolicy",
+                            "policy_kwargs": {"target_s": share * spec.ttft_slo_s}}
+    return config
+
+
+def build(spec: AppSpec):
+    """The Ray Serve application for a checked spec."""
+    roles = TOPOLOGIES[spec.topology]
+    resources = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}
+
+    def pool(role: str, *extra):
+        deployment = serve.deployment(Instance, name=role, ray_actor_options=resources,
+                                      autoscaling_config=autoscaling_config(role, spec),
+                                      max_ongoing_requests=max(spec.max_num_seqs, 64), health_check_period_s=2,
+                                      graceful_shutdown_timeout_s=spec.peer_timeout_s)
+        return deployment.bind(role, asdict(spec), *extra)
+
+    handles = {}
+    if spec.topology == "epd":
+        handles["prefill"] = pool("prefill", pool("encoder"))
+        handles["decode"] = pool("decode")
+    else:
+        handles[roles[0]] = pool(roles[0])
+    router = serve.deployment(RayRouter, name="router", ray_actor_options={"num_cpus": 0})
+    return router.bind(spec.topology, handles, spec.name, spec.peer_timeout_s)
+
+
+def app(args: dict):
+    """`serve run nanomm.serve.ray:app key=value ...` (and a YAML's `args:`): checked before any replica starts."""
+    return build(AppSpec.from_args(dict(args)))
