@@ -82,6 +82,7 @@ class RequestRecord:
     error: str | None = None
     cached_tokens: int = 0  # prompt positions the server's prefix cache held
     body_bytes: int = 0  # the request's JSON body
+    phase: str = ""  # a trace's phase (--trace)
 
     @property
     def ttft_s(self) -> float | None:
@@ -181,16 +182,32 @@ async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, c
 async def run_load(url: str, model: str, mix: list[MixEntry], rate: float, num_requests: int, max_tokens: int,
                    seed: int, content_seed: int, timeout_s: float = 600.0, on_start=None,
                    pictures: str = "noise") -> list[RequestRecord]:
-    """Open-loop load: every request is sent on its Poisson schedule, answered or not. Bodies are made first,
-    so that encoding pictures on the client does not delay the schedule. `seed` draws the arrival gaps (one
-    seed at every rate: the same pattern, squeezed); `content_seed` the mix entries, pictures and words.
-    on_start(): called once the bodies are made, as the first request is due (where a CPU count starts)."""
+    """Open-loop load: every request is sent on its Poisson schedule, answered or not. `seed` draws the arrival
+    gaps (one seed at every rate: the same pattern, squeezed); `content_seed` the mix entries, pictures and
+    words. on_start(): called once the bodies are made, as the first request is due (where a CPU count starts)."""
     arrivals = poisson_arrivals(rate, num_requests, random.Random(seed))  # one seed: the same gaps, scaled
     rng = random.Random(content_seed)
     entries = rng.choices(mix, weights=[e.weight for e in mix], k=num_requests)
-    bodies = [request_body(e, rng, model, max_tokens, pictures) for e in entries]
-    records = [RequestRecord(t, e.num_images, body_bytes=len(json.dumps(b))) for t, e, b in
-               zip(arrivals, entries, bodies)]
+    schedule = [Arrival(t, e, max_tokens) for t, e in zip(arrivals, entries)]
+    return await run_schedule(url, model, schedule, rng, timeout_s, on_start, pictures)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a schedule: when it is sent, what it carries, how long its answer is."""
+    at: float
+    entry: MixEntry
+    max_tokens: int
+    phase: str = ""
+
+
+async def run_schedule(url: str, model: str, schedule: list[Arrival], rng: random.Random, timeout_s: float = 600.0,
+                       on_start=None, pictures: str = "noise") -> list[RequestRecord]:
+    """Send each request of the schedule on time, answered or not. Bodies are made first (pictures and words
+    from rng), so that encoding pictures on the client does not delay the schedule."""
+    bodies = [request_body(a.entry, rng, model, a.max_tokens, pictures) for a in schedule]
+    records = [RequestRecord(a.at, a.entry.num_images, body_bytes=len(json.dumps(b)), phase=a.phase)
+               for a, b in zip(schedule, bodies)]
     # A fresh connection per request, as from independent users: a kept-alive connection that the server closes
     # for idleness (uvicorn: after 5 s) just as a request goes out on it fails that request (a ReadError).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
@@ -204,6 +221,45 @@ async def run_load(url: str, model: str, mix: list[MixEntry], rate: float, num_r
 
         await asyncio.gather(*(send_one(http, b, r, clock) for b, r in zip(bodies, records)))
     return records
+
+
+# -- traces: a mix that moves over time (--trace) ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    seconds: float
+    rate: float  # requests per second, Poisson, at the phase's start ...
+    rate_end: float  # ... and at its end, in a straight line between
+    mix: str  # parse_mix's form
+    max_tokens: int  # every answer's length (ignore_eos)
+
+    def rate_at(self, t: float) -> float:
+        return self.rate + (self.rate_end - self.rate) * t / self.seconds
+
+
+TRACES = {
+    # A day in three acts, each ramping up: chat with no pictures; image-heavy pages (one 1400 x 1400 picture
+    # each: 2,500 visual tokens on Qwen2-VL's and Qwen2.5-VL's 28-pixel tokens); long answers about a thumbnail.
+    "day": (Phase("chat", 60, 0.5, 1.0, "0x28x28:1", 32), Phase("pages", 90, 1.0, 4.0, "1x1400x1400:1", 16),
+            Phase("long answers", 90, 0.5, 1.5, "1x224x224:1", 256)),
+}
+
+
+def trace_schedule(trace: tuple[Phase, ...], seed: int) -> list[Arrival]:
+    """Each phase's arrivals, one phase after the other: a Poisson process whose rate moves in a straight line
+    (drawn at the phase's highest rate, each arrival kept with probability rate now / highest)."""
+    rng, schedule, start = random.Random(seed), [], 0.0
+    for phase in trace:
+        mix, peak = parse_mix(phase.mix), max(phase.rate, phase.rate_end)
+        t = rng.expovariate(peak)
+        while t < phase.seconds:
+            if rng.random() < phase.rate_at(t) / peak:
+                entry = rng.choices(mix, weights=[e.weight for e in mix])[0]
+                schedule.append(Arrival(start + t, entry, phase.max_tokens, phase.name))
+            t += rng.expovariate(peak)
+        start += phase.seconds
+    return schedule
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -504,6 +560,21 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
     return results
 
 
+def run_trace(url: str, args, log) -> list[dict]:
+    """One run of the trace against `url`; a summary per phase (its mean rate as the rate), records included."""
+    trace = TRACES[args.trace]
+    records = asyncio.run(run_schedule(url, args.model, trace_schedule(trace, args.seed),
+                                       random.Random(args.seed + 1), pictures=args.pictures))
+    results = []
+    for phase in trace:
+        mine = [r for r in records if r.phase == phase.name]
+        summary = {"phase": phase.name, **summarize(mine, (phase.rate + phase.rate_end) / 2, args.slo_ttft,
+                                                      args.slo_tpot), "records": [asdict(r) for r in mine]}
+        log(f"{phase.name:13} " + report_line(summary))
+        results.append(summary)
+    return results
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, nargs="+", default=[1.0, 2.0], help="request rates to sweep (req/s)")
@@ -532,6 +603,8 @@ def parse_args(argv=None):
                    "torch's, one per core: several instances on one machine then oversubscribe its cores)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="passed on to every nanomm-serve that loads the model (repeatable)")
+    p.add_argument("--trace", choices=sorted(TRACES), help="instead of the rate sweep: one run of a trace whose "
+                   "rate and mix move over time (its own mixes and answer lengths), summarized per phase")
     p.add_argument("--json")
     args = p.parse_args(argv)
     try:
@@ -578,8 +651,11 @@ def main(argv=None) -> int:
         role_urls = {"front": url, **role_urls}
     stages_url = started["decode"][1] if "decode" in started else url  # the instance that finishes requests
     try:
-        results = sweep(url, args, lambda line: print(line, flush=True), role_urls, stages_url,
-                        {role: process.pid for role, (process, _) in started.items()})
+        if args.trace:
+            results = run_trace(url, args, lambda line: print(line, flush=True))
+        else:
+            results = sweep(url, args, lambda line: print(line, flush=True), role_urls, stages_url,
+                            {role: process.pid for role, (process, _) in started.items()})
     finally:
         stop_servers(started)
     print(markdown_table(results))

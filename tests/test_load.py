@@ -110,3 +110,19 @@ def test_the_soak_s_memory_summary_from_a_hand_made_curve():
     assert summary["rss_mib_peak_by_quarter"] == [150.0, 150.0, 170.0, 176.0]  # [0, 1], [1, 2], [2, 3], [3, 4]
     assert summary["rss_growth_second_half_pct"] == pytest.approx(100 * (176 - 150) / 150, abs=0.01)
     assert summary["rss_mib_peak_by_tenth"][1] is None  # no sample between 0.4 s and 0.8 s
+
+
+def test_a_trace_run_against_a_server_sends_each_phase_s_mix_and_answer_length(ckpt, monkeypatch):
+    """`--trace`: one run, summarized per phase; each phase's requests carry its pictures and its answer length."""
+    tiny = (load.Phase("text", 1.0, 8.0, 8.0, "0x28x28:1", 3), load.Phase("pictures", 1.0, 4.0, 8.0, "1x224x224:1", 6))
+    monkeypatch.setitem(load.TRACES, "tiny", tiny)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32")
+    with BackgroundServer(Server(llm, ServerConfig("load"))) as base:
+        args = load.parse_args(["--url", base, "--trace", "tiny", "--seed", "2", "--slo-ttft", "60"])
+        results = load.run_trace(base, args, lambda line: None)
+    assert [r["phase"] for r in results] == ["text", "pictures"]
+    expected = load.trace_schedule(tiny, seed=2)
+    for result, phase, visual, answer in zip(results, tiny, (0, 64), (3, 6)):
+        records = result["records"]
+        assert len(records) == sum(a.phase == phase.name for a in expected) == result["completed"] > 0
+        assert {r["visual_tokens"] for r in records} == {visual} and {r["completion_tokens"] for r in records} == {answer}

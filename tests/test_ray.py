@@ -10,6 +10,8 @@ import shlex
 import signal
 import subprocess
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -157,6 +159,24 @@ def test_the_load_policy_grows_the_pools_whose_load_grows(deployed):
     assert _targets()["decode"] == 1
 
 
+def test_under_the_shifting_day_the_load_policy_grows_each_pool_in_its_own_phase(cluster):
+    """scripts/autoscale_day.py's run, the day at half length, policy load, on emulated L4s: from the Ray
+    controller's replica counts, the encoder and prefill pools grow in the pages phase while the decode pool
+    stays at one, and the decode pool grows in the long answers' phase."""
+    import autoscale_day
+    from load import TRACES
+
+    args = autoscale_day.parse_args(["--policy", "load", "--time-scale", "0.5"])
+    trace = tuple(replace(p, seconds=p.seconds * 0.5) for p in TRACES["day"])
+    serve.start(http_options={"host": "127.0.0.1", "port": cluster["port"]})  # again after `serve run` ended
+    run = autoscale_day.run_policy("load", args, trace, cluster["url"])
+    peaks = run["peak_replicas_by_phase"]
+    assert peaks["chat"] == {"encoder": 1, "prefill": 1, "decode": 1}
+    assert peaks["pages"]["encoder"] >= 2 and peaks["pages"]["prefill"] >= 2 and peaks["pages"]["decode"] == 1
+    assert peaks["long answers"]["decode"] >= 2
+    assert run["errors"] == 0
+
+
 def _targets() -> dict[str, int]:
     deployments = serve.status().applications["nanomm"].deployments
     return {name: sum(status.replica_states.values()) for name, status in deployments.items()}
@@ -182,3 +202,15 @@ def test_bad_arguments_fail_before_any_replica_starts(args, words, monkeypatch):
 def test_arguments_arrive_as_strings_and_are_typed():
     spec = AppSpec.from_args({"emulate": "h200:qwen2-vl-2b", "max_replicas": "4", "utilization": "0.5"})
     assert (spec.max_replicas, spec.utilization, spec.topology) == (4, 0.5, "epd")
+
+
+def test_the_serve_deploy_yaml_names_this_application_and_its_arguments_build_it():
+    import yaml  # Ray Serve's own dependency
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "scripts" / "ray_serve.yaml").read_text())
+    [application] = config["applications"]
+    assert application["import_path"] == "nanomm.serve.ray:app"
+    assert config["http_options"]["host"] == "127.0.0.1"
+    spec = AppSpec.from_args({k: str(v) for k, v in application["args"].items()})
+    assert (spec.topology, spec.policy, spec.max_replicas) == ("epd", "load", 4)
+    assert app(application["args"]) is not None  # every pool's capacity known, the deployments described

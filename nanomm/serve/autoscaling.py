@@ -119,18 +119,21 @@ class SLOPolicy:
         return current, {}
 
 
-def replica_capacity(costs, role: str, max_num_seqs: int, tpot_slo_s: float = 0.05, budget_tokens: int = 2048,
-                     picture_tokens: int = 1024, context_tokens: int = 2048) -> float:
+def replica_capacity(costs, role: str, max_num_seqs: int, tpot_slo_s: float = 0.05, picture_tokens: int = 1024,
+                     context_tokens: int = 2048) -> float:
     """One replica's capacity in its pool's load unit, from a cost model (nanomm/emulate/costs.py's CostModel):
 
     - encoder: visual tokens per second, encoding pictures of `picture_tokens` (4 patches a token) one by one;
-    - prefill: prompt tokens per second, in steps of `budget_tokens` (the engine's token budget);
+    - prefill: visual tokens per second, prefilling such pictures one by one. A prefill instance waits for its
+      encoder service inside its step (transfer.py's RemoteEncoder is synchronous), so each picture costs it
+      the encode and the prefill;
     - decode, integrated: the running sequences whose decode step, at `context_tokens` each, fits the TPOT
       target (at most max_num_seqs)."""
     if role == "encoder":
         return picture_tokens / costs.encode_seconds([4 * picture_tokens])
     if role == "prefill":
-        return budget_tokens / costs.step_seconds([(budget_tokens, budget_tokens)])
+        encode = costs.encode_seconds([4 * picture_tokens])
+        return picture_tokens / (encode + costs.step_seconds([(picture_tokens, picture_tokens)]))
     sequences = 1
     while sequences < max_num_seqs and costs.step_seconds([(1, context_tokens)] * (sequences + 1)) <= tpot_slo_s:
         sequences += 1

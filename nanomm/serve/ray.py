@@ -52,6 +52,7 @@ TOPOLOGIES = {"integrated": ("integrated",), "epd": ("encoder", "prefill", "deco
 # A prefill replica's engine has no fixed encoder: every request names the one it leased. A request that did
 # not would fail against this address, which never resolves (RFC 2606's .invalid).
 PER_REQUEST_ENCODER = "http://per-request-encoder.invalid"
+ROUTER_MAX_ONGOING_REQUESTS = 4096  # the router only waits on its pools: it holds every request in flight
 
 
 @dataclass
@@ -401,7 +402,9 @@ def build(spec: AppSpec):
         handles["decode"] = pool("decode")
     else:
         handles[roles[0]] = pool(roles[0])
-    router = serve.deployment(RayRouter, name="router", ray_actor_options={"num_cpus": 0})
+    # Ray's default of 5 requests at a time would queue every request past the fifth in front of the router
+    router = serve.deployment(RayRouter, name="router", ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)
     return router.bind(spec.topology, handles, spec.name, spec.peer_timeout_s)
 
 

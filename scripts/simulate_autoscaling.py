@@ -1,0 +1,268 @@
+"""The autoscaler in the simulator: E+P+D pools that grow and shrink as nanomm on Ray Serve's policies say.
+
+    python scripts/simulate_autoscaling.py --replay lessons/data/15-day.json --host-costs lessons/data/13-twin-host.json
+
+Lesson: lessons/15-scaling-each-pool.md.
+
+The engines are the engine-faithful simulator's (scripts/simulate_engine.py: nanomm's scheduler on the cost
+model the twin sleeps on). Around them, what Ray Serve does with nanomm's replicas (nanomm/serve/ray.py):
+
+- each replica keeps the same `LoadWindow` and reports it every `metrics_interval_s`; a pool's metric is each
+  replica's mean report over `look_back_period_s`, as Ray's controller aggregates it;
+- the same policy objects (nanomm/serve/autoscaling.py) decide each pool's replicas; the `default` policy is
+  Ray's rule, ongoing requests over `target_ongoing_requests` (`RequestsPolicy`);
+- Ray's bounds and delays: a new count is applied once the policy has asked for more (or fewer) replicas for
+  `upscale_delay_s` (or `downscale_delay_s`); a new replica serves after `replica_start_s` (measured on the
+  twin run) and counts from the moment it is asked for; a removed one takes no new work and finishes its own;
+- routing: each request to the prefill replica with the least outstanding visual tokens, with an encoder lease
+  from the encoder replica holding the fewest; its handoff to the decode replica running the fewest requests.
+
+Left out: Ray's own request path (the proxy, the handles' hops), so the host delay per request is the
+processes-and-router topology's, measured on the twin; the encode of a step goes to the least busy encoder,
+not necessarily the one its request leased.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from simulate_engine import EventClock, HostCosts, TwinCosts, TwinEngine, _EncoderService, _Request, outcome  # noqa: E402
+from simulate_topologies import requests_from_load  # noqa: E402
+
+from nanomm.serve.autoscaling import LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy  # noqa: E402
+
+POOLS = ("encoder", "prefill", "decode")
+
+
+@dataclass(eq=False)
+class Replica:
+    worker: object  # a TwinEngine, or an _EncoderService
+    window: LoadWindow
+    reports: list = field(default_factory=list)  # (time, report)
+    outstanding: float = 0.0  # what the router charges it: visual tokens (prefill), leases (encoder), requests
+
+
+class ScaledPool:
+    """One pool's replicas, sized by a policy under Ray's bounds and delays."""
+
+    def __init__(self, name: str, policy, config: dict, clock, make_worker, start_s: float):
+        self.name, self.policy, self.config, self.clock = name, policy, config, clock
+        self.make_worker, self.start_s = make_worker, start_s
+        self.serving: list[Replica] = []
+        self.starting = 0
+        self.wanted_since: tuple[int, float] | None = None  # (direction, since when)
+        for _ in range(config["initial_replicas"]):
+            self._add()
+
+    @property
+    def count(self) -> int:
+        return len(self.serving) + self.starting
+
+    def _add(self) -> None:
+        self.serving.append(Replica(self.make_worker(), LoadWindow(self.config["window_s"])))
+
+    def _start_one(self) -> None:
+        self.starting += 1
+
+        def ready():
+            self.starting -= 1
+            self._add()
+
+        self.clock.at(self.clock.now + self.start_s, ready)
+
+    def report(self) -> None:
+        for replica in self.serving:
+            replica.reports.append((self.clock.now, replica.window.report(self.clock.now)))
+
+    def control(self) -> None:
+        """One tick of Ray's controller for this pool."""
+        look_back = self.clock.now - self.config["look_back_period_s"]
+        metrics: dict[str, dict] = {}
+        for i, replica in enumerate(self.serving):
+            recent = [r for t, r in replica.reports if t >= look_back] or [replica.window.report(self.clock.now)]
+            for name in recent[0]:
+                metrics.setdefault(name, {})[i] = sum(r[name] for r in recent) / len(recent)
+        context = SimpleNamespace(current_num_replicas=self.count, aggregated_metrics=metrics)
+        desired, _ = self.policy(context)
+        desired = min(self.config["max_replicas"], max(self.config["min_replicas"], desired))
+        direction = (desired > self.count) - (desired < self.count)
+        if direction == 0:
+            self.wanted_since = None
+            return
+        if self.wanted_since is None or self.wanted_since[0] != direction:
+            self.wanted_since = (direction, self.clock.now)
+        delay = self.config["upscale_delay_s"] if direction > 0 else self.config["downscale_delay_s"]
+        if self.clock.now - self.wanted_since[1] >= delay:
+            self.wanted_since = None
+            for _ in range(desired - self.count):
+                self._start_one()
+            for _ in range(self.count - desired):
+                if len(self.serving) > 1:  # the least loaded stops taking work and finishes its own
+                    self.serving.remove(min(self.serving, key=lambda r: r.outstanding))
+
+    def pick(self) -> Replica:
+        return min(self.serving, key=lambda r: r.outstanding)
+
+
+def make_policy(name: str, role: str, args: dict, capacity) -> object:
+    if name == "default":
+        return RequestsPolicy(target=args["target_ongoing_requests"])
+    if name == "load":
+        return LoadPolicy(role=role, capacity=capacity(role), utilization=args["utilization"])
+    share = {"encoder": 0.4, "prefill": 0.8, "decode": 0.2}[role]  # as nanomm/serve/ray.py gives each pool
+    return SLOPolicy(target_s=share * args["ttft_slo_s"])
+
+
+def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, start_s: float,
+             metrics_interval_s: float = 1.0, tick_s: float = 0.5) -> dict:
+    """Every request through autoscaled E+P+D pools: outcomes, and each pool's replicas once a second."""
+    from nanomm.serve.ray import AppSpec
+
+    spec = AppSpec(**{k: v for k, v in app_args.items()})
+    clock = EventClock()
+    config = {"initial_replicas": spec.initial_replicas or spec.min_replicas, "window_s": spec.window_s,
+              "look_back_period_s": spec.look_back_period_s, "min_replicas": spec.min_replicas,
+              "max_replicas": spec.max_replicas, "upscale_delay_s": spec.upscale_delay_s,
+              "downscale_delay_s": spec.downscale_delay_s}
+    encoders_now: list = []  # the serving encoder services, which prefill engines pick from
+    pools: dict[str, ScaledPool] = {}
+
+    def decode_engine():
+        return _WatchedEngine(clock, costs, "decode")
+
+    def prefill_engine():
+        return TwinEngine(clock, costs, "prefill", encoders_now, hand_off)
+
+    def route(track: _Request) -> None:
+        track.arrived_s = clock.now
+        work = sum(track.request.image_tokens)
+        prefill, encoder = pools["prefill"].pick(), pools["encoder"].pick()
+        for replica, charge in ((prefill, work), (encoder, 1)):
+            replica.outstanding += charge
+            replica.window.arrive(clock.now, work)
+        track.replicas = (prefill, work, encoder)
+        prefill.worker.submit(track)
+
+    def hand_off(track: _Request) -> None:
+        prefill, work, encoder = track.replicas
+        prefill.outstanding -= work
+        encoder.outstanding -= 1
+        prefill.window.first_answer(clock.now, clock.now - track.arrived_s)
+        prefill.window.leave(), encoder.window.leave()
+        taken = track.handed_to = _Request(track.request)
+
+        def arrive():
+            decode = pools["decode"].pick()
+            decode.outstanding += 1
+            decode.window.arrive(clock.now, 0)
+            taken.replica, taken.arrived_s = decode, clock.now
+            decode.worker.admit_transferred(taken)
+
+        clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens), arrive)
+
+    def capacity(role):
+        return spec.capacity(role)
+
+    for role, make in (("encoder", lambda: _EncoderService(clock, costs)), ("prefill", prefill_engine),
+                       ("decode", decode_engine)):
+        pools[role] = ScaledPool(role, make_policy(policy, role, app_args, capacity), config, clock, make, start_s)
+    _keep_encoders_listed(pools["encoder"], encoders_now)
+    tracks = [_Request(r) for r in requests]
+    for track in tracks:
+        delay = costs.host.request_delay("epd", track.request.body_bytes)
+        clock.at(track.request.arrival_s + delay, route, track)
+    end = max(r.arrival_s for r in requests) + 60
+    timeline = []
+
+    def report():
+        for pool in pools.values():
+            pool.report()
+        timeline.append({"t": clock.now, **{name: pool.count for name, pool in pools.items()}})
+        if clock.now < end:
+            clock.at(clock.now + metrics_interval_s, report)
+
+    def control():
+        for pool in pools.values():
+            pool.control()
+        _keep_encoders_listed(pools["encoder"], encoders_now)
+        if clock.now < end:
+            clock.at(clock.now + tick_s, control)
+
+    clock.at(0.0, report), clock.at(0.0, control)
+    clock.run()
+    outcomes = [outcome(t) for t in tracks]
+    last = max((o[2] for o in outcomes if o is not None), default=0.0)  # the run ends with its last answer
+    return {"outcomes": outcomes, "timeline": [s for s in timeline if s["t"] <= last]}
+
+
+def _keep_encoders_listed(pool: ScaledPool, listed: list) -> None:
+    listed[:] = [replica.worker for replica in pool.serving]
+
+
+class _WatchedEngine(TwinEngine):
+    """A decode engine that tells its replica's window when a request's first token and its end come."""
+
+    def _token(self, track: _Request, now: float) -> None:
+        first = track.first_token_s is None
+        super()._token(track, now)
+        replica = track.replica
+        if first and track.first_token_s is not None:
+            replica.window.first_answer(now, now - track.arrived_s)
+        if track.finish_s is not None:
+            replica.outstanding -= 1
+            replica.window.leave()
+
+
+def summarize(result: dict, request_phases: list[str], phases: list[str], slo_ttft: float, slo_tpot: float) -> dict:
+    good = {name: [] for name in phases}
+    for phase, out in zip(request_phases, result["outcomes"]):
+        good[phase].append(out is not None and out[0] <= slo_ttft and out[1] <= slo_tpot)
+    seconds = {pool: sum(s[pool] for s in result["timeline"]) for pool in POOLS}  # one sample a second
+    return {"slo_attainment": sum(map(sum, good.values())) / len(request_phases),
+            "slo_attainment_by_phase": {name: sum(g) / len(g) for name, g in good.items() if g},
+            "replica_seconds": seconds, "timeline": result["timeline"]}
+
+
+def replayed_requests(run: dict) -> tuple[list, list[str]]:
+    """A policy's measured run (scripts/autoscale_day.py's records) as the simulator's requests, on the run's own
+    clock (its replica timeline's), and their phases."""
+    records = sorted((r for r in run["records"] if r["error"] is None), key=lambda r: r["sent_at"])
+    requests = [replace(request, arrival_s=record["sent_at"])
+                for request, record in zip(requests_from_load({"records": records}), records)]
+    return requests, [r["phase"] for r in records]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replay", required=True, help="scripts/autoscale_day.py's JSON: each policy's run")
+    p.add_argument("--host-costs", help="HostCosts JSON (scripts/measure_stage_costs.py --emulate)")
+    p.add_argument("--replica-start", type=float, help="seconds a new replica takes to serve (default: the run's)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    day = json.loads(Path(args.replay).read_text())
+    host = HostCosts.from_json(json.loads(Path(args.host_costs).read_text())) if args.host_costs else HostCosts()
+    phases = [phase["name"] for phase in day["trace"]]
+    predictions = {}
+    for policy, run in day["results"].items():
+        app_args = day["app_args"][policy]
+        costs = TwinCosts.for_twin(app_args["emulate"], host)
+        start_s = args.replica_start or run.get("replica_start_s", 6.0)
+        requests, request_phases = replayed_requests(run)
+        result = simulate(requests, costs, policy, app_args, start_s)
+        predictions[policy] = summarize(result, request_phases, phases, day["slo_ttft_s"], day["slo_tpot_s"])
+        measured, predicted = run, predictions[policy]
+        print(f"{policy:8} within SLO {measured['slo_attainment']:.1%} / {predicted['slo_attainment']:.1%}; "
+              "replica-seconds " + ", ".join(f"{pool} {measured['replica_seconds'][pool]:.0f} / "
+                                             f"{predicted['replica_seconds'][pool]:.0f}" for pool in POOLS)
+              + " (measured / simulated)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"replay": args.replay, "predictions": predictions}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
