@@ -17,7 +17,7 @@ model the twin sleeps on). Around them, what Ray Serve does with nanomm's replic
 - routing: each request to the prefill replica with the least outstanding visual tokens, with an encoder lease
   from the encoder replica holding the fewest; its handoff to the decode replica running the fewest requests.
 
-Left out: Ray's own request path (the proxy, the handles' hops), so the host delay per request is the
+An encoder replica's first answers are its encodes, queue included. Left out: Ray's own request path (the proxy, the handles' hops), so the host delay per request is the
 processes-and-router topology's, measured on the twin; the encode of a step goes to the least busy encoder,
 not necessarily the one its request leased.
 """
@@ -25,6 +25,7 @@ not necessarily the one its request leased.
 import argparse
 import json
 import sys
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -63,7 +64,8 @@ class ScaledPool:
         return len(self.serving) + self.starting
 
     def _add(self) -> None:
-        self.serving.append(Replica(self.make_worker(), LoadWindow(self.config["window_s"])))
+        window = LoadWindow(self.config["window_s"])
+        self.serving.append(Replica(self.make_worker(window), window))
 
     def _start_one(self) -> None:
         self.starting += 1
@@ -131,10 +133,10 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
     encoders_now: list = []  # the serving encoder services, which prefill engines pick from
     pools: dict[str, ScaledPool] = {}
 
-    def decode_engine():
+    def decode_engine(window):
         return _WatchedEngine(clock, costs, "decode")
 
-    def prefill_engine():
+    def prefill_engine(window):
         return TwinEngine(clock, costs, "prefill", encoders_now, hand_off)
 
     def route(track: _Request) -> None:
@@ -167,7 +169,8 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
     def capacity(role):
         return spec.capacity(role)
 
-    for role, make in (("encoder", lambda: _EncoderService(clock, costs)), ("prefill", prefill_engine),
+    for role, make in (("encoder", lambda window: _TimedEncoderService(clock, costs, window)),
+                       ("prefill", prefill_engine),
                        ("decode", decode_engine)):
         pools[role] = ScaledPool(role, make_policy(policy, role, app_args, capacity), config, clock, make, start_s)
     _keep_encoders_listed(pools["encoder"], encoders_now)
@@ -201,6 +204,23 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
 
 def _keep_encoders_listed(pool: ScaledPool, listed: list) -> None:
     listed[:] = [replica.worker for replica in pool.serving]
+
+
+class _TimedEncoderService(_EncoderService):
+    """An encoder service whose jobs' times, the queue included, are its replica's first answers (as
+    nanomm/serve/ray.py's TimedEncodes records them)."""
+
+    def __init__(self, clock, costs: TwinCosts, window: LoadWindow):
+        super().__init__(clock, costs)
+        self.window, self.submitted = window, deque()
+
+    def submit(self, image_tokens: list[int], then) -> None:
+        self.submitted.append(self.clock.now)
+        super().submit(image_tokens, then)
+
+    def _done(self, image_tokens: list[int], then) -> None:
+        self.window.first_answer(self.clock.now, self.clock.now - self.submitted.popleft())
+        super()._done(image_tokens, then)
 
 
 class _WatchedEngine(TwinEngine):

@@ -214,3 +214,30 @@ def test_the_serve_deploy_yaml_names_this_application_and_its_arguments_build_it
     spec = AppSpec.from_args({k: str(v) for k, v in application["args"].items()})
     assert (spec.topology, spec.policy, spec.max_replicas) == ("epd", "load", 4)
     assert app(application["args"]) is not None  # every pool's capacity known, the deployments described
+
+
+def test_the_least_work_router_ranks_replicas_by_the_work_they_hold():
+    """Ray calls on_request_routed and on_request_completed around each call; the router ranks by what is left."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanomm.serve.ray import LeastWorkRouter
+
+    router = object.__new__(LeastWorkRouter)  # the state alone: Ray's own __init__ wires it to a deployment
+    router.initialize_state()
+    a, b, c = (SimpleNamespace(replica_id=name) for name in "abc")
+
+    def routed(request_id: str, replica, work: float):
+        call = SimpleNamespace(kwargs={"work": work}, metadata=SimpleNamespace(internal_request_id=request_id))
+        router.on_request_routed(call, replica.replica_id, None)
+
+    def ranking():
+        return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas([a, b, c]))]
+
+    assert ranking() == ["a", "b", "c"]  # nothing held: the first of equals first
+    routed("page", a, 2500)
+    routed("chat 1", b, 0)
+    routed("thumbnail", c, 64)
+    assert ranking() == ["b", "c", "a"]
+    router.on_request_completed("a", "page")
+    assert ranking() == ["a", "b", "c"]  # a and b hold nothing again; c still its thumbnail

@@ -39,7 +39,7 @@ def test_a_pool_follows_its_policy_after_ray_s_delays_and_the_start_time():
     clock, policy = EventClock(), Wanting()
     config = {"initial_replicas": 1, "window_s": 4, "look_back_period_s": 2, "min_replicas": 1, "max_replicas": 4,
               "upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
-    pool = ScaledPool("prefill", policy, config, clock, make_worker=object, start_s=3.0)
+    pool = ScaledPool("prefill", policy, config, clock, make_worker=lambda window: object(), start_s=3.0)
     seen = {}
 
     def tick():

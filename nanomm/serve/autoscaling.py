@@ -9,7 +9,8 @@ Every replica keeps a `LoadWindow` over the last few seconds and reports three n
   asked to do, whether or not they keep up);
 - `in_flight`: requests it holds now (on a decode instance: its running sequences);
 - `first_answer_p95_s`: the 95th percentile of arrival -> its first answer (the handoff for a prefill
-  instance, the first token for a decode or integrated instance, the lease for an encoder).
+  instance, the first token for a decode or integrated instance, the encode, its queue included, for an
+  encoder).
 
 A policy turns the reports of one pool's replicas into the replicas that pool should have. Ray applies the
 bounds and the up and down delays around it (its own `AutoscalingConfig`), so a policy here is one formula:

@@ -20,7 +20,9 @@ in the YAML):
 Each replica is one ordinary nanomm instance (the Starlette app of `nanomm-serve --role ROLE`) served on its
 own port: the visual tokens and the KV move between replicas through the existing connectors (transfer.py),
 not through Ray's object store. Ray carries the requests: it places, restarts and drains replicas, counts each
-one's ongoing requests, and routes among a pool's replicas by their queue lengths.
+one's ongoing requests, and routes each call to the replica of the pool that holds the least outstanding work
+(`LeastWorkRouter`, a Ray request router): visual tokens for encoders and prefill instances, running sequences
+for decode instances.
 
 Each replica reports its load to Ray (`record_autoscaling_stats`, from a `LoadWindow`), and `policy=` picks
 how each pool's replica count follows it (serve/autoscaling.py): Ray's `default` (ongoing requests), `load`
@@ -41,6 +43,8 @@ from pathlib import Path
 import httpx
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, RequestRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -191,7 +195,8 @@ class Instance:
         self.window = LoadWindow(self.spec.window_s)
         self.server, self.encoder_urls = build_server(role, self.spec)
         host = self.spec.host if self.spec.host != "node" else _node_address()
-        self.http = BackgroundServer(self.server, host)
+        served = TimedEncodes(self.server, self.window) if role == "encoder" else self.server
+        self.http = BackgroundServer(served, host)
         self.url = self.http.__enter__()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.spec.peer_timeout_s, connect=5.0))
 
@@ -251,11 +256,29 @@ class Instance:
             self.window.leave()
 
     async def _with_encoder(self, body: dict, work: float):
-        lease = self.encoder.options(stream=True).lease.remote(work)
+        lease = self.encoder.options(stream=True).lease.remote(work=work)
         encoder_url = await lease.__anext__()
         self.encoder_urls.add(encoder_url)
         params = {**body["kv_transfer_params"], "encoder_url": encoder_url}
         return lease, {**body, "kv_transfer_params": params}
+
+
+class TimedEncodes:
+    """An encoder service's app whose POST /v1/encode times go into the replica's window as its first answers
+    (the encode, the wait for the one tower included): the latency the encoder pool itself causes."""
+
+    def __init__(self, server, window: LoadWindow):
+        self.inner, self.window = server.app, window
+        self.app = self  # what BackgroundServer serves
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/encode":
+            return await self.inner(scope, receive, send)
+        start = time.monotonic()
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.window.first_answer(time.monotonic(), time.monotonic() - start)
 
 
 async def _sleep(seconds: float) -> None:
@@ -268,6 +291,37 @@ def _node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+# -- routing within a pool: the least outstanding work -----------------------------------------------------------
+
+class LeastWorkRouter(FIFOMixin, RequestRouter):
+    """Ray's request router for nanomm's pools: each call goes to the replica holding the least outstanding work,
+    the `work=` the call names (visual tokens for an encoder or prefill replica, 1 for a decode replica's sequence),
+    counted from routing to completion, the first of equals first. As lesson 13's router does; each caller (a
+    handle) counts the calls it made itself: the router for the prefill and decode pools, each prefill replica for
+    the leases it took."""
+
+    def initialize_state(self, **kwargs):
+        self.outstanding: dict = {}  # replica id -> work
+        self.charged: dict = {}  # request id -> (replica id, work)
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request=None) -> list[list]:
+        ranked = sorted(candidate_replicas, key=lambda replica: self.outstanding.get(replica.replica_id, 0.0))
+        return [[replica] for replica in ranked]  # the least loaded first, then the others in order
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        work = float(pending_request.kwargs.get("work", 1.0))
+        self.charged[pending_request.metadata.internal_request_id] = (replica_id, work)
+        self.outstanding[replica_id] = self.outstanding.get(replica_id, 0.0) + work
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        replica, work = self.charged.pop(internal_request_id, (replica_id, 0.0))
+        self.outstanding[replica] = self.outstanding.get(replica, 0.0) - work
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.outstanding.pop(replica_id, None)
 
 
 # -- the ingress: the router over deployment handles -----------------------------------------------------------
@@ -316,7 +370,7 @@ class RayRouter(Router):
         request = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         try:
             status, content, prefill_url = await self.handles["prefill"].answer.remote(
-                path, request, estimated_visual_tokens(body))
+                path, request, work=estimated_visual_tokens(body))
         except RayError as exc:
             return self._fail(f"a prefill replica failed ({type(exc).__name__})", 502)
         if status != 200:
@@ -328,7 +382,7 @@ class RayRouter(Router):
 
     async def _answer_from_decode(self, path: str, body: dict, arrival: float) -> Response:
         try:
-            status, content, _ = await self.handles[self.last_pool].answer.remote(path, body, 1)
+            status, content, _ = await self.handles[self.last_pool].answer.remote(path, body, work=1)
         except RayError as exc:
             return self._fail(f"a {self.last_pool} replica failed ({type(exc).__name__})", 502)
         self.requests.labels(outcome=str(status)).inc()
@@ -337,7 +391,7 @@ class RayRouter(Router):
         return Response(content, status, media_type="application/json")
 
     async def _stream_from_decode(self, path: str, body: dict, arrival: float) -> Response:
-        upstream = self.handles[self.last_pool].options(stream=True).stream.remote(path, body, 1)
+        upstream = self.handles[self.last_pool].options(stream=True).stream.remote(path, body, work=1)
         try:
             status = await upstream.__anext__()
             if status != 200:
@@ -392,6 +446,7 @@ def build(spec: AppSpec):
     def pool(role: str, *extra):
         deployment = serve.deployment(Instance, name=role, ray_actor_options=resources,
                                       autoscaling_config=autoscaling_config(role, spec),
+                                      request_router_config=RequestRouterConfig(request_router_class=LeastWorkRouter),
                                       max_ongoing_requests=max(spec.max_num_seqs, 64), health_check_period_s=2,
                                       graceful_shutdown_timeout_s=spec.peer_timeout_s)
         return deployment.bind(role, asdict(spec), *extra)
