@@ -1,9 +1,6 @@
 """The shifting trace (scripts/load.py --trace) and the simulator's autoscaler (scripts/simulate_autoscaling.py),
 by hand: Ray's delays and start time on a pool, and the load policy growing the pools an image burst loads."""
 
-import random
-import pytest
-
 from load import TRACES, Phase, trace_schedule
 from simulate_autoscaling import ScaledPool, simulate, summarize
 from simulate_engine import EventClock, HostCosts, TwinCosts

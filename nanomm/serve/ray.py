@@ -35,12 +35,13 @@ hang; Ray restarts it, and a prefill replica frees the KV of a handoff no decode
 Bad arguments (an unknown topology or policy, a model that is not there) raise before any replica starts.
 """
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import httpx
+import ray
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
@@ -194,7 +195,7 @@ class Instance:
         self.encoder = encoder  # epd prefill: a handle to the encoder pool
         self.window = LoadWindow(self.spec.window_s)
         self.server, self.encoder_urls = build_server(role, self.spec)
-        host = self.spec.host if self.spec.host != "node" else _node_address()
+        host = self.spec.host if self.spec.host != "node" else ray.util.get_node_ip_address()
         served = TimedEncodes(self.server, self.window) if role == "encoder" else self.server
         self.http = BackgroundServer(served, host)
         self.url = self.http.__enter__()
@@ -217,7 +218,7 @@ class Instance:
         try:
             yield self.url
             while True:
-                await _sleep(3600)
+                await asyncio.sleep(3600)
         finally:
             self.window.leave()
 
@@ -241,6 +242,7 @@ class Instance:
         """A streamed answer: first the HTTP status, then the body's pieces as they come."""
         arrival = time.monotonic()
         self.window.arrive(arrival, work)
+        upstream = None
         try:
             request = self.client.build_request("POST", self.url + path, json=body)
             upstream = await self.client.send(request, stream=True)
@@ -251,8 +253,9 @@ class Instance:
                     self.window.first_answer(time.monotonic(), time.monotonic() - arrival)
                     first = False
                 yield piece
-            await upstream.aclose()
-        finally:
+        finally:  # also when the caller goes away mid-stream: the local stream closes, its request aborts
+            if upstream is not None:
+                await upstream.aclose()
             self.window.leave()
 
     async def _with_encoder(self, body: dict, work: float):
@@ -279,18 +282,6 @@ class TimedEncodes:
             await self.inner(scope, receive, send)
         finally:
             self.window.first_answer(time.monotonic(), time.monotonic() - start)
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
-
-
-def _node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 # -- routing within a pool: the least outstanding work -----------------------------------------------------------
