@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from simulate_engine import EventClock, HostCosts, TwinCosts, TwinEngine, _EncoderService, _Request, outcome  # noqa: E402
 from simulate_topologies import requests_from_load  # noqa: E402
 
-from nanomm.serve.autoscaling import LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy  # noqa: E402
+from nanomm.serve.autoscaling import SLO_SHARES, LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy  # noqa: E402
 
 POOLS = ("encoder", "prefill", "decode")
 
@@ -110,13 +110,13 @@ class ScaledPool:
         return min(self.serving, key=lambda r: r.outstanding)
 
 
-def make_policy(name: str, role: str, args: dict, capacity) -> object:
+def make_policy(name: str, role: str, spec) -> object:
+    """The policy Ray runs for this pool of the application `spec` (nanomm.serve.ray.AppSpec) describes."""
     if name == "default":
-        return RequestsPolicy(target=args["target_ongoing_requests"])
+        return RequestsPolicy(target=spec.target_ongoing_requests)
     if name == "load":
-        return LoadPolicy(role=role, capacity=capacity(role), utilization=args["utilization"])
-    share = {"encoder": 0.4, "prefill": 0.8, "decode": 0.2}[role]  # as nanomm/serve/ray.py gives each pool
-    return SLOPolicy(target_s=share * args["ttft_slo_s"])
+        return LoadPolicy(role=role, capacity=spec.capacity(role), utilization=spec.utilization)
+    return SLOPolicy(target_s=SLO_SHARES[role] * spec.ttft_slo_s)
 
 
 def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, start_s: float,
@@ -124,7 +124,7 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
     """Every request through autoscaled E+P+D pools: outcomes, and each pool's replicas once a second."""
     from nanomm.serve.ray import AppSpec
 
-    spec = AppSpec(**{k: v for k, v in app_args.items()})
+    spec = AppSpec(**app_args)
     clock = EventClock()
     config = {"initial_replicas": spec.initial_replicas or spec.min_replicas, "window_s": spec.window_s,
               "look_back_period_s": spec.look_back_period_s, "min_replicas": spec.min_replicas,
@@ -166,13 +166,10 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
 
         clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens), arrive)
 
-    def capacity(role):
-        return spec.capacity(role)
-
     for role, make in (("encoder", lambda window: _TimedEncoderService(clock, costs, window)),
                        ("prefill", prefill_engine),
                        ("decode", decode_engine)):
-        pools[role] = ScaledPool(role, make_policy(policy, role, app_args, capacity), config, clock, make, start_s)
+        pools[role] = ScaledPool(role, make_policy(policy, role, spec), config, clock, make, start_s)
     _keep_encoders_listed(pools["encoder"], encoders_now)
     tracks = [_Request(r) for r in requests]
     for track in tracks:

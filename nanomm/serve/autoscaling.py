@@ -32,6 +32,9 @@ from collections import deque
 from dataclasses import dataclass
 
 POLICIES = ("default", "load", "slo")
+# policy "slo": each pool's share of the TTFT target, the part of a first token's time that pool takes (a prefill
+# instance waits for its encode, a decode instance's first token comes after the KV pull)
+SLO_SHARES = {"encoder": 0.4, "prefill": 0.8, "decode": 0.2, "integrated": 1.0}
 LOAD_SIGNAL = {"encoder": "visual_tokens_per_s", "prefill": "visual_tokens_per_s", "integrated": "in_flight",
                "decode": "in_flight"}  # which report measures a pool's load (policy "load")
 

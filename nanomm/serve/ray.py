@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanomm.serve import protocol
-from nanomm.serve.autoscaling import POLICIES, LoadWindow, replica_capacity
+from nanomm.serve.autoscaling import POLICIES, SLO_SHARES, LoadWindow, replica_capacity
 from nanomm.serve.router import Router, continuation_fields, estimated_visual_tokens
 
 TOPOLOGIES = {"integrated": ("integrated",), "epd": ("encoder", "prefill", "decode")}
@@ -83,8 +83,8 @@ class AppSpec:
     prefill_capacity: float | None = None
     decode_capacity: float | None = None  # running sequences one decode (or integrated) replica serves
     tpot_slo_s: float = 0.05  # policy "load": a decode replica holds the sequences whose step fits this
-    ttft_slo_s: float = 2.0  # policy "slo": the TTFT target; the prefill pool answers to 0.8 of it, the encoder
-    max_num_seqs: int = 64  # to 0.4, the decode pool to 0.2 (its first token after the pull)
+    ttft_slo_s: float = 2.0  # policy "slo": the TTFT target, each pool answering to its share (SLO_SHARES)
+    max_num_seqs: int = 64
     max_pixels: int | None = None
     peer_timeout_s: float = 30.0
     kv_handoff_timeout_s: float = 30.0
@@ -423,9 +423,8 @@ def autoscaling_config(role: str, spec: AppSpec) -> dict:
                             "policy_kwargs": {"role": role, "capacity": spec.capacity(role),
                                               "utilization": spec.utilization}}
     elif spec.policy == "slo":
-        share = {"encoder": 0.4, "prefill": 0.8, "decode": 0.2, "integrated": 1.0}[role]
         config["policy"] = {"policy_function": "nanomm.serve.autoscaling:SLOPolicy",
-                            "policy_kwargs": {"target_s": share * spec.ttft_slo_s}}
+                            "policy_kwargs": {"target_s": SLO_SHARES[role] * spec.ttft_slo_s}}
     return config
 
 
