@@ -78,13 +78,15 @@ def replica_start_s(samples: list[dict], period_s: float) -> float | None:
     return starting_s / started if started else None
 
 
-def phase_of(t: float, trace) -> str:
-    start = 0.0
-    for phase in trace:
-        if t < start + phase.seconds:
-            return phase.name
-        start += phase.seconds
-    return trace[-1].name
+def most_replicas_by_phase(samples: list[dict], phases: list[tuple[str, float]]) -> dict[str, dict[str, int]]:
+    """Each pool's most replicas in each phase's last two thirds, phases given as (name, seconds): a phase's
+    first third still holds the replicas the phase before it grew, until the downscale delay has passed."""
+    most, start = {}, 0.0
+    for name, seconds in phases:
+        late = [s for s in samples if start + seconds / 3 <= s["t"] < start + seconds]
+        most[name] = {pool: max((s[pool] for s in late), default=0) for pool in POOLS}
+        start += seconds
+    return most
 
 
 def within_slo(record: dict, slo_ttft: float, slo_tpot: float) -> bool:
@@ -100,14 +102,13 @@ def summarize(records: list[dict], timeline: ReplicaTimeline, trace, args) -> di
     phases = [p.name for p in trace]
     good = {name: [within_slo(r, args.slo_ttft, args.slo_tpot) for r in records if r["phase"] == name]
             for name in phases}
-    peak = {name: {pool: max((s[pool] for s in timeline.samples if phase_of(s["t"], trace) == name), default=0)
-                   for pool in POOLS} for name in phases}
     return {"requests": len(records), "errors": sum(r["error"] is not None for r in records),
             "slo_attainment": sum(map(sum, good.values())) / len(records),
             "slo_attainment_by_phase": {name: sum(g) / len(g) for name, g in good.items() if g},
             "replica_seconds": replica_seconds(timeline.samples, timeline.period_s),
             "replica_start_s": replica_start_s(timeline.samples, timeline.period_s),
-            "peak_replicas_by_phase": peak, "timeline": timeline.samples,
+            "most_replicas_by_phase": most_replicas_by_phase(timeline.samples, [(p.name, p.seconds) for p in trace]),
+            "timeline": timeline.samples,
             "records": records}
 
 
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
             print(f"{policy:8} within SLO {result['slo_attainment']:.1%} "
                   f"({', '.join(f'{k} {v:.0%}' for k, v in result['slo_attainment_by_phase'].items())}); "
                   f"replica-seconds {', '.join(f'{k} {v:.0f}' for k, v in result['replica_seconds'].items())}; "
-                  f"peaks {result['peak_replicas_by_phase']}; errors {result['errors']}", flush=True)
+                  f"most replicas {result['most_replicas_by_phase']}; errors {result['errors']}", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -170,7 +170,7 @@ def test_under_the_shifting_day_the_load_policy_grows_each_pool_in_its_own_phase
     trace = tuple(replace(p, seconds=p.seconds * 0.5) for p in TRACES["day"])
     serve.start(http_options={"host": "127.0.0.1", "port": cluster["port"]})  # again after `serve run` ended
     run = autoscale_day.run_policy("load", args, trace, cluster["url"])
-    peaks = run["peak_replicas_by_phase"]
+    peaks = run["most_replicas_by_phase"]
     assert peaks["chat"] == {"encoder": 1, "prefill": 1, "decode": 1}
     assert peaks["pages"]["encoder"] >= 2 and peaks["pages"]["prefill"] >= 2 and peaks["pages"]["decode"] == 1
     assert peaks["long answers"]["decode"] >= 2
