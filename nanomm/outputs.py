@@ -25,6 +25,9 @@ class RequestMetrics:
     num_encoded_visual_tokens: int = 0  # the vision tower's tokens for its images: before compression
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     encoder_cache_hits: int = 0
+    # The device time it took: its encode share, plus its share, by tokens, of every step that ran it (its
+    # chunk's positions over the step's). What cost per request is made of (serve/metrics.py).
+    device_s: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Decode steps (every step after the first token) and speculative decoding (lessons/08).

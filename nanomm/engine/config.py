@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.engine.speculative import SpeculativeConfig
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
+from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, OldImagePolicy, check_keep_last_images,
+                                      parse_old_image_policy)
 from nanomm.accel.quant import QUANTIZATION_METHODS
 from nanomm.errors import check_int, is_finite_number
 
@@ -65,6 +67,11 @@ class EngineConfig:
     # {"method": "pool" | "random" | "prune" | "attention", "keep_ratio": r}: every image's default (a request's
     # mm_processor_kwargs may override it); None: keep every visual token (inputs/compression.py)
     visual_token_compression: CompressionPolicy | dict | None = None
+    # Long chats (inputs/old_images.py): what a prompt's pictures older than its last keep_last_images become:
+    # "keep", "drop", "downscale:<max_pixels>" or "compress:<method>:<ratio>" (a request's mm_processor_kwargs
+    # may override both)
+    old_image_policy: OldImagePolicy | str = "keep"
+    keep_last_images: int = DEFAULT_KEEP_LAST_IMAGES
     trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
@@ -126,6 +133,8 @@ class EngineConfig:
             self.limit_images_per_prompt = _image_limit(self.limit_mm_per_prompt)
         if self.mm_processor_kwargs is not None:
             kwargs = self.mm_processor_kwargs
+            if isinstance(kwargs, dict) and {"old_image_policy", "keep_last_images"} & set(kwargs):
+                kwargs = self._take_long_chat_kwargs(kwargs)
             if isinstance(kwargs, dict) and "visual_token_compression" in kwargs:
                 given = parse_policy(kwargs["visual_token_compression"], "mm_processor_kwargs visual_token_compression")
                 if self.visual_token_compression is not None and parse_policy(self.visual_token_compression) != given:
@@ -148,6 +157,19 @@ class EngineConfig:
         if check_int(self.quantization_group_size, "quantization_group_size") % 2:
             raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         self.visual_token_compression = parse_policy(self.visual_token_compression)  # InvalidInputError if bad
+        self.old_image_policy = parse_old_image_policy(self.old_image_policy)
+        check_keep_last_images(self.keep_last_images)
+
+    def _take_long_chat_kwargs(self, kwargs: dict) -> dict:
+        """mm_processor_kwargs' old_image_policy and keep_last_images become the engine arguments; the rest stays."""
+        for name in ("old_image_policy", "keep_last_images"):
+            if name in kwargs:
+                default = {"old_image_policy": "keep", "keep_last_images": DEFAULT_KEEP_LAST_IMAGES}[name]
+                if getattr(self, name) not in (default, kwargs[name]):
+                    raise ValueError(f"{name} is given twice, as an argument and in mm_processor_kwargs")
+                setattr(self, name, kwargs[name])
+        self.mm_processor_kwargs = {k: v for k, v in kwargs.items() if k not in ("old_image_policy", "keep_last_images")}
+        return self.mm_processor_kwargs
 
     def _check_single_device(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -33,6 +33,7 @@ from nanomm.engine.speculative import SampledTokens, NgramProposer, proposal_bud
 from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.old_images import OldImages
 from nanomm.inputs.pool import PreprocessPool
 from nanomm.inputs.prompt import InputProcessor, PreparedPrompt
 from nanomm.inputs.tokenizer import Tokenizer
@@ -51,7 +52,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
-                                        config.limit_images_per_prompt, config.visual_token_compression)
+                                        config.limit_images_per_prompt, config.visual_token_compression,
+                                        OldImages(config.old_image_policy, config.keep_last_images))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
@@ -88,6 +90,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # requests with n > 1, by their id and their children's
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
+        self.lm_busy_s = 0.0  # the steps that ran chunks, less their encodes: the language model's busy time
 
     # -- requests in ---------------------------------------------------------------------------------------
 
@@ -231,7 +234,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         # With nothing to run, wait a little for a worker instead of spinning (not counted as step time).
         self.intake.collect(wait_s=0.0 if self.scheduler.has_work() else 0.05, admit=self._admit)
-        start = time.perf_counter()
+        start, encode_s_before, ran = time.perf_counter(), self.runner.encode_s, []
         outputs = self.intake.take_early_outputs()
         with self.trace.span("step", step=self.num_steps):
             with self.trace.span("schedule"):
@@ -246,11 +249,14 @@ class LLMEngine:
             if chunks:
                 try:
                     outputs += self._run(chunks)
+                    ran = chunks
                 except ImagesUnavailable as failed:  # the encoder service failed: nothing of this step ran
                     outputs += self._fail_showing(failed, chunks)
             self.encoder_cache.trim()  # back within budget, now that this step's holds are taken and released
         self.num_steps += 1
-        self.step_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.step_s += elapsed
+        self._charge_step(ran, elapsed - (self.runner.encode_s - encode_s_before))
         self.trace.counters(self.block_manager, self.encoder_cache)
         for out in outputs:  # a hand-off request that ended before its prefill (bad image, abort) forgets its mark
             if out.finished:
@@ -273,6 +279,16 @@ class LLMEngine:
                     outputs.append(output)
         self.num_computed_tokens += sum(c.num_tokens for c in chunks)
         return outputs
+
+    def _charge_step(self, chunks: list[ScheduledChunk], lm_s: float) -> None:
+        """The language model's part of a step that ran (its time less the encode): busy time, and each request's
+        device seconds by its share of the step's positions (the encode is charged per image, in the runner)."""
+        if not chunks:
+            return
+        self.lm_busy_s += lm_s
+        positions = sum(c.num_tokens for c in chunks)
+        for chunk in chunks:
+            chunk.request.metrics.device_s += lm_s * chunk.num_tokens / positions
 
     def _fail_showing(self, failed: ImagesUnavailable, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """Finish, with the service's error, the requests that show an image it failed on; the other chunks of
@@ -471,6 +487,7 @@ class LLMEngine:
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,
             "tokens_per_s": generated / self.step_s if self.step_s else 0.0,
+            "lm_busy_s": self.lm_busy_s,
             **self.output_processor.stats(),
             **self.encoder_cache.stats(),
             **self.intake.stats(),

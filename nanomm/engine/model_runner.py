@@ -111,7 +111,8 @@ class ModelRunner:
         self.trace = trace or NoTrace()  # the step timeline (trace.py)
         self.encoder_cache = encoder_cache
         self.device = model.device
-        self.visual_tokens_encoded, self.encode_s = 0, 0.0
+        self.visual_tokens_encoded, self.encode_s = 0, 0.0  # encode_s: local encodes and waits on the service
+        self.encoder_busy_s = 0.0  # this instance's own tower only: its utilisation is this over wall time
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
@@ -137,6 +138,7 @@ class ModelRunner:
     def stats(self) -> dict:
         remote = self.remote_encoder.stats() if self.remote_encoder is not None else {}
         return {"visual_tokens_encoded": self.visual_tokens_encoded, "encode_s": self.encode_s,
+                "encoder_busy_s": self.encoder_busy_s,
                 "visual_tokens_per_s": self.visual_tokens_encoded / self.encode_s if self.encode_s else 0.0, **remote}
 
     def encode(self, images: list, urls: list[str | None]) -> list:
@@ -250,6 +252,8 @@ class ModelRunner:
                 self.encoder_cache.add(key, tokens.embeds, tokens.coords)
             num_patches = sum(math.prod(im.grid_thw) for im in images)
             self.encode_s += elapsed
+            if self.remote_encoder is None:
+                self.encoder_busy_s += elapsed
             share = {key: elapsed * math.prod(im.grid_thw) / num_patches for key, im in to_encode.items()}
             for key in to_encode:  # shares laid end to end, in batch order, for the timeline
                 began[key] = start

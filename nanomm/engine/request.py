@@ -33,6 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     held_images: dict[int, str] = field(default_factory=dict)  # image index -> cache key held until prefill passes it
+    refused_for_kv: bool = False  # its admission was refused for lack of KV blocks, and it still waits
 
     def __post_init__(self):
         self.token_ids = list(self.prompt.token_ids)
@@ -100,3 +101,4 @@ class Request(Sequence):
     def record_image_ready(self, cache_hit: bool, encode_s: float) -> None:
         self.metrics.encoder_cache_hits += cache_hit
         self.metrics.encode_s += encode_s
+        self.metrics.device_s += encode_s

@@ -61,6 +61,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.failed: list[Request] = []  # preempted requests that cannot be recomputed here: the engine reports them
         self.num_preemptions = 0
+        # the OOM count: admissions refused for lack of KV blocks (once per wait), plus preemptions for lack of them
+        self.num_kv_allocation_failures = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -146,8 +148,12 @@ class Scheduler:
         n = self._fit_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))
         new_blocks = self.block_manager.blocks_needed(num_cached + n) - len(cached)
         whole = self.chunked_prefill or num_cached + n == request.num_tokens
-        if n == 0 or not whole or not self.block_manager.can_allocate(new_blocks, cached):
+        if n == 0 or not whole:
             return None
+        if not self.block_manager.can_allocate(new_blocks, cached):
+            self._count_refusal(request)
+            return None
+        request.refused_for_kv = False
         self.block_manager.take_cached(cached)
         request.block_table = cached + self.block_manager.allocate(new_blocks)
         request.num_computed_tokens = num_cached
@@ -158,6 +164,13 @@ class Scheduler:
         request.status = Status.RUNNING
         self.running.append(request)
         return ScheduledChunk(request, num_cached, n)
+
+    def _count_refusal(self, request: Request) -> None:
+        """An admission refused for lack of KV blocks is one allocation failure, however many steps the request
+        then waits at the head of the queue."""
+        if not request.refused_for_kv:
+            request.refused_for_kv = True
+            self.num_kv_allocation_failures += 1
 
     def _fit_encoder_budget(self, request: Request, start: int, n: int) -> int:
         """Shorten a chunk [start, start + n) so the images it must encode fit this step's encoder budget.
@@ -191,6 +204,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks; it goes back to the head of the queue and is recomputed later. A
         request whose prompt KV came from a prefill instance cannot be recomputed here: it fails instead."""
+        self.num_kv_allocation_failures += 1  # a preemption is always for lack of KV blocks (`_grow`)
         if request.prompt.positions is None:
             request.error, request.error_status = ("the decode instance ran out of KV blocks, and a request whose "
                                                    "prompt was prefilled elsewhere cannot be recomputed here"), 503
@@ -224,7 +238,8 @@ class Scheduler:
         self.block_manager.register(request.block_table, request.block_hashes, request.num_computed_tokens)
 
     def stats(self) -> dict:
-        return {"preemptions": self.num_preemptions, "running": len(self.running), "waiting": len(self.waiting)}
+        return {"preemptions": self.num_preemptions, "kv_allocation_failures": self.num_kv_allocation_failures,
+                "running": len(self.running), "waiting": len(self.waiting)}
 
     def finish(self, request: Request, reason: str) -> None:
         if request.status is Status.RUNNING:

@@ -17,12 +17,15 @@ from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
+from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, DROPPED_MARKER, OldImagePolicy, OldImages,
+                                      PlaceholderIds, check_keep_last_images, parse_old_image_policy)
 from nanomm.model.rope import mrope_positions
 from nanomm.inputs.tokenizer import Tokenizer
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
-PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"}
+LONG_CHAT_KEYS = {"old_image_policy", "keep_last_images"}  # inputs/old_images.py
+PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"} | LONG_CHAT_KEYS
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class ValidatedPrompt:
     raw_images: list
     pixel_kwargs: dict
     compression: CompressionPolicy | None = None  # the request's, else the engine's default
+    old_images: OldImages = OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # for downscale and compress
 
 
 class InputProcessor:
@@ -81,10 +85,13 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
                  max_model_len: int, limit_images_per_prompt: int = 16,
-                 compression: CompressionPolicy | None = None):
+                 compression: CompressionPolicy | None = None, old_images: OldImages | None = None):
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
         self.compression = compression  # the engine's default visual-token compression (compression.py)
+        self.old_images = old_images or OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # old_images.py
+        self.placeholder_ids = PlaceholderIds(model_config.image_token_id, model_config.vision_start_token_id,
+                                              model_config.vision_end_token_id, tokenizer.encode(DROPPED_MARKER))
 
     def validate(self, prompt, name: str = "prompt") -> ValidatedPrompt:
         if isinstance(prompt, str):
@@ -108,13 +115,14 @@ class InputProcessor:
         if placeholders != len(images):
             raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
                                     f"{len(images)} image(s) were given")
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression)
+        old_images = self._old_images(prompt.get("mm_processor_kwargs"), name)
+        ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images)
 
     def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
         name = validated.name
-        images = [preprocess_image(image, self.image_config, name=f"{name}, image {i}", **validated.pixel_kwargs)
-                  .with_compression(validated.compression) for i, image in enumerate(validated.raw_images)]
+        images = [self._preprocess_image(validated, i) for i in range(len(validated.raw_images))]
         try:
             ids = self.tokenizer.expand_image_placeholders(validated.token_ids, [im.num_tokens for im in images])
         except InvalidInputError as exc:
@@ -127,6 +135,25 @@ class InputProcessor:
                                            self.model_config.vision.spatial_merge_size,
                                            _compressed_image_origins(images))
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
+
+    def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
+        """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
+        pixel_kwargs, compression = validated.old_images.settings(
+            index, len(validated.raw_images), validated.pixel_kwargs, validated.compression,
+            self.image_config.max_pixels)
+        return preprocess_image(validated.raw_images[index], self.image_config, name=f"{validated.name}, image "
+                                f"{index}", **pixel_kwargs).with_compression(compression)
+
+    def _old_images(self, kwargs, name: str) -> OldImages:
+        """The engine's long-chat setting, with what the request's mm_processor_kwargs override (checked there)."""
+        kwargs = kwargs or {}
+        policy, keep_last = self.old_images.policy, self.old_images.keep_last
+        if "old_image_policy" in kwargs:
+            policy = parse_old_image_policy(kwargs["old_image_policy"], f"{name}: mm_processor_kwargs old_image_policy")
+        if "keep_last_images" in kwargs:
+            keep_last = check_keep_last_images(kwargs["keep_last_images"],
+                                               f"{name}: mm_processor_kwargs keep_last_images")
+        return OldImages(policy, keep_last)
 
     def _token_ids(self, prompt: dict, name: str) -> tuple[str | None, list[int]]:
         if ("prompt" in prompt) == ("prompt_token_ids" in prompt):

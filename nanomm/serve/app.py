@@ -56,6 +56,7 @@ class ServerConfig:
     role: str = "integrated"  # "prefill": hands requests off after their first token; "decode": takes them over
     encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url")
     kv_pull_timeout_s: float = 30.0  # a decode instance: how long a KV pull from a prefill instance may take
+    gpu_hourly_price: float | None = None  # dollars per device hour: /metrics then has each request's cost
 
 
 class BodyTooLarge(Exception):
@@ -67,7 +68,7 @@ class Server:
 
     def __init__(self, llm, config: ServerConfig):
         self.llm, self.config = llm, config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.gpu_hourly_price)
         self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
         self.defaults = llm.get_default_sampling_params()
@@ -413,9 +414,24 @@ def parse_args(argv=None):
                    help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; every "
                         "role: the router, which runs no model, takes it and changes nothing)")
     p.add_argument("--emulate-cost-file", metavar="JSON", help="with --emulate: GPU figures measured on a real GPU")
+    p.add_argument("--gpu-hourly-price", type=_price, metavar="DOLLARS",
+                   help="the device's price per hour: /metrics then has each request's cost (nanomm_request_cost_dollars)")
+    p.add_argument("--old-image-policy", help="long chats: what becomes of pictures older than the last "
+                   "--keep-last-images: keep (default), drop, downscale:MAX_PIXELS or compress:METHOD:RATIO")
+    p.add_argument("--keep-last-images", type=int, help="long chats: the last pictures of a prompt that stay whole")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level ('info' logs every request)")
     return p.parse_args(argv)
+
+
+def _price(text: str) -> float:
+    try:
+        price = float(text)
+    except ValueError:
+        price = -1.0
+    if not price >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: a price is a number of dollars per hour, 0 or more")
+    return price
 
 
 def _emulate_value(text: str) -> str:
@@ -466,14 +482,20 @@ def main(argv=None) -> int:
               max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
               encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
               kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,
-              emulate_cost_file=args.emulate_cost_file)
+              emulate_cost_file=args.emulate_cost_file, **_long_chat_args(args))
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
                           args.allowed_local_media_path, role=args.role, encoder_urls=tuple(args.encoder_url),
-                          kv_pull_timeout_s=args.peer_timeout)
+                          kv_pull_timeout_s=args.peer_timeout, gpu_hourly_price=args.gpu_hourly_price)
     console.print(f"serving {name} on {where} (OpenAI API under /v1, role {args.role})")
     uvicorn.run(Server(llm, config).app, host=args.host, port=args.port, log_level=args.log_level)
     llm.close()
     return 0
+
+
+def _long_chat_args(args) -> dict:
+    """--old-image-policy and --keep-last-images, as engine arguments (those given; the engine checks them)."""
+    given = {"old_image_policy": args.old_image_policy, "keep_last_images": args.keep_last_images}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _model_and_name(args, console) -> tuple[str, str]:

@@ -69,6 +69,8 @@ class EncoderService:
         self.images = Counter("nanomm_encoder_images", "images asked for", ["cache"], registry=self.registry)
         self.encode_seconds = Histogram("nanomm_encoder_encode_seconds", "one request's encode (cache misses)",
                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.busy_seconds = Counter("nanomm_encoder_busy_seconds", "seconds the tower encoded (its rate is the "
+                                    "encoder's utilisation)", registry=self.registry)
         self.registry.register(_CacheCollector(self.cache))
 
     def encode(self, body: bytes) -> bytes:
@@ -80,7 +82,9 @@ class EncoderService:
             if missing:
                 for key, tokens in zip(missing, self.tower(list(missing.values()))):
                     self.cache.add(key, tokens.embeds, tokens.coords)
-                self.encode_seconds.observe(time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                self.encode_seconds.observe(elapsed)
+                self.busy_seconds.inc(elapsed)
             tensors = {}
             for i, key in enumerate(keys):
                 entry = self.cache.entries[key]

@@ -1,0 +1,134 @@
+"""Long chats on the demo model: a new picture every turn, under each old-image policy (lesson 16).
+
+    python scripts/long_chats.py --chats 20 --turns 12 --keep-last-images 2 --json lessons/data/16-long-chats.json
+
+Each chat shows a new 448x448 scene every turn and asks a question about it (graded against the scene). The
+conversation goes on with the model's own answers. Per turn and policy it records the prompt's visual tokens, the
+prefix-cache hit, and whether the reply is right and equal to the reply under "keep". Beside every turn past
+K + 1, a probe (not added to the chat) asks about the picture K + 1 turns back: the one that the policy changed.
+The demo model was trained on one picture per question, so the probe shows what a policy takes away from the
+context rather than a skill the model has.
+"""
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanomm import LLM, SamplingParams, demo_checkpoint  # noqa: E402
+from nanomm.demo.scenes import random_scene, render  # noqa: E402
+from nanomm.demo.tasks import QA, grade, scene_questions  # noqa: E402
+
+POLICIES = ("keep", "drop", "downscale:6272", "compress:pool:0.25")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SIDE = 448
+TASKS = ("colour", "shape", "count")  # one-word answers about a picture's objects
+
+
+def chat_turns(seed: int, turns: int) -> list[tuple]:
+    """Per turn, (picture, question about it): the same for the same seed, drawn by the scene generator."""
+    rng = random.Random(f"nanomm-long-chat/{seed}")
+    out = []
+    while len(out) < turns:
+        scene = random_scene(rng, num_shapes=rng.randint(1, 4), width=SIDE, height=SIDE, number_probability=0.0)
+        by_task = scene_questions(scene)
+        tasks = [t for t in TASKS if t in by_task]
+        if tasks:
+            out.append((render(scene, rng), rng.choice(by_task[rng.choice(tasks)])))
+    return out
+
+
+def user_turn(picture, qa: QA) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": qa.question}]}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two token lists differ (the shorter one's length if one is the other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_chat(llm, turns: list[tuple], policy: str, keep_last: int, prompts: list | None = None) -> list[dict]:
+    """One chat under one policy: per turn, the reply, its grade, and what the prompt cost (each turn's expanded
+    prompt is appended to `prompts` if given)."""
+    kwargs = {"old_image_policy": policy, "keep_last_images": keep_last}
+    messages, rows, previous = [], [], None
+    for t, (picture, qa) in enumerate(turns):
+        messages.append(user_turn(picture, qa))
+        out = llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs)[0]
+        reply = out.outputs[0].text
+        probe = _probe(llm, messages, turns, t, keep_last, kwargs)
+        messages.append({"role": "assistant", "content": reply})
+        rows.append({"turn": t + 1, "reply": reply, "right": grade(qa, reply), "probe_right": probe,
+                     "visual_tokens": out.metrics.num_visual_tokens, "prompt_tokens": len(out.prompt_token_ids),
+                     "cached_tokens": out.metrics.num_cached_tokens,
+                     "changed_at": None if previous is None else first_difference(previous, out.prompt_token_ids)})
+        previous = out.prompt_token_ids
+        if prompts is not None:
+            prompts.append(previous)
+    return rows
+
+
+def _probe(llm, messages: list[dict], turns: list[tuple], t: int, keep_last: int, kwargs: dict) -> bool | None:
+    """Ask, beside the chat, about the picture keep_last + 1 turns back; None while there is none."""
+    back = t - (keep_last + 1)
+    if back < 0:
+        return None
+    qa = turns[back][1]
+    probe = messages + [{"role": "assistant", "content": "..."},
+                        {"role": "user", "content": f"About the picture {keep_last + 1} turns ago: {qa.question}"}]
+    return grade(qa, llm.chat(probe, GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs)[0].outputs[0].text)
+
+
+def summarize(by_policy: dict[str, list[list[dict]]]) -> list[dict]:
+    """Per policy: accuracy on the latest picture, agreement with keep, the probe's accuracy, last turn's tokens."""
+    keep = by_policy["keep"]
+    table = []
+    for policy, chats in by_policy.items():
+        rows = [r for chat in chats for r in chat]
+        probes = [r["probe_right"] for r in rows if r["probe_right"] is not None]
+        same = [a["reply"] == b["reply"] for chat, base in zip(chats, keep) for a, b in zip(chat, base)]
+        table.append({"policy": policy, "latest_right": sum(r["right"] for r in rows) / len(rows),
+                      "same_as_keep": sum(same) / len(same), "probe_right": sum(probes) / len(probes),
+                      "last_turn_visual_tokens": chats[0][-1]["visual_tokens"],
+                      "last_turn_prompt_tokens": chats[0][-1]["prompt_tokens"],
+                      "mean_cached_share": sum(r["cached_tokens"] / r["prompt_tokens"] for r in rows) / len(rows)})
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| policy | latest picture right | same reply as keep | K+1 back right | visual tokens, last turn "
+             "| prompt tokens, last turn | prompt served from the prefix cache |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in table:
+        lines.append(f"| {r['policy']} | {r['latest_right']:.1%} | {r['same_as_keep']:.1%} | {r['probe_right']:.1%} | "
+                     f"{r['last_turn_visual_tokens']} | {r['last_turn_prompt_tokens']} | {r['mean_cached_share']:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chats", type=int, default=20)
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--keep-last-images", type=int, default=2)
+    p.add_argument("--policy", nargs="+", default=list(POLICIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    policies = ["keep"] + [x for x in args.policy if x != "keep"]
+    llm = LLM(demo_checkpoint(), num_preprocess_workers=0)
+    chats = [chat_turns(args.seed * 100_000 + i, args.turns) for i in range(args.chats)]
+    by_policy = {policy: [run_chat(llm, turns, policy, args.keep_last_images) for turns in chats]
+                 for policy in policies}
+    table = summarize(by_policy)
+    print(markdown(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table, "chats": by_policy}, indent=1))
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
