@@ -4,6 +4,7 @@
     python scripts/load.py --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
     python scripts/load.py --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
     python scripts/load.py --demo --topology 1e1p1d --rate 2 --slo-ttft 0.5 --slo-tpot 0.05   # a split engine
+    python scripts/load.py --demo --sessions 8 --turns 6 --images-per-turn 1 --think-time 2   # multi-turn chats
 
 Lessons: lessons/11-serving-under-load.md (why requests per second lie, and what to scale on instead),
 lessons/13-three-topologies.md (one engine against encoder, prefill and decode instances).
@@ -28,6 +29,22 @@ which: `integrated` (one engine), `1e1pd` (an encoder service and one engine tha
 takes the load). All of them are stopped at the end. Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
 timing. The JSON holds every request as the client saw it (`records`), so a run can be replayed elsewhere
 (the simulator in lesson 13 replays them).
+
+`--sessions N` runs a different load instead of the sweep: N multi-turn chats at once, each a closed loop of
+`--turns` requests. Turn t sends the whole conversation so far (every earlier user message with its pictures,
+each followed by the answer the server actually gave) and a new user message: `--images-per-turn` new pictures
+of `--image-size` and a short question, all drawn from --seed, the session and the turn. The next turn goes out
+once the answer is in and a think time has passed: exponential, of mean `--think-time` seconds (seeded by --seed
+and the session; the first turn of every session is sent at once). `--old-image-policy` and
+`--keep-last-images` go to the server in every request's mm_processor_kwargs. What comes back:
+
+- per turn: TTFT (mean, p50), the prompt's tokens, visual tokens and prefix-cache hits (usage's cached_tokens,
+  and their share of the prompt), and the pictures the encoder cache held (usage's encoder_cache_hits);
+- per session: its peak tokens (the largest prompt + completion of its turns: the KV it holds at its end), its
+  KV bytes (x the KV bytes per token) and how many sessions that size the KV budget holds at once (the budget
+  in tokens // the peak; whole blocks and the engine's own overheads left aside). KV bytes per token come from
+  the checkpoint's config.json for a server started here (the engine's formula, at its dtype) or from
+  `--kv-bytes-per-token`; the budget from the server's /metrics (KV blocks x block size) or `--kv-budget-tokens`.
 """
 
 import argparse
@@ -37,6 +54,7 @@ import io
 import json
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -45,12 +63,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
 from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
+from nanomm.engine.config import EngineConfig  # noqa: E402
+from nanomm.engine.sizing import kv_bytes_per_token  # noqa: E402
+from nanomm.model.config import ModelConfig  # noqa: E402
+from nanomm.model.loader import resolve_dtype  # noqa: E402
 from nanomm.serve.app import free_local_port  # noqa: E402
 from nanomm.serve.metrics import TTFT_STAGES  # noqa: E402  (preprocess, queue, encode, prefill)
 
@@ -81,6 +104,7 @@ class RequestRecord:
     completion_tokens: int = 0
     error: str | None = None
     cached_tokens: int = 0  # prompt positions the server's prefix cache held
+    encoder_cache_hits: int = 0  # pictures the server's encoder cache held (usage.encoder_cache_hits, nanomm's)
     body_bytes: int = 0  # the request's JSON body
     phase: str = ""  # a trace's phase (--trace)
 
@@ -149,8 +173,10 @@ def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: in
             "messages": [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]}
 
 
-async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, clock) -> None:
-    """Send at record.sent_at, read the stream to [DONE]; fill in when each part arrived, or the error."""
+async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, clock,
+                   texts: list[str] | None = None) -> None:
+    """Send at record.sent_at, read the stream to [DONE]; fill in when each part arrived, or the error. texts:
+    if given, each streamed piece of the (first) answer's text is appended to it."""
     await asyncio.sleep(max(0.0, record.sent_at - clock()))
     record.sent_at = clock()  # the actual send time (the event loop may be a little late)
     try:
@@ -167,11 +193,14 @@ async def send_one(http: httpx.AsyncClient, body: dict, record: RequestRecord, c
                     return
                 if chunk["choices"] and record.first_token_at is None:
                     record.first_token_at = clock()  # a chunk with a choice carries the first token
+                if texts is not None:
+                    texts.extend((c.get("delta") or {}).get("content") or "" for c in chunk["choices"] if not c.get("index"))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
                     record.visual_tokens = usage.get("visual_tokens", 0)
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    record.encoder_cache_hits = usage.get("encoder_cache_hits", 0)
             record.finished_at = clock()
             if record.first_token_at is None or not record.completion_tokens:
                 record.error = "the stream ended without a token or without its usage chunk"
@@ -349,6 +378,274 @@ def mean_stages(before: dict, after: dict) -> dict[str, float]:
         total_before, count_before = before.get(stage, (0.0, 0.0))
         means[stage] = (total - total_before) / (count - count_before) if count > count_before else None
     return means
+
+
+# -- multi-turn chat sessions (--sessions) ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What each of `sessions` concurrent chats does: `turns` questions, each with `images_per_turn` new pictures
+    of `image_size` (width, height), asked after the previous answer and a pause (think time) drawn from an
+    exponential distribution of mean `think_time_s` (0: none). mm_processor_kwargs: sent with every request."""
+    sessions: int
+    turns: int
+    images_per_turn: int
+    think_time_s: float = 0.0
+    image_size: tuple[int, int] = (448, 448)
+    max_tokens: int = 32
+    pictures: str = "noise"
+    seed: int = 0
+    mm_processor_kwargs: dict | None = None
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    """One user message of a session: its new pictures (data URLs) and its question."""
+    images: tuple[str, ...]
+    question: str
+
+
+@dataclass
+class TurnRecord(RequestRecord):
+    """One turn of a session as the client saw it: RequestRecord's fields (num_images: every picture of the
+    conversation so far, all of which the request carries), which turn it was, and the answer sent back after."""
+    session: int = 0
+    turn: int = 0  # 1, 2, ...
+    answer: str = ""
+
+
+def seeded(what: str, plan: SessionPlan, session: int, turn: int = 0) -> random.Random:
+    """A generator of its own for each (purpose, seed, session, turn): every draw deterministic, none shared."""
+    return random.Random(f"{what} {plan.seed} {session} {turn}")  # a str seed: hashed the same on every run
+
+
+def user_turn(plan: SessionPlan, session: int, turn: int) -> UserTurn:
+    """Turn `turn`'s user message in session `session`: new pictures and a question of eight random words."""
+    rng = seeded("turn", plan, session, turn)
+    width, height = plan.image_size
+    images = tuple(image_data_url(width, height, rng.randrange(2**31), pictures=plan.pictures)
+                   for _ in range(plan.images_per_turn))
+    return UserTurn(images, f"Turn {turn}: " + " ".join(rng.choice(WORDS) for _ in range(8)) + "?")
+
+
+def think_times(plan: SessionPlan, session: int) -> list[float]:
+    """The pause before each turn (s): none before the first, then exponential gaps of mean think_time_s."""
+    rng = seeded("think", plan, session)
+    return [0.0] + [rng.expovariate(1 / plan.think_time_s) if plan.think_time_s > 0 else 0.0
+                    for _ in range(plan.turns - 1)]
+
+
+def user_message(turn: UserTurn) -> dict:
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in turn.images]
+    return {"role": "user", "content": [*images, {"type": "text", "text": turn.question}]}
+
+
+def conversation_body(model: str, turns: list[UserTurn], answers: list[str], max_tokens: int,
+                      mm_processor_kwargs: dict | None = None) -> dict:
+    """The request of the last of `turns`: every user message with its pictures, each earlier one followed by
+    its answer (len(answers) == len(turns) - 1) as an assistant message. Streamed, with the usage chunk. Each
+    answer ends where the model ends it (no ignore_eos), so that the chat sent back is what the model said."""
+    assert len(answers) == len(turns) - 1, "every earlier turn needs its answer"
+    messages = []
+    for turn, answer in zip(turns, [*answers, None]):
+        messages.append(user_message(turn))
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0.0, "messages": messages}
+    if mm_processor_kwargs:
+        body["mm_processor_kwargs"] = mm_processor_kwargs
+    return body
+
+
+async def run_session(http: httpx.AsyncClient, model: str, plan: SessionPlan, session: int, turns: list[UserTurn],
+                      clock) -> list[TurnRecord]:
+    """One chat, a turn at a time: each turn is sent once the previous answer is in and its think time has
+    passed. A failed turn ends the session (the next one has no answer to carry)."""
+    records, answers = [], []
+    for number, (turn, pause) in enumerate(zip(turns, think_times(plan, session)), start=1):  # at most `turns`
+        body = conversation_body(model, turns[:number], answers, plan.max_tokens, plan.mm_processor_kwargs)
+        record = TurnRecord(clock() + pause, number * plan.images_per_turn, body_bytes=len(json.dumps(body)),
+                            session=session, turn=number)
+        texts = []
+        await send_one(http, body, record, clock, texts)
+        record.answer = "".join(texts)
+        records.append(record)
+        if record.error is not None:
+            break
+        answers.append(record.answer)
+    return records
+
+
+async def run_sessions(url: str, model: str, plan: SessionPlan, timeout_s: float = 600.0) -> list[TurnRecord]:
+    """Every session at once, each a closed loop of its own (a user waits for the answer before the next
+    question); the pictures are made first. The records, by session, then turn."""
+    turns = [[user_turn(plan, s, t) for t in range(1, plan.turns + 1)] for s in range(plan.sessions)]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # as run_schedule: fresh connections
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+        start = time.monotonic()
+
+        def clock():
+            return time.monotonic() - start
+
+        sessions = await asyncio.gather(*(run_session(http, model, plan, s, turns[s], clock)
+                                          for s in range(plan.sessions)))
+    return [record for session in sessions for record in session]
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def turn_rows(records: list[TurnRecord], turns: int) -> list[dict]:
+    """Per turn, over the sessions whose turn was answered: TTFT, prompt / visual / cached tokens, the share of
+    prompt tokens the prefix cache held (cached / prompt, summed), and the encoder-cache hits."""
+    rows = []
+    for turn in range(1, turns + 1):
+        sent = [r for r in records if r.turn == turn]
+        done = [r for r in sent if r.error is None]
+        prompt = sum(r.prompt_tokens for r in done)
+        rows.append({
+            "turn": turn, "requests": len(sent), "completed": len(done),
+            "ttft_s_mean": mean([r.ttft_s for r in done]), "ttft_s_p50": percentile([r.ttft_s for r in done], 50),
+            "prompt_tokens_mean": mean([r.prompt_tokens for r in done]),
+            "visual_tokens_mean": mean([r.visual_tokens for r in done]),
+            "completion_tokens_mean": mean([r.completion_tokens for r in done]),
+            "cached_tokens_mean": mean([r.cached_tokens for r in done]),
+            "cached_share": sum(r.cached_tokens for r in done) / prompt if prompt else None,
+            "encoder_cache_hits_mean": mean([r.encoder_cache_hits for r in done])})
+    return rows
+
+
+def held_at_once(budget_tokens: int | None, peak_tokens: int | None) -> int | None:
+    """Sessions of `peak_tokens` each that the KV budget holds at once: budget // peak."""
+    return None if not budget_tokens or not peak_tokens else budget_tokens // peak_tokens
+
+
+def session_rows(records: list[TurnRecord], sessions: int, kv: dict) -> list[dict]:
+    """Per session: its peak tokens (the largest prompt + completion of its answered turns: what its KV holds at
+    the end of that turn), their KV bytes, and how many sessions that size the KV budget holds at once."""
+    rows = []
+    for session in range(sessions):
+        done = [r for r in records if r.session == session and r.error is None]
+        peak = max((r.prompt_tokens + r.completion_tokens for r in done), default=None)
+        per_token = kv["kv_bytes_per_token"]
+        rows.append({"session": session, "turns_completed": len(done), "peak_tokens": peak,
+                     "kv_bytes": None if peak is None or per_token is None else peak * per_token,
+                     "sessions_in_budget": held_at_once(kv["budget_tokens"], peak)})
+    return rows
+
+
+def kv_summary(kv: dict, sessions: list[dict]) -> dict:
+    """The KV figures of the run: the budget, and the heaviest session's peak against it."""
+    peak = max((s["peak_tokens"] for s in sessions if s["peak_tokens"] is not None), default=None)
+    per_token, budget = kv["kv_bytes_per_token"], kv["budget_tokens"]
+    return {**kv, "budget_bytes": None if per_token is None or budget is None else budget * per_token,
+            "peak_tokens_per_session": peak,
+            "kv_bytes_per_session": None if peak is None or per_token is None else peak * per_token,
+            "sessions_in_budget": held_at_once(budget, peak)}
+
+
+def kv_budget_tokens(url: str) -> int | None:
+    """The KV pool in tokens: nanomm_kv_blocks_total (from /metrics) x the engine's block size (nanomm-serve
+    has no option for it: EngineConfig's default). None from a server without the metric."""
+    blocks = scrape(url).get("nanomm_kv_blocks_total")
+    return None if blocks is None else int(blocks) * EngineConfig.block_size
+
+
+def engine_dtype(server_args: list[str]) -> str:
+    """The dtype a nanomm-serve given these arguments runs in: its --dtype, else LLM's default (bfloat16 on
+    CUDA, float32 on CPU; its device: --device, else CUDA when there is one)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dtype"), parser.add_argument("--device")
+    known, _ = parser.parse_known_args(server_args)
+    device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return known.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+
+
+def kv_bytes_per_token_of(model_args: list[str], server_args: list[str]) -> tuple[int | None, str]:
+    """(KV bytes per token, where it came from) of the engine started here with model_args: its checkpoint's
+    config.json at the engine's dtype (an --emulate twin: its real model's config, in bfloat16), through the
+    engine's own formula (engine/sizing.py). None when there is no local config.json (a hub id)."""
+    if model_args[0] == "--emulate":
+        from nanomm.emulate import WEIGHT_DTYPE, model_folder, parse_emulate
+
+        folder, dtype = model_folder(parse_emulate(model_args[1])[1]), WEIGHT_DTYPE
+    else:
+        folder, dtype = Path(model_args[0]), resolve_dtype(engine_dtype(server_args))
+    if not (folder / "config.json").is_file():
+        return None, f"unknown: no {folder / 'config.json'} here (give --kv-bytes-per-token)"
+    text = ModelConfig.from_pretrained(folder).text
+    per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, dtype)
+    return per_token, f"{folder / 'config.json'} in {str(dtype).removeprefix('torch.')}"
+
+
+def chat_kv(url: str, args, kv_here: tuple[int, str] | None) -> dict:
+    """What the KV figures rest on: bytes per token (--kv-bytes-per-token, else kv_here: computed for the engine
+    started here) and the budget in tokens (--kv-budget-tokens, else read from the server's /metrics)."""
+    per_token, per_token_from = (args.kv_bytes_per_token, "--kv-bytes-per-token") if args.kv_bytes_per_token \
+        else (kv_here or (None, "unknown: give --kv-bytes-per-token"))
+    budget, budget_from = args.kv_budget_tokens, "--kv-budget-tokens"
+    if budget is None:
+        budget, budget_from = kv_budget_tokens(url), f"/metrics: nanomm_kv_blocks_total x {EngineConfig.block_size}"
+    return {"kv_bytes_per_token": per_token, "kv_bytes_per_token_from": per_token_from,
+            "budget_tokens": budget, "budget_tokens_from": budget_from if budget is not None else None}
+
+
+def session_plan(args) -> SessionPlan:
+    """The --sessions options as a SessionPlan."""
+    kwargs = {k: v for k, v in (("old_image_policy", args.old_image_policy),
+                                ("keep_last_images", args.keep_last_images)) if v is not None}
+    return SessionPlan(args.sessions, args.turns, args.images_per_turn, args.think_time, args.image_size,
+                       args.max_tokens, args.pictures, args.seed, kwargs or None)
+
+
+def run_chat(url: str, args, log, stats_url: str | None = None, kv_here: tuple[int, str] | None = None) -> dict:
+    """The multi-turn load against `url` after a one-request warm-up: per turn, per session and KV figures
+    (stats_url: the instance whose /metrics has the KV pool), records included."""
+    plan = session_plan(args)
+    width, height = plan.image_size
+    asyncio.run(run_load(url, args.model, parse_mix(f"{plan.images_per_turn}x{width}x{height}:1"), rate=1e6,
+                         num_requests=1, max_tokens=2, seed=0, content_seed=-1))  # one-off costs paid here
+    log(f"{plan.sessions} sessions x {plan.turns} turns, {plan.images_per_turn} new {width}x{height} picture(s) a "
+        f"turn, think time {plan.think_time_s:g} s (mean, exponential), mm_processor_kwargs {plan.mm_processor_kwargs}")
+    records = asyncio.run(run_sessions(url, args.model, plan))
+    kv = chat_kv(stats_url or url, args, kv_here)
+    sessions = session_rows(records, plan.sessions, kv)
+    errors = [r.error for r in records if r.error]
+    return {"plan": asdict(plan), "requests": len(records), "errors": len(errors), "first_errors": errors[:3],
+            "turns": turn_rows(records, plan.turns), "sessions": sessions, "kv": kv_summary(kv, sessions),
+            "records": [asdict(r) for r in records]}
+
+
+def chat_markdown(result: dict) -> str:
+    """The per-turn and per-session tables, and the KV budget in a sentence."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:,.0f}"
+
+    def num(v, fmt=",.1f"):
+        return "-" if v is None else format(v, fmt)
+
+    rows = ["| turn | done | TTFT mean / p50 (ms) | prompt tokens | visual tokens | cached tokens (prefix hits) | "
+            "hit share | encoder-cache hits |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in result["turns"]:
+        rows.append(f"| {t['turn']} | {t['completed']}/{t['requests']} | {ms(t['ttft_s_mean'])} / "
+                    f"{ms(t['ttft_s_p50'])} | {num(t['prompt_tokens_mean'])} | {num(t['visual_tokens_mean'])} | "
+                    f"{num(t['cached_tokens_mean'])} | {num(t['cached_share'], '.0%')} | "
+                    f"{num(t['encoder_cache_hits_mean'], '.2f')} |")
+    rows += ["", "| session | turns done | peak tokens (prompt + completion) | KV per session (MiB) | "
+             "sessions in the KV budget |", "|---:|---:|---:|---:|---:|"]
+    for s in result["sessions"]:
+        mib = None if s["kv_bytes"] is None else s["kv_bytes"] / 2**20
+        rows.append(f"| {s['session']} | {s['turns_completed']} | {num(s['peak_tokens'], ',')} | {num(mib, ',.2f')} | "
+                    f"{num(s['sessions_in_budget'], ',')} |")
+    kv = result["kv"]
+    budget_mib = None if kv["budget_bytes"] is None else kv["budget_bytes"] / 2**20
+    rows += ["", f"KV budget {num(kv['budget_tokens'], ',')} tokens ({kv['budget_tokens_from']}) x "
+             f"{num(kv['kv_bytes_per_token'], ',')} bytes per token ({kv['kv_bytes_per_token_from']}) = "
+             f"{num(budget_mib, ',.1f')} MiB; the heaviest session peaks at {num(kv['peak_tokens_per_session'], ',')} "
+             f"tokens: {num(kv['sessions_in_budget'], ',')} sessions held at once"]
+    return "\n".join(rows)
 
 
 TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d", "1e2p1d")  # 1eNp1d: N prefill instances
@@ -575,6 +872,39 @@ def run_trace(url: str, args, log) -> list[dict]:
     return results
 
 
+def image_size(text: str) -> tuple[int, int]:
+    """"WxH" -> (width, height), each at least 28 pixels."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT (for example 448x448)") from None
+    if min(width, height) < 28:
+        raise argparse.ArgumentTypeError(f"{text!r}: a picture is at least 28 x 28 pixels")
+    return width, height
+
+
+OLD_IMAGE_POLICY = re.compile(r"keep|drop|downscale:\d+|compress:[\w-]+:[\d.]+")  # the server's grammar
+
+
+def check_chat_args(p: argparse.ArgumentParser, args) -> None:
+    """The --sessions options make sense together (the server checks the policy's details)."""
+    chat_only = {"--old-image-policy": args.old_image_policy, "--keep-last-images": args.keep_last_images}
+    if args.sessions is None:
+        given = [name for name, value in chat_only.items() if value is not None]
+        if given:
+            p.error(f"{', '.join(given)} go with --sessions")
+        return
+    if args.trace:
+        p.error("--sessions and --trace are two different loads: pick one")
+    if min(args.sessions, args.turns) < 1 or args.images_per_turn < 0 or args.think_time < 0:
+        p.error("--sessions and --turns must be >= 1, --images-per-turn and --think-time >= 0")
+    if args.old_image_policy is not None and not OLD_IMAGE_POLICY.fullmatch(args.old_image_policy):
+        p.error(f"--old-image-policy {args.old_image_policy!r}: expected keep, drop, downscale:<max_pixels> or "
+                "compress:<method>:<ratio>")
+    if args.keep_last_images is not None and args.keep_last_images < 1:
+        p.error("--keep-last-images must be >= 1")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, nargs="+", default=[1.0, 2.0], help="request rates to sweep (req/s)")
@@ -605,8 +935,26 @@ def parse_args(argv=None):
                    help="passed on to every nanomm-serve that loads the model (repeatable)")
     p.add_argument("--trace", choices=sorted(TRACES), help="instead of the rate sweep: one run of a trace whose "
                    "rate and mix move over time (its own mixes and answer lengths), summarized per phase")
+    chat = p.add_argument_group("multi-turn chat sessions (instead of the rate sweep)")
+    chat.add_argument("--sessions", type=int, help="concurrent chat sessions; each waits for an answer (and its "
+                      "think time) before its next turn, and sends the whole conversation every turn")
+    chat.add_argument("--turns", type=int, default=4, help="turns per session")
+    chat.add_argument("--images-per-turn", type=int, default=1, help="new pictures in each user message")
+    chat.add_argument("--image-size", type=image_size, default=(448, 448), metavar="WxH",
+                      help="each picture's size (default 448x448)")
+    chat.add_argument("--think-time", type=float, default=0.0, help="mean pause (s) between an answer and the "
+                      "next question: exponential, seeded by --seed and the session (0: none)")
+    chat.add_argument("--old-image-policy", help="sent in mm_processor_kwargs: keep | drop | downscale:<max_pixels> "
+                      "| compress:<method>:<ratio> (what the server does with the pictures of earlier turns)")
+    chat.add_argument("--keep-last-images", type=int, help="sent in mm_processor_kwargs: the newest pictures the "
+                      "policy spares (>= 1)")
+    chat.add_argument("--kv-bytes-per-token", type=int, help="the engine's KV bytes per token (default: computed "
+                      "from the checkpoint's config.json for a server started here; none with --url)")
+    chat.add_argument("--kv-budget-tokens", type=int, help="the KV pool in tokens (default: the server's "
+                      f"/metrics, nanomm_kv_blocks_total x {EngineConfig.block_size})")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    check_chat_args(p, args)
     try:
         parse_mix(args.mix)  # fail before starting anything
     except ValueError as exc:
@@ -626,38 +974,61 @@ def parse_args(argv=None):
     return args
 
 
+def model_arguments(args) -> list[str]:
+    """What names the model to the nanomm-serve instances started here: --emulate, --demo or a checkpoint."""
+    if args.emulate:
+        return ["--emulate", args.emulate]
+    if args.demo:
+        from nanomm import demo_checkpoint
+        return [str(demo_checkpoint())]
+    return [str(load_checkpoint(args, print))]
+
+
+def report_chat(chat: dict, args, command: str, machine: dict) -> int:
+    """Print the multi-turn tables, write the JSON; 0 when every turn was answered."""
+    print(chat_markdown(chat))
+    if chat["first_errors"]:
+        print(f"{chat['errors']} failed, the first: {chat['first_errors']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(command=command, machine=machine, load="sessions",
+                                                   topology=args.topology if args.url is None else None,
+                                                   instance_threads=args.instance_threads, **chat), indent=1))
+    return 0 if chat["errors"] == 0 else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = " ".join(shlex.quote(a) for a in ["scripts/load.py", *(sys.argv[1:] if argv is None else argv)])
     machine = machine_info()
+    load = f"mix {args.mix}: {parse_mix(args.mix)}" if args.sessions is None else f"chat sessions: {args.sessions}"
     print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
-          f"{machine['memory_gib']} GiB; mix {args.mix}: {parse_mix(args.mix)}", flush=True)
-    started, url = {}, args.url
+          f"{machine['memory_gib']} GiB; {load}", flush=True)
+    started, url, kv_here = {}, args.url, None
     role_urls = {f"metrics {i + 1}": u for i, u in enumerate(args.metrics_url)}
     if url is None:
-        if args.emulate:
-            model_args = ["--emulate", args.emulate]
-        elif args.demo:
-            from nanomm import demo_checkpoint
-            model_args = [str(demo_checkpoint())]
-        else:
-            model_args = [str(load_checkpoint(args, print))]
-        commands, front = topology_commands(args.topology, model_args, args.model,
-                                            [a for s in args.server_arg for a in shlex.split(s)])
+        model_args, server_args = model_arguments(args), [a for s in args.server_arg for a in shlex.split(s)]
+        if args.sessions is not None:
+            kv_here = kv_bytes_per_token_of(model_args, server_args)
+        commands, front = topology_commands(args.topology, model_args, args.model, server_args)
         started = start_servers(commands, print, threads=args.instance_threads)
         role_urls = {role: u for role, (_, u) in started.items() if role != "router"}
         url = started[front][1]
     else:
         role_urls = {"front": url, **role_urls}
     stages_url = started["decode"][1] if "decode" in started else url  # the instance that finishes requests
+    log = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        if args.trace:
-            results = run_trace(url, args, lambda line: print(line, flush=True))
+        if args.sessions is not None:
+            chat = run_chat(url, args, log, stages_url, kv_here)
+        elif args.trace:
+            results = run_trace(url, args, log)
         else:
-            results = sweep(url, args, lambda line: print(line, flush=True), role_urls, stages_url,
+            results = sweep(url, args, log, role_urls, stages_url,
                             {role: process.pid for role, (process, _) in started.items()})
     finally:
         stop_servers(started)
+    if args.sessions is not None:
+        return report_chat(chat, args, command, machine)
     print(markdown_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(command=command, machine=machine, mix=args.mix,
@@ -667,7 +1038,6 @@ def main(argv=None) -> int:
                                                    max_tokens=args.max_tokens, pictures=args.pictures,
                                                    results=results), indent=1))
     return 0 if all(r["errors"] == 0 for r in results) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,11 @@
 """scripts/load.py, the load generator: its arithmetic against hand-worked numbers and numpy, its Poisson
 schedule, its mixes, and one small open-loop run against a server started here (every request answered, the
-visual tokens each picture size must give, the client's TTFT no shorter than the server's own); and the soak's
-memory summary (scripts/soak_serve.py) on a hand-made curve."""
+visual tokens each picture size must give, the client's TTFT no shorter than the server's own); the multi-turn
+chat sessions (--sessions: the conversation each turn sends, and a run whose prefix-cache hits and KV figures are
+checked by hand); and the soak's memory summary (scripts/soak_serve.py) on a hand-made curve."""
 
 import asyncio
+import json
 import random
 import sys
 from pathlib import Path
@@ -126,3 +128,123 @@ def test_a_trace_run_against_a_server_sends_each_phase_s_mix_and_answer_length(c
         records = result["records"]
         assert len(records) == sum(a.phase == phase.name for a in expected) == result["completed"] > 0
         assert {r["visual_tokens"] for r in records} == {visual} and {r["completion_tokens"] for r in records} == {answer}
+
+
+# -- multi-turn chat sessions (--sessions) ---------------------------------------------------------------------
+
+def test_a_conversation_body_carries_every_earlier_turn_and_its_answer():
+    first, second, third = (load.UserTurn(("data:image/png;base64,AAA",), "one?"), load.UserTurn((), "two?"),
+                            load.UserTurn(("data:a", "data:b"), "three?"))
+
+    def user(urls, text):
+        return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                            {"type": "text", "text": text}]}
+
+    head = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 7,
+            "temperature": 0.0}
+    assert load.conversation_body("m", [first], [], 7) == {**head, "messages": [user(["data:image/png;base64,AAA"],
+                                                                                      "one?")]}
+    kwargs = {"old_image_policy": "drop", "keep_last_images": 1}
+    assert load.conversation_body("m", [first, second, third], ["A1", "A2"], 7, kwargs) == {
+        **head, "mm_processor_kwargs": kwargs,
+        "messages": [user(["data:image/png;base64,AAA"], "one?"), {"role": "assistant", "content": "A1"},
+                     user([], "two?"), {"role": "assistant", "content": "A2"}, user(["data:a", "data:b"], "three?")]}
+    with pytest.raises(AssertionError):
+        load.conversation_body("m", [first, second], [], 7)  # the first turn's answer is missing
+
+
+def test_session_options_pictures_and_think_times_are_seeded():
+    args = load.parse_args(["--sessions", "3", "--turns", "5", "--images-per-turn", "2", "--image-size", "56x84",
+                            "--think-time", "2", "--seed", "4", "--old-image-policy", "downscale:50176",
+                            "--keep-last-images", "2"])
+    plan = load.session_plan(args)
+    assert (plan.sessions, plan.turns, plan.images_per_turn, plan.image_size) == (3, 5, 2, (56, 84))
+    assert plan.mm_processor_kwargs == {"old_image_policy": "downscale:50176", "keep_last_images": 2}
+    assert load.session_plan(load.parse_args(["--sessions", "1"])).mm_processor_kwargs is None
+    turn = load.user_turn(plan, 1, 2)
+    assert turn == load.user_turn(plan, 1, 2) and len(turn.images) == 2 and len(set(turn.images)) == 2
+    assert turn.images[0] not in load.user_turn(plan, 0, 2).images + load.user_turn(plan, 1, 3).images
+    pauses = load.think_times(plan, 0)
+    assert len(pauses) == 5 and pauses[0] == 0.0 and min(pauses[1:]) > 0 and pauses == load.think_times(plan, 0)
+    assert pauses != load.think_times(plan, 1)
+    long = load.think_times(load.SessionPlan(1, 20_001, 0, think_time_s=2.0), 0)[1:]
+    assert sum(long) / len(long) == pytest.approx(2.0, rel=0.05)  # exponential, of mean --think-time
+    assert load.think_times(load.SessionPlan(1, 3, 0), 0) == [0.0, 0.0, 0.0]
+    for bad in (["--sessions", "1", "--old-image-policy", "shrink"], ["--sessions", "1", "--keep-last-images", "0"],
+                ["--keep-last-images", "2"], ["--sessions", "1", "--image-size", "448"]):
+        with pytest.raises(SystemExit):
+            load.parse_args(bad)
+
+
+async def encoder_cache_probe(base: str, picture: dict, record) -> None:
+    """One streamed request whose text comes before `picture` (an image_url part), read by load.send_one."""
+    body = {"model": "load", "stream": True, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Something else first."}, picture]}]}
+    async with load.httpx.AsyncClient(base_url=base, timeout=60) as http:
+        await load.send_one(http, body, record, lambda: 0.0)
+
+
+def test_chat_sessions_against_a_server_send_the_conversation_and_hit_the_prefix_cache(monkeypatch, tmp_path):
+    """2 sessions x 3 turns x 1 picture through main(): every request carries the earlier turns with the
+    answers the server gave, the prefix cache holds the earlier turns, and the JSON's KV figures add up. Then a
+    picture of the run again, after other text: usage's encoder_cache_hits, as the client reads it."""
+    from nanomm import demo_checkpoint
+
+    sent = []  # (session, turn, body) of every request, as sent
+
+    async def spy(http, body, record, clock, texts=None):
+        sent.append((getattr(record, "session", None), getattr(record, "turn", None), body))
+        await send_one(http, body, record, clock, texts)
+
+    send_one = load.send_one
+    monkeypatch.setattr(load, "send_one", spy)
+    llm = LLM(str(demo_checkpoint()), device="cpu", dtype="float32")
+    per_token, _ = load.kv_bytes_per_token_of([str(demo_checkpoint())], ["--dtype", "float32"])
+    stats = llm.engine.stats()
+    assert per_token == stats["kv_bytes_per_token"]  # the script's figure is the engine's
+    out = tmp_path / "chat.json"
+    with BackgroundServer(Server(llm, ServerConfig("load"))) as base:
+        assert load.main(["--url", base, "--sessions", "2", "--turns", "3", "--images-per-turn", "1",
+                          "--think-time", "0", "--max-tokens", "6", "--kv-bytes-per-token", str(per_token),
+                          "--json", str(out)]) == 0
+        # The first picture again, after other text: no prefix-cache hit, but the encoder cache holds its tokens.
+        picture = next(b for s, t, b in sent if (s, t) == (0, 1))["messages"][0]["content"][0]
+        again = load.RequestRecord(0.0, 1)
+        asyncio.run(encoder_cache_probe(base, picture, again))
+    assert again.error is None and (again.encoder_cache_hits, again.cached_tokens) == (1, 0)
+    result = json.loads(out.read_text())
+    records = {(r["session"], r["turn"]): r for r in result["records"]}
+    assert sorted(records) == [(s, t) for s in range(2) for t in (1, 2, 3)] and result["errors"] == 0
+    chats = [(s, t, b) for s, t, b in sent if s is not None]  # the warm-up's record is no TurnRecord
+    assert sorted((s, t) for s, t, _ in chats) == sorted(records)
+    bodies = {(s, t): b for s, t, b in chats}
+    for (session, turn), body in bodies.items():
+        messages, r = body["messages"], records[session, turn]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (turn - 1) + ["user"]
+        assert sum(p["type"] == "image_url" for m in messages[::2] for p in m["content"]) == turn == r["num_images"]
+        assert 1 <= r["completion_tokens"] <= 6 and r["visual_tokens"] == 144 * turn  # 448x448 -> 168x168 -> 12 x 12
+        if turn > 1:
+            before = records[session, turn - 1]
+            assert messages[:-2] == bodies[session, turn - 1]["messages"]  # the earlier turns, as sent
+            assert messages[-2] == {"role": "assistant", "content": before["answer"]} and before["answer"]
+            assert r["prompt_tokens"] > before["prompt_tokens"] + 144  # the answer, a picture and a question more
+            assert before["prompt_tokens"] - 16 < r["cached_tokens"] < r["prompt_tokens"]  # the earlier prompt: cached
+    assert [t["turn"] for t in result["turns"]] == [1, 2, 3]
+    for row in result["turns"]:
+        mine = [records[s, row["turn"]] for s in range(2)]
+        assert row["completed"] == row["requests"] == 2
+        assert row["prompt_tokens_mean"] == sum(r["prompt_tokens"] for r in mine) / 2
+        assert row["cached_tokens_mean"] == sum(r["cached_tokens"] for r in mine) / 2
+        assert row["cached_share"] == pytest.approx(sum(r["cached_tokens"] for r in mine) /
+                                                     sum(r["prompt_tokens"] for r in mine))
+        assert row["ttft_s_mean"] == pytest.approx(sum(r["first_token_at"] - r["sent_at"] for r in mine) / 2)
+        assert row["encoder_cache_hits_mean"] == sum(r["encoder_cache_hits"] for r in mine) / 2
+    budget = stats["kv_capacity_tokens"]  # the KV pool in tokens, as the engine counts it
+    peaks = [max(records[s, t]["prompt_tokens"] + records[s, t]["completion_tokens"] for t in (1, 2, 3))
+             for s in range(2)]
+    assert [(s["peak_tokens"], s["kv_bytes"], s["sessions_in_budget"]) for s in result["sessions"]] == [
+        (peak, peak * per_token, budget // peak) for peak in peaks]
+    kv = result["kv"]
+    assert (kv["budget_tokens"], kv["kv_bytes_per_token"], kv["peak_tokens_per_session"]) == (budget, per_token,
+                                                                                             max(peaks))
+    assert kv["sessions_in_budget"] == budget // max(peaks) and kv["budget_bytes"] == budget * per_token

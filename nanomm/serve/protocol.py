@@ -12,7 +12,8 @@ prompt, and those it still carries are not read (nor are their pictures).
 Images arrive as data URLs. The server fetches nothing from the network, and reads a local file (a path or a
 file:// URL) only under the folder given with `--allowed-local-media-path`.
 
-Responses and stream chunks follow OpenAI's schema; the usage block also counts the visual tokens.
+Responses and stream chunks follow OpenAI's schema; the usage block also counts the visual tokens and the
+encoder-cache hits.
 """
 
 import time
@@ -150,10 +151,13 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def usage(out: RequestOutput) -> dict:
+    """OpenAI's usage block (prompt_tokens_details.cached_tokens: the prefix cache's hits), plus nanomm's extras:
+    visual_tokens (the prompt's, counted in prompt_tokens) and encoder_cache_hits (its images that the encoder
+    cache held, so the vision tower did not run on them)."""
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "visual_tokens": out.metrics.num_visual_tokens,
+            "visual_tokens": out.metrics.num_visual_tokens, "encoder_cache_hits": out.metrics.encoder_cache_hits,
             "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens}}
 
 
