@@ -19,8 +19,9 @@ FILE_SUFFIXES = (".json", ".py", ".md", ".txt", ".safetensors")
 OUTSIDE_NAMES = {"Qwen2VLImageProcessorPil"}  # transformers' names that lessons compare against
 
 
-# A doc is documentation, not a journal: no dates, no sessions, no "today", no issue numbers.
-DIARY = re.compile(r"\b(?:this session|next session|last session|sessions|was lent|were lent|not drawn|device time|"
+# A doc is documentation, not a journal: no dates, no sessions, no "today", no issue numbers. (A chat load's
+# `--sessions` flag is a load generator's option, not a journal.)
+DIARY = re.compile(r"\b(?:this session|next session|last session|(?<!--)sessions|was lent|were lent|not drawn|device time|"
                    r"yesterday|today|this morning|tonight|earlier today|issue #?\d+)\b|\b20\d\d-\d\d-\d\d\b",
                    re.I)
 
