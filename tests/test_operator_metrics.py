@@ -151,3 +151,34 @@ def test_latency_buckets_resolve_ten_milliseconds_to_a_minute():
     assert inside[0] == 0.01 and inside[-1] == 60
     assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.5 + 1e-9
     assert math.isclose(min(LATENCY_BUCKETS), 0.005)
+
+
+def test_prefill_and_decode_instances_each_account_for_their_own_part(ckpt):
+    """Split in two behind a router, each instance's device seconds add up to its own busy seconds: the prefill
+    instance's include the encode and the prompt, the decode instance's only the decode steps it ran."""
+    from nanomm.serve.router import Router
+
+    prefill_llm, decode_llm = make_llm(ckpt), make_llm(ckpt)
+    picture = io.BytesIO()
+    random_image(112, 84, seed=4).save(picture, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    body = {"model": "m", "max_tokens": 6, "ignore_eos": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "what is it"}]}]}
+    with BackgroundServer(Server(prefill_llm, ServerConfig("m", role="prefill", gpu_hourly_price=PRICE))) as prefill, \
+            BackgroundServer(Server(decode_llm, ServerConfig("m", role="decode", gpu_hourly_price=PRICE))) as decode, \
+            BackgroundServer(Router([], [prefill], [decode])) as router:
+        for _ in range(2):
+            assert httpx.post(router + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        by_role = {"prefill": (samples(httpx.get(prefill + "/metrics").text), prefill_llm.engine.stats()),
+                   "decode": (samples(httpx.get(decode + "/metrics").text), decode_llm.engine.stats())}
+    for role, (got, stats) in by_role.items():
+        assert got[("nanomm_request_device_seconds_count", ())] == 2, role
+        assert got[("nanomm_request_device_seconds_sum", ())] == pytest.approx(
+            stats["encoder_busy_s"] + stats["lm_busy_s"], rel=1e-9), role
+        assert got[("nanomm_request_cost_dollars_sum", ())] == pytest.approx(
+            got[("nanomm_request_device_seconds_sum", ())] * PRICE / 3600, rel=1e-9), role
+    assert by_role["prefill"][1]["encoder_busy_s"] > 0 and by_role["decode"][1]["encoder_busy_s"] == 0
+    assert by_role["prefill"][0][("nanomm_request_visual_tokens_sum", ())] == 2 * 12  # 112x84: 4 x 3 tokens
+    for llm in (prefill_llm, decode_llm):
+        assert_no_leaks(llm)
+        llm.close()
