@@ -72,6 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's
 from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
 from nanomm.engine.config import EngineConfig  # noqa: E402
 from nanomm.engine.sizing import kv_bytes_per_token  # noqa: E402
+from nanomm.errors import InvalidInputError  # noqa: E402
+from nanomm.inputs.old_images import check_keep_last_images, parse_old_image_policy  # noqa: E402
 from nanomm.model.config import ModelConfig  # noqa: E402
 from nanomm.model.loader import resolve_dtype  # noqa: E402
 from nanomm.serve.app import free_local_port  # noqa: E402
@@ -883,9 +885,6 @@ def image_size(text: str) -> tuple[int, int]:
     return width, height
 
 
-OLD_IMAGE_POLICY = re.compile(r"keep|drop|downscale:\d+|compress:[\w-]+:[\d.]+")  # the server's grammar
-
-
 def check_chat_args(p: argparse.ArgumentParser, args) -> None:
     """The --sessions options make sense together (the server checks the policy's details)."""
     chat_only = {"--old-image-policy": args.old_image_policy, "--keep-last-images": args.keep_last_images}
@@ -898,11 +897,13 @@ def check_chat_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--sessions and --trace are two different loads: pick one")
     if min(args.sessions, args.turns) < 1 or args.images_per_turn < 0 or args.think_time < 0:
         p.error("--sessions and --turns must be >= 1, --images-per-turn and --think-time >= 0")
-    if args.old_image_policy is not None and not OLD_IMAGE_POLICY.fullmatch(args.old_image_policy):
-        p.error(f"--old-image-policy {args.old_image_policy!r}: expected keep, drop, downscale:<max_pixels> or "
-                "compress:<method>:<ratio>")
-    if args.keep_last_images is not None and args.keep_last_images < 1:
-        p.error("--keep-last-images must be >= 1")
+    try:  # the engine's own checks, before any server starts
+        if args.old_image_policy is not None:
+            parse_old_image_policy(args.old_image_policy, "--old-image-policy")
+        if args.keep_last_images is not None:
+            check_keep_last_images(args.keep_last_images, "--keep-last-images")
+    except InvalidInputError as exc:
+        p.error(str(exc))
 
 
 def parse_args(argv=None):

@@ -10,6 +10,7 @@ import pytest
 
 from helpers import assert_engine_matches_reference, assert_no_leaks, data_url
 from nanomm import LLM, SamplingParams, demo_checkpoint
+from nanomm.engine.config import EngineConfig
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.old_images import DROPPED_MARKER, OldImagePolicy, parse_old_image_policy
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig, parse_args, _long_chat_args
@@ -46,8 +47,10 @@ def test_a_twelve_turn_chat_keeps_two_pictures_whole(demo_llm, policy, old_token
         assert row["visual_tokens"] == min(t, 2) * TOKENS_PER_PICTURE + max(0, t - 2) * old_tokens, row
         if t >= 3:  # picture t - 2 has just become old; in the previous prompt it was the (t-3)-th shown whole
             shown_before = 0 if policy == "drop" else t - 3
-            first_pad = nth_picture_start(prompts[t - 2], shown_before, vision_start) + 1
-            changed = min(row["changed_at"], first_pad)
+            start = nth_picture_start(prompts[t - 2], shown_before, vision_start)
+            # drop replaces the picture from its <|vision_start|> on; compress keeps that and changes its tokens
+            changed = start if policy == "drop" else start + 1
+            assert row["changed_at"] == changed if policy == "drop" else row["changed_at"] > changed, (t, row)
             assert row["cached_tokens"] == changed // BLOCK * BLOCK, (t, row)
     assert_no_leaks(demo_llm)
 
@@ -96,8 +99,43 @@ def test_a_bad_setting_is_an_error_naming_the_field(demo_llm, kwargs, field):
     with pytest.raises(InvalidInputError, match=field):
         demo_llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match=field):
-        LLM(demo_checkpoint(), **kwargs)
+        EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(mm_processor_kwargs=kwargs)
     assert_no_leaks(demo_llm)
+
+
+def test_the_engine_setting_may_come_through_mm_processor_kwargs_once():
+    config = EngineConfig(mm_processor_kwargs={"old_image_policy": "compress:pool:0.50", "keep_last_images": 3})
+    assert (config.old_image_policy, config.keep_last_images) == (parse_old_image_policy("compress:pool:0.5"), 3)
+    assert EngineConfig(old_image_policy="drop", mm_processor_kwargs={"old_image_policy": "drop"}).old_image_policy \
+        == OldImagePolicy("drop")
+    with pytest.raises(ValueError, match="given twice"):
+        EngineConfig(old_image_policy="drop", mm_processor_kwargs={"old_image_policy": "keep"})
+
+
+def test_downscale_never_enlarges_a_small_old_picture(demo_llm):
+    """A 56x56 picture (8x8 patches of 7 pixels, merged 2x2: 16 tokens) stays 16 tokens when it becomes old, though
+    downscale:6272 would allow 70x70 (25 tokens)."""
+    from helpers import random_image
+
+    images = [random_image(56, 56, seed=1), random_image(448, 448, seed=2)]
+    prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>hi",
+              "multi_modal_data": {"image": images},
+              "mm_processor_kwargs": {"old_image_policy": "downscale:6272", "keep_last_images": 1}}
+    prepared = demo_llm.engine.prepare(prompt, None)
+    assert [im.num_tokens for im in prepared.images] == [16, TOKENS_PER_PICTURE]
+
+
+def test_drop_refuses_a_malformed_placeholder_as_keep_does(demo_llm):
+    from helpers import random_image
+
+    prompt = {"prompt": "<|image_pad|> and <|vision_start|><|image_pad|><|vision_end|>",
+              "multi_modal_data": {"image": [random_image(56, 56, seed=1), random_image(56, 56, seed=2)]}}
+    for policy in ("keep", "drop"):
+        with pytest.raises(InvalidInputError, match="placeholder"):
+            demo_llm.engine.prepare({**prompt, "mm_processor_kwargs": {"old_image_policy": policy,
+                                                                         "keep_last_images": 1}}, None)
 
 
 def test_the_server_takes_the_policy_per_request_and_answers_400_naming_the_field(demo_llm):

@@ -54,7 +54,8 @@ def test_busy_seconds_and_device_seconds_account_for_every_step(ckpt):
 
     engine.runner.run, engine.step = timed_call("run", run), timed_call("step", step)
     prompts = [pictured(i) for i in range(3)] + ["text only", pictured(0)]  # the last one hits the encoder cache
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=5, ignore_eos=True)] * 4 + [SamplingParams(n=2, max_tokens=5, seed=1)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # the last: two completions, each its own sequence
     stats = engine.stats()
     encoder, lm = stats["encoder_busy_s"], stats["lm_busy_s"]
     assert encoder > 0 and lm > 0
@@ -87,8 +88,8 @@ def test_a_preemption_is_an_allocation_failure(ckpt):
     prompts = [{"prompt_token_ids": list(range(10, 70))}, {"prompt_token_ids": list(range(100, 160))}]
     llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.stats()
-    assert stats["preemptions"] >= 1
-    assert stats["kv_allocation_failures"] >= stats["preemptions"] + 1
+    assert stats["preemptions"] >= 1  # each preemption is one failure; its refused re-admissions are the same one
+    assert stats["kv_allocation_failures"] == stats["preemptions"]
     assert_no_leaks(llm)
     llm.close()
 
@@ -127,7 +128,7 @@ def test_without_a_price_there_is_no_cost_metric():
     names = {f.name for f in text_string_to_metric_families(ServerMetrics().render().decode())}
     assert "nanomm_request_cost_dollars" not in names and "nanomm_request_device_seconds" in names
     assert parse_args(["--demo", "--gpu-hourly-price", "2.5"]).gpu_hourly_price == 2.5
-    for bad in ("-1", "nan", "free"):
+    for bad in ("-1", "0", "nan", "inf", "free"):
         with pytest.raises(SystemExit):
             parse_args(["--demo", "--gpu-hourly-price", bad])
 
@@ -136,7 +137,7 @@ def test_the_encoder_service_counts_its_busy_seconds(ckpt):
     service = load_encoder(str(ckpt))
     with BackgroundServer(EncoderServer(service, "m")) as url:
         llm = make_llm(ckpt, encoder_url=url)
-        llm.generate([pictured(i) for i in range(2)], SamplingParams(max_tokens=2), use_tqdm=False)
+        outputs = llm.generate([pictured(i) for i in range(2)], SamplingParams(max_tokens=2), use_tqdm=False)
         got = samples(httpx.get(url + "/metrics").text)
         local = llm.engine.stats()
         assert_no_leaks(llm)
@@ -144,6 +145,7 @@ def test_the_encoder_service_counts_its_busy_seconds(ckpt):
     busy = got[("nanomm_encoder_busy_seconds_total", ())]
     assert busy > 0 and busy == pytest.approx(got[("nanomm_encoder_encode_seconds_sum", ())], rel=1e-9)
     assert local["encoder_busy_s"] == 0 and local["lm_busy_s"] > 0  # the instance's own tower never ran
+    assert sum(out.metrics.device_s for out in outputs) == pytest.approx(local["lm_busy_s"], rel=1e-9)
 
 
 def test_latency_buckets_resolve_ten_milliseconds_to_a_minute():

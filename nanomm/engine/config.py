@@ -162,12 +162,14 @@ class EngineConfig:
 
     def _take_long_chat_kwargs(self, kwargs: dict) -> dict:
         """mm_processor_kwargs' old_image_policy and keep_last_images become the engine arguments; the rest stays."""
-        for name in ("old_image_policy", "keep_last_images"):
+        checks = {"old_image_policy": parse_old_image_policy, "keep_last_images": check_keep_last_images}
+        defaults = {"old_image_policy": OldImagePolicy("keep"), "keep_last_images": DEFAULT_KEEP_LAST_IMAGES}
+        for name, check in checks.items():
             if name in kwargs:
-                default = {"old_image_policy": "keep", "keep_last_images": DEFAULT_KEEP_LAST_IMAGES}[name]
-                if getattr(self, name) not in (default, kwargs[name]):
+                given, current = check(kwargs[name], f"mm_processor_kwargs {name}"), check(getattr(self, name), name)
+                if current not in (defaults[name], given):
                     raise ValueError(f"{name} is given twice, as an argument and in mm_processor_kwargs")
-                setattr(self, name, kwargs[name])
+                setattr(self, name, given)
         self.mm_processor_kwargs = {k: v for k, v in kwargs.items() if k not in ("old_image_policy", "keep_last_images")}
         return self.mm_processor_kwargs
 

@@ -261,7 +261,7 @@ class ModelRunner:
         for (request, i), cache_hit in zip(needed, cache_hits):  # each is charged for the images encoded for it
             key = request.image_keys[i]
             encode_s = share.pop(key, 0.0)
-            request.record_image_ready(cache_hit, encode_s)
+            request.record_image_ready(cache_hit, encode_s, on_this_device=self.remote_encoder is None)
             if encode_s:
                 self.trace.encoded(request, began[key], encode_s)
             self.encoder_cache.hold(key)

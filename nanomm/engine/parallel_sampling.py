@@ -34,20 +34,23 @@ class ParentRequest:
         self.child_ids = child_request_ids(request_id, n)
         self.latest = {}  # completion index -> its latest CompletionOutput
         self.finished: set[int] = set()
+        self.device_s = {}  # completion index -> its child's device seconds so far
 
     def merge(self, outputs: list[RequestOutput]) -> RequestOutput:
         """This step's outputs of some children -> one output for the parent: each child's latest completion
         (cumulative); the ones that did not advance this step carry empty deltas."""
         for out in outputs:
             self.latest[out.outputs[0].index] = out.outputs[0]
+            self.device_s[out.outputs[0].index] = out.metrics.device_s
             if out.finished:
                 self.finished.add(out.outputs[0].index)
         advanced = {out.outputs[0].index for out in outputs}
         completions = [c if i in advanced else replace(c, delta_token_ids=[], delta_text="")
                        for i, c in sorted(self.latest.items())]
         first = outputs[0]
+        metrics = replace(first.metrics, device_s=sum(self.device_s.values()))  # every child's device time
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, completions,
-                             self.done, first.metrics, first.prompt_logprobs)
+                             self.done, metrics, first.prompt_logprobs)
 
     @property
     def done(self) -> bool:

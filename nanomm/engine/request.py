@@ -33,7 +33,6 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     held_images: dict[int, str] = field(default_factory=dict)  # image index -> cache key held until prefill passes it
-    refused_for_kv: bool = False  # its admission was refused for lack of KV blocks, and it still waits
 
     def __post_init__(self):
         self.token_ids = list(self.prompt.token_ids)
@@ -64,7 +63,7 @@ class Sequence:
             parts.append(generated.expand(3, -1))
         return torch.cat(parts, dim=1)
 
-    def record_image_ready(self, cache_hit: bool, encode_s: float) -> None:
+    def record_image_ready(self, cache_hit: bool, encode_s: float, on_this_device: bool = True) -> None:
         """The model runner made one of this sequence's images available (nothing to record for a draft)."""
 
 
@@ -81,6 +80,7 @@ class Request(Sequence):
     error: str | None = None  # why it ended with finish_reason "error", and the HTTP status that fits it
     error_status: int = 400
     num_preemptions: int = 0
+    refused_for_kv: bool = False  # waiting after an allocation failure (already counted: scheduler.py)
     # Speculative decoding (speculative.py): this step's proposed next tokens and, from a sampling draft model,
     # the distributions they were drawn from (len(spec_token_ids), vocab).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -98,7 +98,10 @@ class Request(Sequence):
         return (leader is None or self.metrics.first_scheduled_time is not None  # started once: never waits again
                 or leader.status is Status.FINISHED or leader.num_computed_tokens >= leader.num_prompt_tokens)
 
-    def record_image_ready(self, cache_hit: bool, encode_s: float) -> None:
+    def record_image_ready(self, cache_hit: bool, encode_s: float, on_this_device: bool = True) -> None:
+        """encode_s: this request's share of the encode (a wait for the encoder service, not on_this_device, is
+        not this device's time)."""
         self.metrics.encoder_cache_hits += cache_hit
         self.metrics.encode_s += encode_s
-        self.metrics.device_s += encode_s
+        if on_this_device:
+            self.metrics.device_s += encode_s

@@ -216,6 +216,7 @@ class Scheduler:
         self.release_images(request)
         request.block_table, request.num_computed_tokens = [], 0
         request.status = Status.WAITING
+        request.refused_for_kv = True  # counted here: its refused re-admissions are the same shortage
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

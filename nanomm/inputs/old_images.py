@@ -82,40 +82,41 @@ class OldImages:
         return 0 if self.policy.kind == "keep" else max(0, num_images - self.keep_last)
 
     def drop(self, token_ids: list[int], images: list, ids: "PlaceholderIds") -> tuple[list[int], list]:
-        """token_ids with each old picture's placeholder (one <|image_pad|>, with the <|vision_start|> and
-        <|vision_end|> around it where present) replaced by the marker's tokens, and the pictures that remain.
-        Nothing changes unless the policy is "drop"."""
+        """token_ids with each old picture's placeholder, <|vision_start|><|image_pad|><|vision_end|>, replaced by
+        the marker's tokens, and the pictures that remain. Nothing changes unless the policy is "drop"."""
         num_old = self.num_old(len(images)) if self.policy.kind == "drop" else 0
         if num_old == 0:
             return token_ids, images
-        out, seen, after_marker = [], 0, False
-        for token in token_ids:
-            if after_marker and token == ids.vision_end:  # the dropped picture's own end
-                after_marker = False
-                continue
-            after_marker = token == ids.image and seen < num_old
-            if after_marker:
-                seen += 1
-                if out and out[-1] == ids.vision_start:
-                    out.pop()
-                out += ids.marker
-            else:
-                out.append(token)
-        return out, images[num_old:]
+        pads = [p for p, token in enumerate(token_ids) if token == ids.image][:num_old]
+        out, start = [], 0
+        for p in pads:
+            if not (0 < p < len(token_ids) - 1 and token_ids[p - 1] == ids.vision_start
+                    and token_ids[p + 1] == ids.vision_end):
+                raise InvalidInputError(f"image placeholder at token {p} is not <|vision_start|><|image_pad|>"
+                                        "<|vision_end|> with a single <|image_pad|>")
+            out += token_ids[start:p - 1] + ids.marker  # up to the picture's <|vision_start|>, then the marker
+            start = p + 2  # past its <|vision_end|>
+        return out + token_ids[start:], images[num_old:]
 
-    def settings(self, index: int, num_images: int, pixel_kwargs: dict, compression: CompressionPolicy | None,
-                 engine_max_pixels: int) -> tuple[dict, CompressionPolicy | None]:
-        """The pixel cap and compression of picture `index` of `num_images`: the prompt's own unless it is old
-        and the policy is downscale or compress."""
-        if index >= self.num_old(num_images):
-            return pixel_kwargs, compression
-        if self.policy.kind == "downscale":
-            cap = min(self.policy.max_pixels, pixel_kwargs.get("max_pixels", engine_max_pixels))
-            return {**pixel_kwargs, "max_pixels": cap, "min_pixels": min(pixel_kwargs.get("min_pixels", cap), cap)}, \
-                compression
+    def settings(self, index: int, num_images: int, prompt_settings: "ImageSettings",
+                 engine_min_pixels: int, engine_max_pixels: int) -> "ImageSettings":
+        """The pixel cap and compression of picture `index` of `num_images`: the prompt's own, unless the picture is
+        old and the policy is downscale or compress."""
+        if index >= self.num_old(num_images) or self.policy.kind not in ("downscale", "compress"):
+            return prompt_settings
         if self.policy.kind == "compress":
-            return pixel_kwargs, self.policy.compression
-        return pixel_kwargs, compression
+            return ImageSettings(prompt_settings.pixel_kwargs, self.policy.compression)
+        kwargs = prompt_settings.pixel_kwargs
+        cap = min(self.policy.max_pixels, kwargs.get("max_pixels", engine_max_pixels))
+        floor = min(kwargs.get("min_pixels", engine_min_pixels), cap)  # a small picture is never enlarged
+        return ImageSettings({**kwargs, "max_pixels": cap, "min_pixels": floor}, prompt_settings.compression)
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """How one picture is preprocessed: its pixel cap (min_pixels, max_pixels) and its compression."""
+    pixel_kwargs: dict
+    compression: CompressionPolicy | None
 
 
 @dataclass(frozen=True)

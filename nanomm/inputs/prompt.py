@@ -17,8 +17,8 @@ from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
-from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, DROPPED_MARKER, OldImagePolicy, OldImages,
-                                      PlaceholderIds, check_keep_last_images, parse_old_image_policy)
+from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, DROPPED_MARKER, ImageSettings, OldImagePolicy,
+                                      OldImages, PlaceholderIds, check_keep_last_images, parse_old_image_policy)
 from nanomm.model.rope import mrope_positions
 from nanomm.inputs.tokenizer import Tokenizer
 
@@ -116,7 +116,10 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
                                     f"{len(images)} image(s) were given")
         old_images = self._old_images(prompt.get("mm_processor_kwargs"), name)
-        ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
+        try:
+            ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{name}: {exc}") from None
         return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images)
 
     def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
@@ -138,11 +141,12 @@ class InputProcessor:
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
         """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
-        pixel_kwargs, compression = validated.old_images.settings(
-            index, len(validated.raw_images), validated.pixel_kwargs, validated.compression,
-            self.image_config.max_pixels)
-        return preprocess_image(validated.raw_images[index], self.image_config, name=f"{validated.name}, image "
-                                f"{index}", **pixel_kwargs).with_compression(compression)
+        config = self.image_config
+        settings = validated.old_images.settings(index, len(validated.raw_images),
+                                                 ImageSettings(validated.pixel_kwargs, validated.compression),
+                                                 config.min_pixels, config.max_pixels)
+        return preprocess_image(validated.raw_images[index], config, name=f"{validated.name}, image {index}",
+                                **settings.pixel_kwargs).with_compression(settings.compression)
 
     def _old_images(self, kwargs, name: str) -> OldImages:
         """The engine's long-chat setting, with what the request's mm_processor_kwargs override (checked there)."""

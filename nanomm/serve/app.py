@@ -429,8 +429,8 @@ def _price(text: str) -> float:
         price = float(text)
     except ValueError:
         price = -1.0
-    if not price >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text!r}: a price is a number of dollars per hour, 0 or more")
+    if not 0 < price < float("inf"):  # NaN too; 0 would make every cost bucket the same
+        raise argparse.ArgumentTypeError(f"{text!r}: a price is a number of dollars per hour, more than 0")
     return price
 
 

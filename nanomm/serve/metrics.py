@@ -60,6 +60,8 @@ class ServerMetrics:
     def __init__(self, gpu_hourly_price: float | None = None):
         """gpu_hourly_price: dollars per hour of the device (`--gpu-hourly-price`); with it, each request's cost is
         its device seconds at that price (`nanomm_request_cost_dollars`)."""
+        if gpu_hourly_price is not None and not 0 < gpu_hourly_price < float("inf"):
+            raise ValueError(f"gpu_hourly_price must be a number of dollars over 0, got {gpu_hourly_price!r}")
         self.registry = CollectorRegistry()
         self.latest_stats: dict = {}  # the engine thread replaces it after every step
         self.dollars_per_device_second = None if gpu_hourly_price is None else gpu_hourly_price / 3600
