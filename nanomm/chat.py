@@ -6,8 +6,9 @@
     nanomm-chat --demo --speculative ngram              # speculative decoding: prompt lookup (or a draft folder)
     nanomm-chat --demo --trace run.json                 # a timeline of every step, for ui.perfetto.dev
     echo "Describe it" | nanomm-chat --demo --image cat.png   # scriptable: one user turn per line
+    nanomm-chat --demo --video clip.gif                 # a video: frames of a GIF, WebP or APNG (lesson 17)
 
-Text lines are user turns; /image PATH attaches an image to the next turn; /reset, /stats, /help, /quit.
+Text lines are user turns; /image PATH and /video PATH attach to the next turn; /reset, /stats, /help, /quit.
 Replies stream token by token, and a one-line summary follows each: time to first token split into
 preprocess / encode (or "cached") / prefill, tokens per second, visual tokens, prefix-cached tokens. Ask a
 second question about the same picture and watch the encoder and prefix caches make it cheaper
@@ -26,6 +27,7 @@ from rich.console import Console
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 HELP = """commands:
   /image PATH   attach an image to your next message (repeatable)
+  /video PATH   attach a video (an animated GIF, WebP or APNG) to your next message
   /reset        forget the conversation
   /stats        engine counters (KV blocks, cache hit rates, tokens/s)
   /help         this text
@@ -73,27 +75,36 @@ class Chat:
     def __init__(self, llm, params, console: Console, interactive: bool):
         self.llm, self.params, self.console, self.interactive = llm, params, console, interactive
         self.messages: list[dict] = []
-        self.pending_images: list[str] = []
+        self.pending: list[dict] = []  # the image and video parts of the next message
 
     def attach(self, path: str) -> None:
         from nanomm.inputs.image_io import load_image
 
         load_image(path, name=path)  # fail now, with a clear sentence, not after the user typed a question
-        self.pending_images.append(path)
+        self.pending.append({"type": "image", "image": path})
         self.say(f"attached {path} to your next message")
 
+    def attach_video(self, path: str) -> None:
+        from nanomm.inputs.video import load_video  # only when a video is attached
+
+        frames = len(load_video(path, path).frames)  # fail now, as attach does
+        self.pending.append({"type": "video", "video": path})
+        self.say(f"attached {path} ({frames} frames) to your next message")
+
     def turn(self, text: str) -> None:
-        content = [{"type": "image", "image": p} for p in self.pending_images] + [{"type": "text", "text": text}]
+        content = self.pending + [{"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
-        prompt_text, images = self.llm.tokenizer.apply_chat_template(messages)
-        prompt = {"prompt": prompt_text, "multi_modal_data": {"image": images}} if images else prompt_text
+        from nanomm.inputs.tokenizer import multi_modal_data
+
+        prompt_text, media = self.llm.tokenizer.apply_chat_template(messages)
+        prompt = {"prompt": prompt_text, "multi_modal_data": multi_modal_data(media)} if media else prompt_text
         final = self._stream(self.llm.engine.add_request(prompt, self.params))
         completion = final.outputs[0]
         if completion.finish_reason == "error":
             self.say(f"[red]error: {completion.error}[/red]")
             return
         self.messages = messages + [{"role": "assistant", "content": completion.text}]
-        self.pending_images = []
+        self.pending = []
         if self.interactive:
             self.console.print(f"[dim]{summary(final)}[/dim]")
 
@@ -114,7 +125,7 @@ class Chat:
         return final
 
     def reset(self) -> None:
-        self.messages, self.pending_images = [], []
+        self.messages, self.pending = [], []
         self.say("conversation reset")
 
     def stats(self) -> None:
@@ -161,6 +172,8 @@ def run(chat: Chat, lines) -> None:
                 chat.stats()
             elif command == "/image":
                 chat.attach(rest.strip())
+            elif command == "/video":
+                chat.attach_video(rest.strip())
             elif line.startswith("/"):
                 chat.say(f"unknown command {command}; /help lists them")
             else:
@@ -185,6 +198,8 @@ def parse_args(argv=None):
                    help="offline: the trained demo model shipped with nanomm (pictures of shapes), "
                         "or 'random', a tiny random-weight model made locally")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="attach to the first turn")
+    p.add_argument("--video", action="append", default=[], metavar="PATH",
+                   help="attach a video (animated GIF, WebP or APNG) to the first turn")
     p.add_argument("--max-pixels", type=int, help="the dynamic-resolution cap (visual tokens ~ pixels / 784)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -235,9 +250,10 @@ def main(argv=None) -> int:
                               f"{args.compression['keep_ratio']:.0%} of each picture's (lesson 10)[/dim]")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             chat = Chat(llm, params, console, interactive)
-            for path in args.image:
+            attachments = [(chat.attach, path) for path in args.image] + [(chat.attach_video, p) for p in args.video]
+            for attach, path in attachments:
                 try:
-                    chat.attach(path)
+                    attach(path)
                 except InvalidInputError as exc:
                     chat.say(f"[red]{exc}[/red]")
             if interactive:

@@ -46,7 +46,8 @@ class ReferenceOutput:
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
-    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`), each
+    """Generate from an expanded prompt and its preprocessed images (`nanomm.inputs.image.ProcessedImage`) and
+    videos (`nanomm.inputs.video.ProcessedVideo`), in prompt order, each
     image's visual tokens compressed by its policy (inputs/compression.py), if it has one.
     A quantized model (accel/quant.py) is its own reference: its layers are the quantized ones. kv_cache_dtype:
     "fp8" keeps the keys and values as an fp8 cache would return them."""
@@ -59,9 +60,11 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
         image_embeds = torch.cat([v.embeds for v in visual], dim=-2)  # (tokens, hidden); DeepStack: (levels, ...)
         compressed = [None if v.coords is None else (im.position_extent, v.coords)
                       for v, im in zip(visual, images)]
+    videos = any(getattr(im, "is_video", False) for im in images)
+    visual_ids = {cfg.image_token_id} | ({cfg.video_token_id} if videos else set())  # prompt pads = its media
     if cfg.has_vision:
         positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size,
-                                           compressed)
+                                           compressed, video_token_id=cfg.video_token_id if videos else None)
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)
@@ -69,7 +72,8 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
 
     ids = torch.tensor(prompt_ids, device=device)
-    hidden = model(ids, positions.to(device), kv_cache, image_embeds, ids == cfg.image_token_id)  # prompt pads = images
+    hidden = model(ids, positions.to(device), kv_cache, image_embeds,
+                   torch.isin(ids, torch.tensor(sorted(visual_ids), device=device)))
     out = ReferenceOutput(token_ids=[], finish_reason="length")
     while True:
         raw = model.compute_logits(hidden[-1:])[0]  # a (1, hidden) row, as the engine computes it: not a gemv

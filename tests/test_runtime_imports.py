@@ -47,3 +47,28 @@ def test_the_block_works():
     script = SCRIPT.replace("import nanomm\n", "import nanomm\nimport transformers\n", 1)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "ModuleNotFoundError: import of transformers halted" in run.stderr
+
+
+CAPABILITIES = ("nanomm.inputs.video", "nanomm.emulate", "nanomm.serve")  # each its own module, loaded on use
+
+IMAGE_PATH = textwrap.dedent(f"""
+    import sys, tempfile
+    from PIL import Image
+    from nanomm import LLM, SamplingParams
+    from nanomm.tools.random_checkpoint import make_checkpoint
+    folder = make_checkpoint(tempfile.mkdtemp(), preset="tiny")
+    with LLM(folder, device="cpu", max_model_len=256, num_kv_blocks=32, old_image_policy="drop") as llm:
+        content = [{{"type": "image", "image": Image.new("RGB", (64, 48), c)}} for c in ("red", "blue", "green")]
+        conversation = [{{"role": "user", "content": content + [{{"type": "text", "text": "Which colours?"}}]}}]
+        llm.chat(conversation, SamplingParams(temperature=0, max_tokens=2))
+    loaded = sorted(m for m in sys.modules if m.startswith({CAPABILITIES!r}))
+    assert not loaded, loaded
+    print("image path ok")
+""")
+
+
+def test_the_image_path_imports_no_other_capability():
+    """Videos, the emulated device and the server stack are modules of their own: a chat about pictures (with
+    an old-picture policy) loads none of them."""
+    run = subprocess.run([sys.executable, "-c", IMAGE_PATH], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "image path ok", run.stderr[-3000:]

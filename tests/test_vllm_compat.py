@@ -126,7 +126,7 @@ def test_engine_arguments_with_vllms_names(ckpt, tmp_path):
     (dict(tensor_parallel_size=2), "vLLM or SGLang"),
     (dict(pipeline_parallel_size=4), "vLLM or SGLang"),
     (dict(distributed_executor_backend="ray"), "vLLM or SGLang"),
-    (dict(limit_mm_per_prompt={"video": 1}), "images only"),
+    (dict(limit_mm_per_prompt={"audio": 1}), "images and videos"),
     (dict(mm_processor_kwargs={"fps": 2}), "min_pixels"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of"),
     (dict(quantization="awq"), "quantization must be None or one of"),

@@ -42,6 +42,7 @@ class EngineConfig:
     max_num_encoder_tokens: int | None = None  # visual tokens encoded per step; None: max_num_batched_tokens
     num_preprocess_workers: int = 2  # threads decoding and resizing images; 0 = inline in add_request
     limit_images_per_prompt: int = 16
+    limit_videos_per_prompt: int = 2  # videos (limit_mm_per_prompt={"video": n}); lesson 17
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
     fused_layers: bool = True  # the language model's layers in fewer kernels (accel/fused_layers.py)
     cpu_fast_linear: bool = True  # CPU float32: oneDNN-packed linear layers (accel/packed_linear.py)
@@ -52,7 +53,7 @@ class EngineConfig:
     trace_path: str | None = None  # write a Chrome/Perfetto trace of every step here on close (engine/trace.py)
     # vLLM's names for the same things (translated in __post_init__) and its other arguments.
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
-    limit_mm_per_prompt: dict | None = None  # {"image": k}: sets limit_images_per_prompt
+    limit_mm_per_prompt: dict | None = None  # {"image": k, "video": m}: sets limit_images/videos_per_prompt
     mm_processor_kwargs: dict | None = None  # {"min_pixels": .., "max_pixels": ..}: the engine's pixel cap
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
@@ -95,6 +96,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "encoder_cache_size",
                      "limit_images_per_prompt", "max_seq_len_to_capture"):
             check_int(getattr(self, name), name)
+        check_int(self.limit_videos_per_prompt, "limit_videos_per_prompt", minimum=0)
         for name in ("max_model_len", "num_kv_blocks", "max_num_encoder_tokens", "min_pixels", "max_pixels"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
@@ -130,7 +132,8 @@ class EngineConfig:
                 raise ValueError("give speculative_config or speculative (its older name), not both")
             self.speculative, self.speculative_config = self.speculative_config, None
         if self.limit_mm_per_prompt is not None:
-            self.limit_images_per_prompt = _image_limit(self.limit_mm_per_prompt)
+            self.limit_images_per_prompt, self.limit_videos_per_prompt = _media_limits(
+                self.limit_mm_per_prompt, self.limit_images_per_prompt, self.limit_videos_per_prompt)
         if self.mm_processor_kwargs is not None:
             kwargs = self.mm_processor_kwargs
             if isinstance(kwargs, dict) and {"old_image_policy", "keep_last_images"} & set(kwargs):
@@ -183,15 +186,17 @@ class EngineConfig:
                              "device in one process; for distributed serving use vLLM or SGLang")
 
 
-def _image_limit(limits) -> int:
-    """limit_mm_per_prompt={"image": k} -> k; other modalities may only be limited to 0 (nanomm serves images)."""
+def _media_limits(limits, images: int, videos: int) -> tuple[int, int]:
+    """limit_mm_per_prompt={"image": k, "video": m} -> (k, m), each the default where left out; other modalities
+    may only be limited to 0 (nanomm serves pictures and videos)."""
     if not isinstance(limits, dict):
-        raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 4}}, got {limits!r}")
+        raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 4, 'video': 1}}, got {limits!r}")
     for modality, limit in limits.items():
-        if modality != "image" and limit not in (0, None):
-            raise ValueError(f"limit_mm_per_prompt: nanomm serves images only, so {modality!r} can only be 0, "
+        if modality not in ("image", "video") and limit not in (0, None):
+            raise ValueError(f"limit_mm_per_prompt: nanomm serves images and videos, so {modality!r} can only be 0, "
                              f"got {limit!r}")
-    return check_int(limits.get("image", 16), "limit_mm_per_prompt['image']")
+    return (check_int(limits.get("image", images), "limit_mm_per_prompt['image']"),
+            check_int(limits.get("video", videos), "limit_mm_per_prompt['video']", minimum=0))
 
 
 def _pixel_kwargs(kwargs, name: str) -> dict:

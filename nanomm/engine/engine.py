@@ -53,7 +53,8 @@ class LLMEngine:
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
                                         config.limit_images_per_prompt, config.visual_token_compression,
-                                        OldImages(config.old_image_policy, config.keep_last_images))
+                                        OldImages(config.old_image_policy, config.keep_last_images),
+                                        config.limit_videos_per_prompt, _no_video_reason(model.config, config))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
@@ -511,6 +512,18 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
     shared = target_encoder_cache if same_vision_tower(target, draft_model) else None
     return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target.config.text.vocab_size,
                          config.encoder_cache_size, shared, config.kv_cache_dtype)
+
+
+VIDEO_FAMILIES = ("qwen2_vl",)  # model types whose video path is checked against transformers (lesson 17)
+
+
+def _no_video_reason(model_config, config: EngineConfig) -> str | None:
+    """Why this engine takes no video, or None: videos go through this instance's own Qwen2-VL tower for now."""
+    if model_config.model_type not in VIDEO_FAMILIES:
+        return f"videos are served for {', '.join(VIDEO_FAMILIES)} models only so far, not {model_config.model_type}"
+    if config.encoder_url is not None:
+        return "videos are encoded by the engine's own vision tower only so far, not by an encoder service"
+    return None
 
 
 def _check_params(params, name: str) -> SamplingParams:

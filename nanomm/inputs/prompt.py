@@ -9,9 +9,10 @@ positions, computed once and sliced by every chunk later.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
@@ -76,6 +77,7 @@ class ValidatedPrompt:
     pixel_kwargs: dict
     compression: CompressionPolicy | None = None  # the request's, else the engine's default
     old_images: OldImages = OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # for downscale and compress
+    raw_videos: list = field(default_factory=list)  # clips for nanomm.inputs.video.load_video, in prompt order
 
 
 class InputProcessor:
@@ -85,10 +87,13 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
                  max_model_len: int, limit_images_per_prompt: int = 16,
-                 compression: CompressionPolicy | None = None, old_images: OldImages | None = None):
+                 compression: CompressionPolicy | None = None, old_images: OldImages | None = None,
+                 limit_videos_per_prompt: int = 2, no_video_reason: str | None = None):
+        """no_video_reason: why this engine takes no video (a family not served yet, an encoder service), or None."""
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
         self.compression = compression  # the engine's default visual-token compression (compression.py)
+        self.limit_videos_per_prompt, self.no_video_reason = limit_videos_per_prompt, no_video_reason
         self.old_images = old_images or OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # old_images.py
         self.placeholder_ids = PlaceholderIds(model_config.image_token_id, model_config.vision_start_token_id,
                                               model_config.vision_end_token_id, tokenizer.encode(DROPPED_MARKER))
@@ -107,37 +112,63 @@ class InputProcessor:
         if "visual_token_compression" in (prompt.get("mm_processor_kwargs") or {}):  # None: none for this one
             compression = parse_policy(prompt["mm_processor_kwargs"]["visual_token_compression"],
                                        f"{name}: mm_processor_kwargs visual_token_compression")
-        images = self._images(prompt.get("multi_modal_data"), name)
-        if len(images) > self.limit_images_per_prompt:
-            raise InvalidInputError(f"{name}: {len(images)} images, over the limit of {self.limit_images_per_prompt} "
-                                    "per prompt (limit_images_per_prompt)")
-        placeholders = ids.count(self.model_config.image_token_id)
-        if placeholders != len(images):
-            raise InvalidInputError(f"{name}: the prompt has {placeholders} image placeholder(s) but "
-                                    f"{len(images)} image(s) were given")
+        images, videos = self._media(prompt.get("multi_modal_data"), name)
+        self._check_counts(ids, images, videos, name)
         old_images = self._old_images(prompt.get("mm_processor_kwargs"), name)
         try:
             ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images)
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos)
+
+    def _check_counts(self, ids: list[int], images: list, videos: list, name: str) -> None:
+        """As many pictures and videos as their placeholders, within the limits, and videos only where served."""
+        cfg = self.model_config
+        for kind, items, pad, limit, argument in (
+                ("image", images, cfg.image_token_id, self.limit_images_per_prompt, "limit_images_per_prompt"),
+                ("video", videos, cfg.video_token_id, self.limit_videos_per_prompt, "limit_mm_per_prompt['video']")):
+            if len(items) > limit:
+                raise InvalidInputError(f"{name}: {len(items)} {kind}s, over the limit of {limit} per prompt ({argument})")
+            placeholders = ids.count(pad) if kind == "image" or items else 0  # a stray <|video_pad|> is text
+            if placeholders != len(items):
+                raise InvalidInputError(f"{name}: the prompt has {placeholders} {kind} placeholder(s) but "
+                                        f"{len(items)} {kind}(s) were given")
+        if videos and self.no_video_reason:
+            raise InvalidInputError(f"{name}: {self.no_video_reason}")
 
     def preprocess(self, validated: ValidatedPrompt) -> PreparedPrompt:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
         name = validated.name
-        images = [self._preprocess_image(validated, i) for i in range(len(validated.raw_images))]
+        pictures = [self._preprocess_image(validated, i) for i in range(len(validated.raw_images))]
+        videos = [self._preprocess_video(clip, f"{name}, video {i}") for i, clip in enumerate(validated.raw_videos)]
+        images, pads = self._in_prompt_order(validated.token_ids, pictures, videos)  # pictures and videos
         try:
-            ids = self.tokenizer.expand_image_placeholders(validated.token_ids, [im.num_tokens for im in images])
+            ids = self.tokenizer.expand_visual_placeholders(validated.token_ids,
+                                                            [(pad, im.num_tokens) for pad, im in zip(pads, images)])
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
         if len(ids) >= self.max_model_len:
             raise InvalidInputError(f"{name}: the prompt is {len(ids)} tokens (images expanded), which leaves no "
                                     f"room to generate within max_model_len={self.max_model_len}")
-        spans = _image_spans(ids, images, self.model_config.image_token_id)
+        spans = _image_spans(ids, images, pads)
         positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
                                            self.model_config.vision.spatial_merge_size,
-                                           _compressed_image_origins(images))
+                                           _compressed_image_origins(images),
+                                           video_token_id=self.model_config.video_token_id if videos else None)
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
+
+    def _in_prompt_order(self, ids: list[int], pictures: list, videos: list) -> tuple[list, list[int]]:
+        """The pictures and videos in the order their placeholders appear, and each one's pad token id."""
+        image_pad, video_pad = self.model_config.image_token_id, self.model_config.video_token_id
+        pads = [t for t in ids if t == image_pad or (videos and t == video_pad)]
+        pictures_left, videos_left = iter(pictures), iter(videos)
+        return [next(pictures_left) if pad == image_pad else next(videos_left) for pad in pads], pads
+
+    def _preprocess_video(self, clip, name: str):
+        """One video's frames, decoded and made into temporal patches (inputs/video.py, imported only for videos)."""
+        from nanomm.inputs.video import load_video, preprocess_video
+
+        return preprocess_video(load_video(clip, name), self.image_config, name=name)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
         """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
@@ -178,14 +209,15 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: the prompt is empty")
         return text, ids
 
-    def _images(self, mm_data, name: str) -> list:
+    def _media(self, mm_data, name: str) -> tuple[list, list]:
+        """multi_modal_data -> (pictures, videos): each key holds one item or a list of them."""
         if mm_data is None:
-            return []
-        if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
-            raise InvalidInputError(f"{name}: 'multi_modal_data' must be a dict with an 'image' key "
-                                    f"(images are the only modality nanomm serves), got {mm_data!r:.80}")
-        images = mm_data.get("image", [])
-        return list(images) if isinstance(images, (list, tuple)) else [images]
+            return [], []
+        if not isinstance(mm_data, dict) or set(mm_data) - {"image", "video"}:
+            raise InvalidInputError(f"{name}: 'multi_modal_data' must be a dict with 'image' and/or 'video' keys, "
+                                    f"got {mm_data!r:.80}")
+        return [list(items) if isinstance(items, (list, tuple)) and not _is_frame_list(items, key) else [items]
+                for key, items in ((k, mm_data.get(k, [])) for k in ("image", "video"))]
 
     def _pixel_kwargs(self, kwargs, name: str) -> dict:
         if kwargs is None:
@@ -213,10 +245,16 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
             for im in images]
 
 
-def _image_spans(ids: list[int], images: list[ProcessedImage], image_token_id: int) -> list[ImageSpan]:
+def _is_frame_list(items, key: str) -> bool:
+    """A video given as a list of frames (PIL images) rather than a list of videos."""
+    return key == "video" and bool(items) and all(isinstance(x, Image.Image) for x in items)
+
+
+def _image_spans(ids: list[int], images: list, pads: list[int]) -> list[ImageSpan]:
+    """Where each picture's or video's tokens sit: the next run of its pad id."""
     spans, start = [], 0
-    for image in images:
-        start = ids.index(image_token_id, start)
+    for image, pad in zip(images, pads):
+        start = ids.index(pad, start)
         spans.append(ImageSpan(start, image.num_tokens, image.content_hash))
         start += image.num_tokens
     return spans

@@ -9,12 +9,15 @@ This module does three things:
 - `Tokenizer.encode` / `decode`: a thin wrapper over the `tokenizers` library (no transformers).
 - `Tokenizer.apply_chat_template`: the Qwen2-VL instruct chat template, written out in Python. It produces
   exactly the text that the Jinja template in `CHAT_TEMPLATE` produces (the tests check this against
-  transformers) and returns the images in the order their placeholders appear.
-- `Tokenizer.expand_image_placeholders`: the single-pad -> n-pads expansion.
+  transformers) and returns the pictures and videos in the order their placeholders appear (a video as a
+  `VideoPart`; `multi_modal_data` sorts them into vLLM's {"image": [...], "video": [...]}).
+- `Tokenizer.expand_visual_placeholders`: the single-pad -> n-pads expansion, for `<|image_pad|>` and for
+  `<|video_pad|>` (`<|vision_start|><|video_pad|><|vision_end|>`, lesson 17).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -24,6 +27,7 @@ from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.model.config import read_checkpoint_json
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # Qwen2-VL's and Qwen2.5-VL's templates add it; Qwen3-VL's not
 NO_DEFAULT_SYSTEM_PROMPT = ("qwen3_vl",)  # config.json model types whose chat template adds no system turn
 ROLES = ("system", "user", "assistant")
@@ -50,15 +54,29 @@ CHAT_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class VideoPart:
+    """A chat's video, in `apply_chat_template`'s list of media: a clip for `nanomm.inputs.video.load_video`."""
+    source: object
+
+
+def multi_modal_data(media: list) -> dict:
+    """A chat's media, in order -> vLLM's multi_modal_data: {"image": [...], "video": [...]}, the empty ones left out."""
+    images = [m for m in media if not isinstance(m, VideoPart)]
+    videos = [m.source for m in media if isinstance(m, VideoPart)]
+    return {key: items for key, items in (("image", images), ("video", videos)) if items}
+
+
 class Tokenizer:
     """The Qwen2-VL tokenizer of one checkpoint folder, with its special-token ids."""
 
     def __init__(self, tokenizer: HFTokenizer, *, image_token_id: int, vision_start_token_id: int,
                  vision_end_token_id: int, eos_token_ids: list[int], pad_token_id: int | None,
-                 default_system_prompt: str | None = DEFAULT_SYSTEM_PROMPT):
+                 default_system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, video_token_id: int | None = None):
         self.tokenizer = tokenizer
         self.default_system_prompt = default_system_prompt  # the system turn a chat without one gets, if any
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id  # None: a tokenizer without <|video_pad|>
         self.vision_start_token_id = vision_start_token_id
         self.vision_end_token_id = vision_end_token_id
         self.eos_token_ids = eos_token_ids
@@ -67,7 +85,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, folder, *, image_token_id=None, vision_start_token_id=None,
-                        vision_end_token_id=None) -> "Tokenizer":
+                        vision_end_token_id=None, video_token_id=None) -> "Tokenizer":
         """Load folder/tokenizer.json. Special ids default to the tokenizer's own ids for the Qwen tokens;
         the model loader passes the ids from config.json, which are the ones the model was trained with."""
         folder = Path(folder)
@@ -99,7 +117,8 @@ class Tokenizer:
                    vision_end_token_id=token_id("<|vision_end|>", vision_end_token_id),
                    eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
                    pad_token_id=pad, default_system_prompt=None if config.get("model_type") in
-                   NO_DEFAULT_SYSTEM_PROMPT else DEFAULT_SYSTEM_PROMPT)
+                   NO_DEFAULT_SYSTEM_PROMPT else DEFAULT_SYSTEM_PROMPT,
+                   video_token_id=video_token_id if video_token_id is not None else tok.token_to_id("<|video_pad|>"))
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (<|im_start|>, <|image_pad|>, ...) become single ids because
@@ -110,7 +129,8 @@ class Tokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool | None = None):
-        """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, images in order).
+        """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, media in order): each
+        picture's source, and each video as a `VideoPart`.
 
         With `tokenize` given, it answers as a Hugging Face tokenizer does, for scripts written for vLLM's
         `llm.get_tokenizer()`: the text alone (tokenize=False) or its token ids (tokenize=True)."""
@@ -134,22 +154,30 @@ class Tokenizer:
 
     def expand_image_placeholders(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
         """Replace the i-th single <|image_pad|> by tokens_per_image[i] copies of it."""
-        positions = [p for p, t in enumerate(ids) if t == self.image_token_id]
-        if len(positions) != len(tokens_per_image):
-            raise InvalidInputError(f"the prompt has {len(positions)} image placeholder(s) but "
-                                    f"{len(tokens_per_image)} image(s) were given")
-        for k, p in enumerate(positions):
+        return self.expand_visual_placeholders(ids, [(self.image_token_id, n) for n in tokens_per_image])
+
+    def expand_visual_placeholders(self, ids: list[int], items: list[tuple[int, int]]) -> list[int]:
+        """items: (pad id, visual tokens) of each picture or video, in prompt order. The i-th single pad of
+        either kind becomes items[i]'s count of copies of it; it must be of items[i]'s kind."""
+        pads = {self.image_token_id} | {pad for pad, _ in items}  # a <|video_pad|> with no video is text
+        positions = [p for p, t in enumerate(ids) if t in pads]
+        if len(positions) != len(items):
+            kind = "image" if pads == {self.image_token_id} else "image or video"
+            raise InvalidInputError(f"the prompt has {len(positions)} {kind} placeholder(s) but {len(items)} "
+                                    f"{kind}(s) were given")
+        for k, (p, (pad, n)) in enumerate(zip(positions, items)):
             well_formed = (0 < p < len(ids) - 1 and ids[p - 1] == self.vision_start_token_id
                            and ids[p + 1] == self.vision_end_token_id)
-            if not well_formed:
-                raise InvalidInputError(f"image placeholder {k} (token {p}) is not {IMAGE_PLACEHOLDER} with a "
-                                        "single <|image_pad|> (is the prompt already expanded?)")
-        out, start = [], 0
-        for p, n in zip(positions, tokens_per_image):
+            placeholder = IMAGE_PLACEHOLDER if pad == self.image_token_id else VIDEO_PLACEHOLDER
+            if not well_formed or ids[p] != pad:
+                raise InvalidInputError(f"placeholder {k} (token {p}) is not {placeholder} with a single pad "
+                                        "(is the prompt already expanded?)")
             if not isinstance(n, int) or n < 1:
-                raise InvalidInputError(f"an image must have at least one visual token, got {n!r}")
+                raise InvalidInputError(f"an image or video must have at least one visual token, got {n!r}")
+        out, start = [], 0
+        for p, (pad, n) in zip(positions, items):
             out += ids[start:p]
-            out += [self.image_token_id] * n
+            out += [pad] * n
             start = p + 1
         return out + ids[start:]
 
@@ -212,5 +240,13 @@ def _render_part(part, i: int, j: int, images: list) -> str:
             raise InvalidInputError(f"{where} is an image_url part without a string 'image_url' or 'image_url.url'")
         images.append(url)
         return IMAGE_PLACEHOLDER
-    raise InvalidInputError(f"{where} has type {kind!r}; expected 'text', 'image' or 'image_url'"
-                            + (" (video is not supported)" if kind == "video" else ""))
+    if kind in ("video", "video_url"):
+        source = part.get(kind)
+        source = source.get("url") if kind == "video_url" and isinstance(source, dict) else source
+        if source is None or (kind == "video_url" and not isinstance(source, str)):
+            raise InvalidInputError(f"{where} is a {kind} part without a " + ("'video'" if kind == "video" else
+                                    "string 'video_url' or 'video_url.url'"))
+        images.append(VideoPart(source))
+        return VIDEO_PLACEHOLDER
+    raise InvalidInputError(f"{where} has type {kind!r}; expected 'text', 'image', 'image_url', 'video' or "
+                            "'video_url'")

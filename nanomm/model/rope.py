@@ -35,21 +35,25 @@ def inverse_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
 
 
 def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int,
-                    spatial_merge_size: int, compressed=None) -> tuple[torch.Tensor, int]:
+                    spatial_merge_size: int, compressed=None, video_token_id: int | None = None
+                    ) -> tuple[torch.Tensor, int]:
     """Position ids (3, L) for an expanded prompt, and the rope delta that decode positions continue from.
 
-    Text runs count up on all three axes. The k-th run of image tokens is image k: with a merged grid
-    (T, H, W) its tokens get (start + t, start + h, start + w), and the text after it resumes at
-    start + max(T, H, W). Generated token i (0-based over the whole sequence, i >= L) gets i + delta.
+    Text runs count up on all three axes. The k-th run of image (or, with video_token_id, video) tokens is
+    image_grids[k]: with a merged grid (T, H, W) its tokens get (start + t, start + h, start + w), and the text
+    after it resumes at start + max(T, H, W). A video's T counts its temporal patches (two frames each): Qwen2-VL's
+    rule, which transformers 5.24 departs from when T > max(H, W) (lesson 17). Generated token i (0-based over the
+    whole sequence, i >= L) gets i + delta.
 
     compressed: per image, None, or (extent, coords) for an image whose visual tokens were compressed
     (inputs/compression.py): its tokens get start + coords (3, tokens), and the text after it resumes at
     start + extent.
     """
     compressed = compressed or [None] * len(image_grids)
+    visual = {image_token_id, video_token_id} - {None}
     blocks, start, i, k = [], 0, 0, 0
     while i < len(input_ids):
-        if input_ids[i] == image_token_id:
+        if input_ids[i] in visual:
             if k == len(image_grids):
                 raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
@@ -60,7 +64,7 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
             i += coords.shape[1]
             k += 1
         else:
-            run_end = _next_index(input_ids, image_token_id, i)
+            run_end = min(_next_index(input_ids, token, i) for token in visual)
             blocks.append(torch.arange(start, start + run_end - i).expand(3, -1))
             start += run_end - i
             i = run_end

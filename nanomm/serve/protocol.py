@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from nanomm.errors import InvalidInputError
+from nanomm.inputs.tokenizer import VideoPart, multi_modal_data
 from nanomm.outputs import CompletionOutput, RequestOutput
 from nanomm.sampling import SamplingParams
 
@@ -54,8 +55,10 @@ def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | Non
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
-    text, images = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    prompt = {"prompt": text, "multi_modal_data": {"image": [_image_source(u, media_root) for u in images]}}
+    text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    media = [VideoPart(_image_source(m.source, media_root, "a video")) if isinstance(m, VideoPart)
+             else _image_source(m, media_root) for m in media]  # every picture and video: a data URL or a path
+    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(media)}
     return _finish(body, prompt, defaults, _chat_num_top(body), chat=True)
 
 
@@ -125,11 +128,12 @@ def _field(body: dict, name: str, kind: type, default):
     return value
 
 
-def _image_source(url, media_root: Path | None) -> str:
-    """An image source as load_image takes it: a data URL as is, a local path only under media_root. Every
-    image of the conversation comes through here (image_url parts and nanomm's own image parts alike)."""
+def _image_source(url, media_root: Path | None, what: str = "an image") -> str:
+    """An image or video source as load_image and load_video take it: a data URL as is, a local path only under
+    media_root. Every picture and video of the conversation comes through here (*_url parts and nanomm's own
+    image and video parts alike)."""
     if not isinstance(url, str):
-        raise InvalidInputError(f"an image must be a data URL string, got {type(url).__name__}")
+        raise InvalidInputError(f"{what} must be a data URL string, got {type(url).__name__}")
     if url.startswith("data:"):
         return url
     parsed = urlparse(url)

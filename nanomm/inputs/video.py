@@ -1,0 +1,412 @@
+"""Videos in, Qwen2-VL pixel patches out: load the frames safely, resize each one, pair them up, patchify.
+
+A video is a stack of frames, and Qwen2-VL's vision tower already eats time: every patch row is
+C x T x P x P = 3 x 2 x 14 x 14 values, two frames deep. A still image fills the two slots with the same
+frame (nanomm/inputs/image.py); a video puts two consecutive frames there. So a clip of 16 frames at 56x84
+becomes 8 temporal patches of 4x6 14-px patches (grid_thw (8, 4, 6), 192 rows of 1176), and after the 2x2
+merge 8 x 2 x 3 = 48 visual tokens: <|video_pad|> x 48 in the prompt. lessons/17-video.md walks through it.
+
+Two stages, as for images:
+  1. `load_video` turns what the caller sent (a list of PIL images, a uint8 array, or an animated GIF, WebP or
+     APNG as a path, bytes or data URL) into a `VideoInput`: RGB frames of one size and a frame rate. It is
+     untrusted input: sizes, frame counts and byte counts are checked against `VideoLimits` from the header,
+     before any pixel is decoded, and every problem is an `InvalidInputError` that names the input.
+  2. `preprocess_video` reproduces transformers 5.24's `Qwen2VLVideoProcessor` (Qwen2-VL and Qwen2.5-VL) as it
+     runs with its defaults on a checkpoint that ships only preprocessor_config.json, bit for bit
+     (tests/test_video_processor.py checks it against fixtures that transformers itself wrote):
+       - every frame is kept (the processor's do_sample_frames is False: choosing frames is the caller's job);
+       - smart_resize per frame, with the image processor's min_pixels / max_pixels (a per-frame cap, not a
+         per-clip one);
+       - torch's antialiased bicubic resize of the uint8 frames, which is what torchvision runs on the CPU.
+         It is not PIL's resize (the image path): along one axis the two agree to +-1, but where one side
+         shrinks and the other grows they differ by up to about 20 levels;
+       - an odd frame count is padded by repeating the last frame, up to a multiple of temporal_patch_size;
+       - rescale and normalise fused the way HF's torch backend does it: (x - mean*255) / (std*255) in float32,
+         which differs from the image path's float64 rescale in the last bit of some values;
+       - patchify in the image layout, rows (t-group, merged row, merged col, row in block, col in block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from nanomm.errors import InvalidInputError, check_int, is_finite_number
+from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, smart_resize, to_rgb
+from nanomm.inputs.image_io import _data_url_payload, _read_file, _short
+
+DEFAULT_FPS = 2.0  # the frame rate of frames given as a list or an array, when the caller does not say
+VIDEO_FORMATS = ("GIF", "WEBP", "PNG")  # Pillow's animated formats (PNG covers APNG); no other decoder runs
+HASH_VERSION = "nanomm-video-v1"  # bump when the preprocessing changes, so old cache keys stop matching
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What `load_video` accepts. Each is checked before the frames are decoded, wherever the header tells."""
+
+    max_frames: int = 768  # HF's max_frames for Qwen2-VL video sampling
+    max_frame_pixels: int = 4096 * 4096  # width x height of one frame
+    max_bytes: int = 256 * 2**20  # an encoded file, bytes or data URL (a decoded array is bounded by the two above)
+    max_fps: float = 240.0
+    # frames x width x height of the whole clip. A GIF of a few KB can claim 768 frames of 4096x4096: 38 GB of RGB.
+    max_total_pixels: int = 2**30
+
+    def __post_init__(self):
+        for key in ("max_frames", "max_frame_pixels", "max_bytes", "max_total_pixels"):
+            check_int(getattr(self, key), f"video limits: {key}")
+        if not is_finite_number(self.max_fps) or self.max_fps <= 0:
+            raise ValueError(f"video limits: max_fps must be a positive number, got {self.max_fps!r}")
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """A decoded clip: RGB frames, all the same size, and the rate they were taken at (frames per second)."""
+
+    frames: tuple  # PIL.Image.Image in mode RGB
+    fps: float
+
+
+def load_video(source, name: str = "video", *, fps: float | None = None,
+               limits: VideoLimits = VideoLimits()) -> VideoInput:
+    """A VideoInput, a list of PIL images, a (T, H, W, 3) uint8 numpy array or torch tensor, or an animated GIF,
+    WebP or APNG (a path, bytes or a data URL) -> a VideoInput.
+
+    fps is the clip's frame rate: for frames given as a list or an array it defaults to DEFAULT_FPS; for a file
+    it defaults to 1000 / (the mean frame duration in ms). Given for a VideoInput, it replaces the clip's rate.
+    """
+    if fps is not None:
+        fps = _check_fps(fps, name, limits)  # before anything is decoded
+    if isinstance(source, VideoInput):
+        return source if fps is None else replace(source, fps=fps)
+    if isinstance(source, (list, tuple)):
+        frames = _frames_from_images(source, name, limits)
+        return VideoInput(frames, DEFAULT_FPS if fps is None else fps)
+    if isinstance(source, torch.Tensor) or _is_numpy_array(source):
+        frames = _frames_from_array(source, name, limits)
+        return VideoInput(frames, DEFAULT_FPS if fps is None else fps)
+    frames, file_fps = _decode_animation(_encoded_bytes(source, name, limits), name, limits)
+    if fps is None:
+        fps = DEFAULT_FPS if file_fps is None else _check_fps(file_fps, name, limits)
+    return VideoInput(frames, fps)
+
+
+@dataclass(eq=False)
+class ProcessedVideo:
+    """One clip, resized, padded to whole temporal patches and hashed; its float patches are built on first use.
+
+    As for `ProcessedImage`, `pixel_values` is a cached property so that the float work runs on the thread that
+    reads it (the engine's), and never for a clip that the encoder cache already holds.
+    """
+
+    frames_rgb: bytes = field(repr=False)  # (T_padded, H, W, 3) uint8, resized; an odd clip's last frame repeated
+    grid_thw: tuple[int, int, int]  # (grid_t, grid_h, grid_w) in patch units; grid_t = T_padded / temporal_patch
+    content_hash: str  # sha256 of the decoded frames and every parameter that changes the tokens or their places
+    config: ImageProcessorConfig = field(repr=False)
+    fps: float
+    compression = None  # class attributes: videos are not compressed (yet), and say what they are
+    is_video = True
+
+    def with_compression(self, policy) -> "ProcessedVideo":
+        if policy is None:
+            return self
+        raise InvalidInputError("visual-token compression of videos is not supported")
+
+    @cached_property
+    def pixel_values(self) -> torch.Tensor:
+        """(grid_t*grid_h*grid_w, C*T*P*P) float32: HF's pixel_values_videos for this clip."""
+        grid_t, grid_h, grid_w = self.grid_thw
+        P, T = self.config.patch_size, self.config.temporal_patch_size
+        x = torch.frombuffer(bytearray(self.frames_rgb), dtype=torch.uint8)
+        x = x.view(grid_t * T, grid_h * P, grid_w * P, 3).permute(0, 3, 1, 2)  # (T_padded, C, H, W)
+        return _patchify_video(_rescale_and_normalize_video(x, self.config), self.config)
+
+    @property
+    def merge_size(self) -> int:
+        return self.config.merge_size
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        """(T, H, W) of the vision tower's output tokens: one per temporal patch and merge_size**2 patches."""
+        grid_t, grid_h, grid_w = self.grid_thw
+        return grid_t, grid_h // self.merge_size, grid_w // self.merge_size
+
+    @property
+    def num_encoded_tokens(self) -> int:
+        return math.prod(self.token_grid)
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of <|video_pad|> tokens: every encoded token (videos are not compressed)."""
+        return self.num_encoded_tokens
+
+    @property
+    def position_extent(self) -> int:
+        """M-RoPE positions the clip spans, max(token_grid): the rule of transformers 4.x and vLLM. (transformers
+        5.24 moves the text after a video on by max(h, w) of the token grid alone, ignoring its length.)"""
+        return max(self.token_grid)
+
+    @property
+    def second_per_grid(self) -> float:
+        """Seconds one temporal patch spans: Qwen2.5-VL's second_per_grid_ts, which spaces the M-RoPE t ids."""
+        return self.config.temporal_patch_size / self.fps
+
+
+def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
+                     name: str = "video") -> ProcessedVideo:
+    """Resize, pad and hash one clip; min_pixels/max_pixels override the config's per-frame cap for this call."""
+    frames = _check_video_input(video, name)
+    min_pixels, max_pixels = _pixel_cap(config, min_pixels, max_pixels, name)
+    width, height = frames[0].size
+    resized = smart_resize(height, width, config.factor, min_pixels, max_pixels)
+    if resized[0] * resized[1] > config.max_image_pixels:  # a huge min_pixels would upscale every frame
+        raise InvalidInputError(f"{name}: min_pixels={min_pixels} would resize each frame to {resized[1]}x"
+                                f"{resized[0]}, over the pixel limit of {config.max_image_pixels:,} (max_image_pixels)")
+    clip = b"".join(frame.tobytes() for frame in frames)  # (T, H, W, 3) uint8
+    content_hash = _content_hash(clip, len(frames), (height, width), float(video.fps), resized, config,
+                                 min_pixels, max_pixels)
+    if resized != (height, width):  # torchvision returns a frame already at the size as is
+        clip = _resize_clip(clip, len(frames), (height, width), resized)  # (T, h, w, 3)
+    clip, padded = _pad_clip(clip, len(frames), config.temporal_patch_size)  # (T_padded, h, w, 3)
+    grid_thw = (padded // config.temporal_patch_size, resized[0] // config.patch_size,
+                resized[1] // config.patch_size)
+    return ProcessedVideo(clip, grid_thw, content_hash, config, float(video.fps))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _frames_from_images(images, name: str, limits: VideoLimits) -> tuple:
+    """A list of PIL images -> RGB frames. Their sizes come from their headers: checked before any is decoded."""
+    if not all(isinstance(im, Image.Image) for im in images):
+        raise InvalidInputError(f"{name}: a list of frames must hold PIL images only")
+    _check_clip_shape(len(images), [im.size for im in images], name, limits)
+    with _decoding(name):
+        return tuple(to_rgb(im) for im in images)  # to_rgb converts, which loads a lazily opened image
+
+
+def _is_numpy_array(x) -> bool:
+    """numpy is a test tool, never imported at runtime: an array is recognised by its type's module."""
+    return type(x).__module__ == "numpy" and hasattr(x, "__array_interface__")
+
+
+def _frames_from_array(array, name: str, limits: VideoLimits) -> tuple:
+    """A (T, H, W, 3) uint8 numpy array or torch tensor -> RGB frames."""
+    shape = tuple(array.shape)
+    if str(array.dtype).removeprefix("torch.") != "uint8" or len(shape) != 4 or shape[-1] != 3:
+        raise InvalidInputError(f"{name}: an array of frames must be uint8 of shape (frames, height, width, 3), "
+                                f"got {array.dtype} of shape {shape}")
+    num_frames, height, width, _ = shape
+    _check_clip_shape(num_frames, [(width, height)] * num_frames, name, limits)
+    data = _tensor_bytes(array.detach().cpu()) if isinstance(array, torch.Tensor) else array.tobytes()
+    n = height * width * 3
+    return tuple(Image.frombytes("RGB", (width, height), data[i * n:(i + 1) * n]) for i in range(num_frames))
+
+
+def _encoded_bytes(source, name: str, limits: VideoLimits) -> bytes:
+    """A path, bytes or data URL -> the file's bytes, refused before reading or decoding if over max_bytes."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        _check_bytes(memoryview(source).nbytes, name, limits)  # before the copy
+        data = bytes(source)
+    elif isinstance(source, str) and source.startswith("data:"):
+        _check_bytes(len(source) * 3 // 4, name, limits)  # the base64 payload's decoded size, roughly from above
+        data = _data_url_payload(source, name)
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise InvalidInputError(f"{name}: URLs are not fetched ({_short(source)}); download the video and pass "
+                                "its path or bytes")
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            size = os.stat(source).st_size  # a FIFO says 0: _read_file refuses it, and says what else is wrong
+        except (OSError, ValueError):
+            size = 0
+        _check_bytes(size, name, limits)
+        data = _read_file(source, name)
+    else:
+        raise InvalidInputError(f"{name}: a video must be a list of PIL images, a (frames, height, width, 3) uint8 "
+                                "array, or an animated GIF, WebP or PNG as a path, bytes or data:image/...;base64 URL"
+                                f", got {type(source).__module__}.{type(source).__qualname__}")
+    _check_bytes(len(data), name, limits)
+    if not data:
+        raise InvalidInputError(f"{name}: the video data is empty (0 bytes)")
+    return data
+
+
+def _decode_animation(data: bytes, name: str, limits: VideoLimits) -> tuple[tuple, float | None]:
+    """An animated GIF, WebP or PNG -> (RGB frames, fps from the frame durations, or None when there are none).
+    A still one is a clip of one frame.
+
+    The canvas size and the frame count come from the file before any frame is decoded. For WebP and APNG the
+    count is in the header; for GIF Pillow's n_frames walks the blocks to the end, reading no pixels (linear in
+    the bytes, which max_bytes bounds). Frames decode one at a time; a GIF frame may grow the canvas, so each
+    frame's size is checked again after the seek that parses its header and before it is decoded.
+    """
+    with _decoding(name):
+        im = Image.open(io.BytesIO(data), formats=_open_formats())
+        num_frames, first_size = getattr(im, "n_frames", 1), im.size
+        _check_clip_shape(num_frames, [first_size], name, limits)
+        frames, durations = [], []
+        for index in range(num_frames):
+            im.seek(index)
+            _check_clip_shape(num_frames, [first_size, im.size], name, limits)
+            frames.append(to_rgb(im))  # converting decodes this frame, composited over the ones before it
+            durations.append(im.info.get("duration"))  # after the decode: WebP sets it there
+    return tuple(frames), _fps_from_durations(durations, name)
+
+
+def _open_formats() -> list[str]:
+    Image.init()  # registers every plugin, so a format that this Pillow build lacks is left out, not a KeyError
+    return [f for f in VIDEO_FORMATS if f in Image.OPEN]
+
+
+def _fps_from_durations(durations: list, name: str) -> float | None:
+    """1000 / the mean frame duration in ms; None if the file gives no durations (the caller's default then)."""
+    known = [d for d in durations if d is not None]
+    if not known:
+        return None
+    mean_ms = sum(known) / len(known)
+    if mean_ms <= 0:
+        raise InvalidInputError(f"{name}: the file's frames last 0 ms (an unplayable frame rate); pass fps=")
+    return 1000.0 / mean_ms
+
+
+@contextlib.contextmanager
+def _decoding(name: str):
+    """Everything Pillow raises on bad data becomes an InvalidInputError naming the video."""
+    try:
+        yield
+    except InvalidInputError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise InvalidInputError(f"{name}: a frame is over Pillow's decompression-bomb pixel limit ({e})") from e
+    except Image.UnidentifiedImageError as e:
+        raise InvalidInputError(f"{name}: not a video in a supported format (animated GIF, WebP or PNG)") from e
+    except Exception as e:  # corrupt data surfaces as OSError, EOFError, SyntaxError, ValueError, ...
+        raise InvalidInputError(f"{name}: the video is truncated or corrupt and cannot be decoded "
+                                f"({type(e).__name__}: {e})") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_clip_shape(num_frames: int, sizes: list[tuple[int, int]], name: str, limits: VideoLimits) -> None:
+    """The frame count and the (width, height) of each frame against the limits, and all frames one size."""
+    if num_frames == 0:
+        raise InvalidInputError(f"{name}: the video has no frames")
+    if num_frames > limits.max_frames:
+        raise InvalidInputError(f"{name}: the video has {num_frames:,} frames, over the limit of "
+                                f"{limits.max_frames:,} (max_frames)")
+    width, height = sizes[0]
+    if width <= 0 or height <= 0:
+        raise InvalidInputError(f"{name}: the frames have zero size ({width}x{height})")
+    if width * height > limits.max_frame_pixels:
+        raise InvalidInputError(f"{name}: a frame is {width}x{height} = {width * height:,} pixels, over the "
+                                f"limit of {limits.max_frame_pixels:,} (max_frame_pixels)")
+    if num_frames * width * height > limits.max_total_pixels:
+        raise InvalidInputError(f"{name}: {num_frames:,} frames of {width}x{height} are {num_frames * width * height:,}"
+                                f" pixels, over the limit of {limits.max_total_pixels:,} (max_total_pixels)")
+    if odd := next((size for size in sizes if size != sizes[0]), None):
+        raise InvalidInputError(f"{name}: frames of different sizes ({width}x{height} and {odd[0]}x{odd[1]}); "
+                                "every frame of a video must be the same size")
+
+
+def _check_bytes(num_bytes: int, name: str, limits: VideoLimits) -> None:
+    if num_bytes > limits.max_bytes:
+        raise InvalidInputError(f"{name}: the video is {num_bytes:,} bytes, over the limit of "
+                                f"{limits.max_bytes:,} (max_bytes)")
+
+
+def _check_fps(fps, name: str, limits: VideoLimits) -> float:
+    if not is_finite_number(fps) or not 0 < fps <= limits.max_fps:
+        raise InvalidInputError(f"{name}: fps must be a number in (0, {limits.max_fps:g}], got {fps!r}")
+    return float(fps)
+
+
+def _check_video_input(video, name: str) -> tuple:
+    """A VideoInput built by hand skips load_video: check what preprocessing relies on (limits are load_video's)."""
+    if not isinstance(video, VideoInput):
+        raise InvalidInputError(f"{name}: expected a VideoInput (see load_video), got {type(video).__qualname__}")
+    frames = tuple(video.frames)
+    if not frames:
+        raise InvalidInputError(f"{name}: the video has no frames")
+    if not all(isinstance(f, Image.Image) and f.mode == "RGB" for f in frames):
+        raise InvalidInputError(f"{name}: every frame must be a PIL image in mode RGB")
+    if any(f.size != frames[0].size for f in frames):
+        raise InvalidInputError(f"{name}: frames of different sizes; every frame of a video must be the same size")
+    if not is_finite_number(video.fps) or video.fps <= 0:
+        raise InvalidInputError(f"{name}: fps must be a positive number, got {video.fps!r}")
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preprocessing
+
+
+def _resize_clip(clip: bytes, num_frames: int, size: tuple[int, int], resized: tuple[int, int]) -> bytes:
+    """(T, H, W, 3) uint8 -> (T, h, w, 3) uint8: torchvision's CPU resize of uint8 frames (BICUBIC, antialias=True),
+    which is torch's native uint8 kernel (fixed-point, no float round trip)."""
+    x = torch.frombuffer(bytearray(clip), dtype=torch.uint8).view(num_frames, *size, 3)  # (T, H, W, C)
+    x = F.interpolate(x.permute(0, 3, 1, 2), size=list(resized), mode="bicubic", align_corners=False,
+                      antialias=True)  # (T, C, h, w)
+    return _tensor_bytes(x.permute(0, 2, 3, 1))  # (T, h, w, C)
+
+
+def _pad_clip(clip: bytes, num_frames: int, temporal_patch_size: int) -> tuple[bytes, int]:
+    """(T, h, w, 3) -> (T_padded, h, w, 3) and T_padded: the last frame repeated up to a multiple of the
+    temporal patch size (HF pads after normalising; the same values, as normalising works pixel by pixel)."""
+    pad = -num_frames % temporal_patch_size
+    last_frame = clip[len(clip) // num_frames * (num_frames - 1):]
+    return clip + last_frame * pad, num_frames + pad
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """A CPU uint8 tensor's bytes in row-major order, without numpy (not a runtime dependency)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel())
+
+
+def _rescale_and_normalize_video(x: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """uint8 -> float32 as HF's torch backend does it for videos, rescale fused into normalize:
+    (x - mean / rescale_factor) / (std / rescale_factor), all in float32."""
+    mean = torch.tensor(config.image_mean, dtype=torch.float32) * (1.0 / config.rescale_factor)
+    std = torch.tensor(config.image_std, dtype=torch.float32) * (1.0 / config.rescale_factor)
+    return x.to(torch.float32).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))  # (T, C, H, W)
+
+
+def _patchify_video(x: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """(T_padded, C, H, W) -> (grid_t*gh*gw, C*T*P*P): the image layout with two real frames per row."""
+    P, M, T = config.patch_size, config.merge_size, config.temporal_patch_size
+    frames, C, H, W = x.shape
+    grid_t, gh, gw = frames // T, H // P, W // P
+    x = x.reshape(grid_t, T, C, gh // M, M, P, gw // M, M, P)  # (gt, T, C, gh/M, M, P, gw/M, M, P)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (gt, gh/M, gw/M, M, M, C, T, P, P)
+    return x.reshape(grid_t * gh * gw, C * T * P * P)
+
+
+def _content_hash(clip: bytes, num_frames: int, size: tuple[int, int], fps: float, resized: tuple[int, int],
+                  config: ImageProcessorConfig, min_pixels: int, max_pixels: int) -> str:
+    """sha256 of "video:", the parameters as canonical JSON, a NUL, then the decoded (T, H, W, 3) frames in order.
+
+    fps is in it: it changes no pixel, but Qwen2.5-VL spaces the video's M-RoPE time ids by it, so two rates give
+    different KV for the same tokens (the prefix cache keys on this hash)."""
+    params = {
+        "version": HASH_VERSION, "frames_thw": [num_frames, *size], "resized_hw": list(resized), "fps": fps,
+        "resample": "torch-bicubic-antialias-uint8", "min_pixels": min_pixels, "max_pixels": max_pixels,
+        "patch_size": config.patch_size, "temporal_patch_size": config.temporal_patch_size,
+        "merge_size": config.merge_size, "image_mean": list(config.image_mean), "image_std": list(config.image_std),
+        "rescale_factor": config.rescale_factor,
+    }
+    h = hashlib.sha256(b"video:" + json.dumps(params, sort_keys=True).encode() + b"\0")
+    h.update(clip)
+    return h.hexdigest()

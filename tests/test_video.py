@@ -1,0 +1,224 @@
+"""Videos through the engine (lesson 17): Qwen2-VL's greedy tokens and logits equal transformers' on clips fed as
+pixel_values_videos, and the engine equals its dense reference when chunks cut temporal groups, blocks are small,
+the prefix cache serves a second pass and the encoder cache a repeated clip. The video processor itself is checked
+against transformers' in tests/test_video_processor.py."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers import assert_engine_matches_reference, assert_no_leaks, random_image
+from nanomm import LLM, SamplingParams
+from nanomm.errors import InvalidInputError
+from test_model_parity import oracle_greedy, steps_fed_the_same_tokens
+
+MAX_PIXELS = 224 * 224  # frames up to 224x224: 8x8 tokens of 28x28 pixels
+
+# transformers 5.24 resumes the text after a video at start + max(H, W), below the video's last temporal position
+# when T > max(H, W); Qwen2-VL's own rule (transformers 4.x, vLLM, nanomm) resumes at start + max(T, H, W). The two
+# agree while T <= max(H, W), so the clips compared with transformers keep to that
+# (test_text_after_a_long_clip_resumes_past_its_last_temporal_patch checks the other case by hand).
+
+
+def clip(num_frames: int, seed: int, size: int = 56) -> np.ndarray:
+    """(T, H, W, 3) uint8 frames of noise, seeded."""
+    return np.stack([np.asarray(random_image(size, size, seed * 1000 + i)) for i in range(num_frames)])
+
+
+def video_prompt(*videos, text: str = "what happens?", picture=None) -> dict:
+    media = "<|vision_start|><|video_pad|><|vision_end|>" * len(videos)
+    if picture is not None:
+        media += "<|vision_start|><|image_pad|><|vision_end|>"
+    prompt = {"prompt": f"<|im_start|>user\n{media}{text}<|im_end|>\n<|im_start|>assistant\n",
+              "multi_modal_data": {"video": list(videos)}}
+    if picture is not None:
+        prompt["multi_modal_data"]["image"] = [picture]
+    return prompt
+
+
+def hf_video_inputs(llm, prepared) -> dict:
+    """transformers' inputs for an expanded prompt whose media are videos (and pictures), in prompt order."""
+    cfg = llm.model.config
+    ids = torch.tensor([prepared.token_ids])
+    videos = [m for m in prepared.images if getattr(m, "is_video", False)]
+    pictures = [m for m in prepared.images if not getattr(m, "is_video", False)]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=(ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int())
+    if videos:
+        inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+        inputs["video_grid_thw"] = torch.tensor([list(v.grid_thw) for v in videos])
+    if pictures:
+        inputs["pixel_values"] = torch.cat([p.pixel_values for p in pictures])
+        inputs["image_grid_thw"] = torch.tensor([list(p.grid_thw) for p in pictures])
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory, ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
+    oracle = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
+    yield llm, oracle
+    llm.close()
+
+
+CLIPS = {
+    "16 frames": lambda: video_prompt(clip(16, 1, size=224)),  # 8 temporal patches of 8x8 tokens
+    "an odd frame count": lambda: video_prompt(clip(5, 2, size=84)),  # padded to 6: 3 of 3x3
+    "two videos": lambda: video_prompt(clip(4, 3), clip(6, 4, size=84)),
+    "a video and a picture": lambda: video_prompt(clip(4, 5), picture=random_image(84, 56, 6)),
+}
+
+
+@pytest.mark.parametrize("name", CLIPS)
+def test_greedy_tokens_and_logits_equal_transformers(qwen2_vl, name):
+    llm, oracle = qwen2_vl
+    prompt = CLIPS[name]()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    prepared = llm.engine.prepare(prompt, params)
+    tokens, logits = oracle_greedy(oracle, hf_video_inputs(llm, prepared), 8)
+    got = out.outputs[0].token_ids
+    comparable = steps_fed_the_same_tokens(got, tokens, logits)
+    assert comparable >= 1 and got[:comparable] == tokens[:comparable]
+    for step in range(comparable):
+        row = out.outputs[0].logprobs[step]
+        ours = torch.tensor([row[t].logprob for t in range(len(row))])
+        theirs = torch.log_softmax(logits[step], dim=-1)
+        assert torch.allclose(ours, theirs, atol=1e-4), (name, step)
+    assert out.metrics.num_visual_tokens == sum(m.num_tokens for m in prepared.images)
+    assert_no_leaks(llm)
+
+
+def test_a_clips_tokens_count_its_temporal_patches(qwen2_vl):
+    llm, _ = qwen2_vl
+    prepared = llm.engine.prepare(video_prompt(clip(16, 1)), None)
+    (video,) = prepared.images
+    assert video.grid_thw == (8, 4, 4)  # 16 frames / 2, 56 / 14
+    assert prepared.token_ids.count(llm.model.config.video_token_id) == 8 * 2 * 2
+
+
+def test_text_after_a_long_clip_resumes_past_its_last_temporal_patch(qwen2_vl):
+    """16 frames of 56x56: 8 temporal patches of 2x2 tokens. The video's tokens take t = s..s+7, h and w = s..s+1;
+    the text after it starts at s + 8 on all three axes (Qwen2-VL's rule), and decoding continues from there."""
+    llm, _ = qwen2_vl
+    prepared = llm.engine.prepare(video_prompt(clip(16, 1)), None)
+    ids, positions = prepared.token_ids, prepared.positions
+    first = ids.index(llm.model.config.video_token_id)
+    s = first  # text before the video counts up from 0
+    video = positions[:, first:first + 32]
+    assert video[0].tolist() == [s + t for t in range(8) for _ in range(4)]
+    assert video[1].tolist() == [s + h for _ in range(8) for h in (0, 0, 1, 1)]
+    after = first + 32
+    assert positions[:, after].tolist() == [s + 8] * 3
+    assert prepared.rope_delta == (s + 8 + len(ids) - after) - len(ids)
+    odd = llm.engine.prepare(video_prompt(clip(5, 2)), None).images[0]
+    assert odd.grid_thw == (3, 4, 4)  # 5 frames padded to 6
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_num_batched_tokens=7, block_size=4),  # chunks end inside temporal groups; blocks of 4
+    dict(num_kv_blocks=24, block_size=4, max_num_seqs=4),  # too few blocks: preemption
+    dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+], ids=["chunks-cut-groups", "preemption", "ngram"])
+def test_the_engine_equals_the_dense_reference_on_videos(ckpt, settings):
+    with LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **settings) as llm:
+        prompts = [video_prompt(clip(6, 10 + i), text=f"clip {i}") for i in range(3)] + [
+            video_prompt(clip(4, 20), picture=random_image(56, 56, 21))]
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True)
+                  for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        again = assert_engine_matches_reference(llm, prompts, params)  # a second pass
+        if "num_kv_blocks" in settings:
+            assert llm.stats()["preemptions"] > 0
+        else:
+            assert all(out.metrics.num_cached_tokens > 0 for out in again)  # served by the prefix cache
+        # The first clip again after other text: the prefix cache cannot serve it, the encoder cache does.
+        moved = {**prompts[0], "prompt": "<|im_start|>user\nfirst this. " + prompts[0]["prompt"][len("<|im_start|>user\n"):]}
+        (out,) = assert_engine_matches_reference(llm, [moved], params[:1])
+        assert out.metrics.encoder_cache_hits == 1 and out.metrics.encode_s == 0
+
+
+def test_bad_videos_are_errors_naming_the_video(qwen2_vl):
+    llm, _ = qwen2_vl
+    bad = {"zero frames": video_prompt(np.zeros((0, 56, 56, 3), dtype=np.uint8)),
+           "a placeholder without its video": {"prompt": "<|vision_start|><|video_pad|><|vision_end|>hi",
+                                               "multi_modal_data": {"video": [clip(2, 1), clip(2, 2)]}},
+           "three videos": video_prompt(clip(2, 1), clip(2, 2), clip(2, 3))}
+    for what, prompt in bad.items():
+        with pytest.raises(InvalidInputError, match="video"):
+            llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_families_and_roles_without_a_checked_video_path_refuse_videos_by_name():
+    from types import SimpleNamespace
+
+    from nanomm.engine.config import EngineConfig
+    from nanomm.engine.engine import _no_video_reason
+
+    assert _no_video_reason(SimpleNamespace(model_type="qwen2_vl"), EngineConfig()) is None
+    assert "qwen3_vl" in _no_video_reason(SimpleNamespace(model_type="qwen3_vl"), EngineConfig())
+    assert "encoder service" in _no_video_reason(SimpleNamespace(model_type="qwen2_vl"),
+                                                 EngineConfig(encoder_url="http://127.0.0.1:9"))
+    assert EngineConfig(limit_mm_per_prompt={"video": 0}).limit_videos_per_prompt == 0
+
+
+def demo_gif(path, num_frames: int = 4) -> list:
+    """A red circle moving right over num_frames frames, saved as an animated GIF at 2 frames a second."""
+    from PIL import Image, ImageDraw
+
+    frames = []
+    for i in range(num_frames):
+        frame = Image.new("RGB", (168, 168), "white")
+        ImageDraw.Draw(frame).ellipse((20 + 20 * i, 50, 80 + 20 * i, 110), fill="red")
+        frames.append(frame)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=500, loop=0)
+    return frames
+
+
+def test_the_chat_cli_takes_a_video_and_answers_as_the_engine(tmp_path):
+    """`nanomm-chat --demo --video clip.gif`: the reply is the engine's greedy reply to the same clip."""
+    import subprocess
+    import sys
+
+    from nanomm import demo_checkpoint
+
+    demo_gif(tmp_path / "clip.gif")
+    proc = subprocess.run([sys.executable, "-m", "nanomm.chat", "--demo", "--device", "cpu", "--video", "clip.gif",
+                           "--max-tokens", "6"], input=b"What colour is the circle?\n", capture_output=True,
+                          cwd=tmp_path, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "clip.gif (4 frames)" in proc.stderr.decode()
+    with LLM(demo_checkpoint(), device="cpu", num_preprocess_workers=0) as llm:
+        out = llm.chat([{"role": "user", "content": [{"type": "video", "video": str(tmp_path / "clip.gif")},
+                                                      {"type": "text", "text": "What colour is the circle?"}]}],
+                       SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    assert proc.stdout.decode().strip() == " ".join(out.outputs[0].text.splitlines())
+    assert out.metrics.num_visual_tokens == 2 * 12 * 12  # 4 frames: 2 temporal patches of 168 / 14 = 12 x 12
+
+
+def test_the_server_takes_a_video_url_from_the_openai_client(qwen2_vl, tmp_path):
+    import base64
+
+    import openai
+
+    from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+
+    llm, _ = qwen2_vl
+    demo_gif(tmp_path / "clip.gif")
+    url = "data:image/gif;base64," + base64.b64encode((tmp_path / "clip.gif").read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "what moves?"}]}]
+    with BackgroundServer(Server(llm, ServerConfig("tiny"))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+        with pytest.raises(openai.BadRequestError, match="video"):
+            client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": "data:image/gif;base64,R0lGODlhAQAB"}}]}])
+    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    assert reply.choices[0].message.content == offline.outputs[0].text
+    assert reply.usage.model_extra["visual_tokens"] == offline.metrics.num_visual_tokens > 0
+    assert_no_leaks(llm)
