@@ -43,6 +43,19 @@ class ReferenceOutput:
     logits: list[torch.Tensor] = field(default_factory=list)  # raw float32 (vocab,) per generated token
 
 
+def whole_media(units: list) -> list:
+    """The pictures and videos of a prepared prompt, as the caller gave them: the engine splits each video into
+    its temporal patches (inputs/prompt.py); here they are one clip again."""
+    media = []
+    for unit in units:
+        video = getattr(unit, "video", None)  # a video's temporal patch (inputs/video.py `VideoGroup`)
+        if video is None:
+            media.append(unit)
+        elif not media or media[-1] is not video:
+            media.append(video)
+    return media
+
+
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
@@ -53,6 +66,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     "fp8" keeps the keys and values as an fp8 cache would return them."""
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
+    images = whole_media(images)  # a video whole, as the model defines it: one encode, its positions
     grids = [tuple(im.grid_thw) for im in images]
     image_embeds, compressed = None, None
     if images:

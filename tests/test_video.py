@@ -11,6 +11,7 @@ import transformers
 from helpers import assert_engine_matches_reference, assert_no_leaks, random_image
 from nanomm import LLM, SamplingParams
 from nanomm.errors import InvalidInputError
+from nanomm.reference import whole_media
 from test_model_parity import oracle_greedy, steps_fed_the_same_tokens
 
 MAX_PIXELS = 224 * 224  # frames up to 224x224: 8x8 tokens of 28x28 pixels
@@ -41,8 +42,9 @@ def hf_video_inputs(llm, prepared) -> dict:
     """transformers' inputs for an expanded prompt whose media are videos (and pictures), in prompt order."""
     cfg = llm.model.config
     ids = torch.tensor([prepared.token_ids])
-    videos = [m for m in prepared.images if getattr(m, "is_video", False)]
-    pictures = [m for m in prepared.images if not getattr(m, "is_video", False)]
+    media = whole_media(prepared.images)
+    videos = [m for m in media if getattr(m, "is_video", False)]
+    pictures = [m for m in media if not getattr(m, "is_video", False)]
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                   mm_token_type_ids=(ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int())
     if videos:
@@ -94,9 +96,15 @@ def test_greedy_tokens_and_logits_equal_transformers(qwen2_vl, name):
 def test_a_clips_tokens_count_its_temporal_patches(qwen2_vl):
     llm, _ = qwen2_vl
     prepared = llm.engine.prepare(video_prompt(clip(16, 1)), None)
-    (video,) = prepared.images
+    (video,) = whole_media(prepared.images)
     assert video.grid_thw == (8, 4, 4)  # 16 frames / 2, 56 / 14
     assert prepared.token_ids.count(llm.model.config.video_token_id) == 8 * 2 * 2
+    # the engine's units: one per temporal patch, each the span of its own 2x2 tokens, in order
+    assert [(span.start, span.length) for span in prepared.image_spans] == [
+        (prepared.image_spans[0].start + 4 * g, 4) for g in range(8)]
+    assert len({span.content_hash for span in prepared.image_spans}) == 8
+    (odd,) = whole_media(llm.engine.prepare(video_prompt(clip(5, 2)), None).images)
+    assert odd.grid_thw == (3, 4, 4)  # 5 frames padded to 6
 
 
 def test_text_after_a_long_clip_resumes_past_its_last_temporal_patch(qwen2_vl):
@@ -113,8 +121,6 @@ def test_text_after_a_long_clip_resumes_past_its_last_temporal_patch(qwen2_vl):
     after = first + 32
     assert positions[:, after].tolist() == [s + 8] * 3
     assert prepared.rope_delta == (s + 8 + len(ids) - after) - len(ids)
-    odd = llm.engine.prepare(video_prompt(clip(5, 2)), None).images[0]
-    assert odd.grid_thw == (3, 4, 4)  # 5 frames padded to 6
 
 
 @pytest.mark.parametrize("settings", [
@@ -138,7 +144,7 @@ def test_the_engine_equals_the_dense_reference_on_videos(ckpt, settings):
         # The first clip again after other text: the prefix cache cannot serve it, the encoder cache does.
         moved = {**prompts[0], "prompt": "<|im_start|>user\nfirst this. " + prompts[0]["prompt"][len("<|im_start|>user\n"):]}
         (out,) = assert_engine_matches_reference(llm, [moved], params[:1])
-        assert out.metrics.encoder_cache_hits == 1 and out.metrics.encode_s == 0
+        assert out.metrics.encoder_cache_hits == 3 and out.metrics.encode_s == 0  # its 3 temporal patches
 
 
 def test_bad_videos_are_errors_naming_the_video(qwen2_vl):
@@ -151,6 +157,20 @@ def test_bad_videos_are_errors_naming_the_video(qwen2_vl):
         with pytest.raises(InvalidInputError, match="video"):
             llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     assert_no_leaks(llm)
+
+
+def test_a_clip_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen2_vl):
+    """The tower attends within a temporal patch only: the engine's units, encoded one by one, give the tokens of
+    the whole clip encoded at once (attention across patches, or a patch's rows out of place, would be off by
+    the size of the tokens themselves)."""
+    llm, _ = qwen2_vl
+    prepared = llm.engine.prepare(video_prompt(clip(8, 7, size=84)), None)
+    (video,) = whole_media(prepared.images)
+    with torch.inference_mode():
+        whole = llm.model.encode_images(video.pixel_values, [video.grid_thw])[0]
+        parts = [llm.model.encode_images(g.pixel_values, [g.grid_thw])[0] for g in prepared.images]
+    assert len(parts) == 4  # to float32 rounding: a matmul over fewer rows may round differently (8e-7 measured)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-5)
 
 
 def test_families_and_roles_without_a_checked_video_path_refuse_videos_by_name():

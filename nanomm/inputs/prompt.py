@@ -155,6 +155,8 @@ class InputProcessor:
                                            self.model_config.vision.spatial_merge_size,
                                            _compressed_image_origins(images),
                                            video_token_id=self.model_config.video_token_id if videos else None)
+        if videos:  # from here on, each temporal patch is a unit of its own: encoded and cached as prefill reaches it
+            images, spans = _split_videos(images, spans)
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
 
     def _in_prompt_order(self, ids: list[int], pictures: list, videos: list) -> tuple[list, list[int]]:
@@ -248,6 +250,20 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
 def _is_frame_list(items, key: str) -> bool:
     """A video given as a list of frames (PIL images) rather than a list of videos."""
     return key == "video" and bool(items) and all(isinstance(x, Image.Image) for x in items)
+
+
+def _split_videos(items: list, spans: list[ImageSpan]) -> tuple[list, list[ImageSpan]]:
+    """Each video -> its temporal patches (`ProcessedVideo.temporal_groups`), each with the span of its own tokens
+    (a temporal patch's tokens are contiguous: the clip's tokens are t-major). Pictures pass through."""
+    units, unit_spans = [], []
+    for item, span in zip(items, spans):
+        parts = item.temporal_groups() if getattr(item, "is_video", False) else [item]
+        start = span.start
+        for part in parts:
+            units.append(part)
+            unit_spans.append(ImageSpan(start, part.num_tokens, part.content_hash))
+            start += part.num_tokens
+    return units, unit_spans
 
 
 def _image_spans(ids: list[int], images: list, pads: list[int]) -> list[ImageSpan]:

@@ -162,6 +162,51 @@ class ProcessedVideo:
         return self.config.temporal_patch_size / self.fps
 
 
+    def temporal_groups(self) -> list["VideoGroup"]:
+        """The clip as the engine encodes it: one unit per temporal patch, each encoded and cached on its own
+        when prefill reaches it (the tower attends within a temporal patch only, so the tokens are the same)."""
+        return [VideoGroup(self, g) for g in range(self.grid_thw[0])]
+
+
+@dataclass(eq=False)
+class VideoGroup:
+    """Temporal patch `index` of a clip: a unit of encoding with the duck type of `ProcessedImage` (its pixel
+    rows, a (1, grid_h, grid_w) grid, its own hash), while its tokens keep the clip's M-RoPE positions (computed
+    from the whole clip before it is split, inputs/prompt.py)."""
+    video: ProcessedVideo
+    index: int
+    compression = None
+    is_video = True
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        return (1, *self.video.grid_thw[1:])
+
+    @property
+    def content_hash(self) -> str:
+        return hashlib.sha256(f"{self.video.content_hash}\0temporal patch {self.index}".encode()).hexdigest()
+
+    @cached_property
+    def pixel_values(self) -> torch.Tensor:
+        """(grid_h*grid_w, C*T*P*P) float32: this temporal patch's rows of the clip's pixel values."""
+        rows = self.video.grid_thw[1] * self.video.grid_thw[2]
+        return self.video.pixel_values[self.index * rows:(self.index + 1) * rows]
+
+    @property
+    def merge_size(self) -> int:
+        return self.video.merge_size
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        return (1, *self.video.token_grid[1:])
+
+    @property
+    def num_encoded_tokens(self) -> int:
+        return math.prod(self.token_grid)
+
+    num_tokens = num_encoded_tokens
+
+
 def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
                      name: str = "video") -> ProcessedVideo:
     """Resize, pad and hash one clip; min_pixels/max_pixels override the config's per-frame cap for this call."""
