@@ -4,13 +4,19 @@ Lesson: lessons/04-paged-kv-cache.md ("Plan the pool before you buy the GPU").
 
     nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --max-pixels 1003520
     nanomm-plan checkpoints/small --kv-cache-memory 2 --images 2 --json
+    nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --images 0 --videos 1 --video-seconds 20 --video-size 448x448
 
 The arithmetic, in the order a request meets it:
 1. **Visual tokens per image.** smart_resize (inputs/image.py) bounds an image by `max_pixels`; the worst case
    is the largest token count any image can produce under that cap, found by trying the image shapes that
    reach it, each through smart_resize itself. A thin image can beat max_pixels / 784: a side is never cut
    below 28 pixels, so at a small cap a 200:1 strip gets more tokens than the cap's area allows.
-2. **Tokens per request** = prompt text + per image (visual tokens + <|vision_start|> + <|vision_end|>) + output.
+   **Visual tokens per video** (lesson 17): a clip of S seconds at F frames a second has round(S x F) frames
+   (at least one), padded to an even count; each pair is a temporal patch with the tokens of one picture of
+   the frame's size under the same cap (a per-frame cap: inputs/video.py), never compressed. A 20 s clip at
+   2 fps of 448x448 frames: 40 frames, 20 temporal patches x 16 x 16 = 5,120 tokens.
+2. **Tokens per request** = prompt text + per image or video (visual tokens + <|vision_start|> + <|vision_end|>)
+   + output.
    The KV cache holds every token but the last: the final output token is sampled and never fed back.
 3. **KV bytes per token** = 2 (k and v) x layers x KV heads x head_dim x bytes per element.
 4. **Blocks per request** = ceil(KV tokens / block_size); **concurrency** = KV blocks // blocks per request,
@@ -39,8 +45,10 @@ import torch
 from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES
 from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_tokens, kv_bytes_per_token,
                                   kv_pool_blocks, kv_pool_budget, worst_case_image)
+from nanomm.errors import InvalidInputError, check_int, is_finite_number
 from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument
 from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.video import DEFAULT_FPS, VideoLimits
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
 from nanomm.accel.quant import quantized_layers, quantized_weight_bytes
@@ -56,6 +64,29 @@ class Workload:
     prompt_tokens: int = 64  # text tokens, image placeholders not counted
     output_tokens: int = 256
     typical_image: tuple[int, int] = (1024, 768)  # (width, height): a photo shrunk for the web
+    videos_per_request: int = 0
+    video_seconds: float = 0.0  # each clip's length: > 0 when there are videos
+    video_fps: float = DEFAULT_FPS  # the frames a second the caller sends (the engine keeps every frame it is sent)
+    video_size: tuple[int, int] | None = None  # (width, height) of every frame; None: the cap's worst-case frame
+
+    def __post_init__(self):
+        check_int(self.videos_per_request, "videos_per_request", minimum=0, error=InvalidInputError)
+        max_fps = VideoLimits().max_fps  # what load_video accepts
+        if not is_finite_number(self.video_fps) or not 0 < self.video_fps <= max_fps:
+            raise InvalidInputError(f"video fps must be a number in (0, {max_fps:g}] (VideoLimits.max_fps), "
+                                    f"got {self.video_fps!r}")
+        if not is_finite_number(self.video_seconds) or self.video_seconds < 0 or (
+                self.videos_per_request and self.video_seconds == 0):
+            raise InvalidInputError(f"video seconds must be a number > 0, got {self.video_seconds!r}")
+        if self.video_size is not None:
+            width, height = self.video_size
+            check_int(width, "video width", error=InvalidInputError)
+            check_int(height, "video height", error=InvalidInputError)
+
+    @property
+    def video_frames(self) -> int:
+        """Frames in each clip: seconds x fps, rounded half up, at least one (padding to temporal patches aside)."""
+        return video_frames(self.video_seconds, self.video_fps) if self.videos_per_request else 0
 
 
 @dataclass
@@ -74,6 +105,11 @@ class Plan:
     worst_image: tuple[int, int]  # (width, height) of an image that reaches the worst case
     visual_tokens_worst: int  # per image
     visual_tokens_typical: int
+    video_temporal_patches: int  # per video: frames padded to whole temporal patches, over temporal_patch_size
+    video_frame_tokens_worst: int  # per temporal patch of a worst-case frame (the worst image's, uncompressed)
+    video_frame_tokens_typical: int  # per temporal patch at workload.video_size (the worst without one)
+    video_tokens_worst: int  # per video: temporal patches x frame tokens; 0 without videos
+    video_tokens_typical: int
     kv_bytes_per_token: int
     kv_tokens_worst: int  # per request: the tokens whose KV is stored
     kv_tokens_typical: int
@@ -105,10 +141,29 @@ class Plan:
 # 1. Visual tokens
 
 
-def request_kv_tokens(visual_tokens_per_image: int, workload: Workload) -> int:
+def video_frames(seconds: float, fps: float) -> int:
+    """The frames of a clip of `seconds` at `fps`: rounded half up, and at least one (a clip shows a frame)."""
+    return max(1, math.floor(seconds * fps + 0.5))
+
+
+def video_temporal_patches(num_frames: int, config: ImageProcessorConfig) -> int:
+    """Temporal patches of a clip of num_frames: an odd count is padded by repeating the last frame
+    (inputs/video.py, as transformers' Qwen2VLVideoProcessor)."""
+    return -(-num_frames // config.temporal_patch_size)
+
+
+def video_tokens(num_frames: int, width: int, height: int, config: ImageProcessorConfig) -> int:
+    """The visual tokens of a clip of num_frames frames of width x height under config's (per-frame) cap: each
+    temporal patch has the tokens of one picture of that size; videos are never compressed."""
+    return video_temporal_patches(num_frames, config) * image_tokens(width, height, config)
+
+
+def request_kv_tokens(visual_tokens_per_image: int, workload: Workload, visual_tokens_per_video: int = 0) -> int:
     """Tokens a request holds in the KV cache at its longest: all but the last output token."""
     per_image = visual_tokens_per_image + 2  # <|vision_start|> pads <|vision_end|>
-    return workload.prompt_tokens + workload.images_per_request * per_image + workload.output_tokens - 1
+    per_video = visual_tokens_per_video + 2  # <|vision_start|> <|video_pad|> x N <|vision_end|>
+    return (workload.prompt_tokens + workload.images_per_request * per_image
+            + workload.videos_per_request * per_video + workload.output_tokens - 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,6 +218,12 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     ({"method": .., "keep_ratio": ..}, inputs/compression.py), which every image's tokens go through.
     cuda_graphs, max_seq_len_to_capture: on a GPU, as `LLM(enforce_eager=not cuda_graphs, ...)` would run."""
     workload = workload or Workload()
+    if workload.videos_per_request:
+        from nanomm.engine.engine import VIDEO_FAMILIES  # the families whose video path the engine serves
+
+        if config.model_type not in VIDEO_FAMILIES:
+            raise InvalidInputError(f"videos are served for {', '.join(VIDEO_FAMILIES)} models only so far, "
+                                    f"not {config.model_type}")
     compression = parse_policy(visual_token_compression)
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
     max_model_len = max_model_len or config.text.max_position_embeddings
@@ -171,7 +232,13 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     text = config.text
     per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
-    kv_worst, kv_typical = request_kv_tokens(worst, workload), request_kv_tokens(typical, workload)
+    frames = workload.video_frames
+    patches = video_temporal_patches(frames, image_config) if frames else 0
+    frame_worst = worst_case_image(image_config)[1]  # uncompressed: videos are never compressed
+    frame_typical = image_tokens(*workload.video_size, image_config) if workload.video_size else frame_worst
+    video_worst, video_typical = patches * frame_worst, patches * frame_typical
+    kv_worst = request_kv_tokens(worst, workload, video_worst)
+    kv_typical = request_kv_tokens(typical, workload, video_typical)
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
     reserve = estimated_reserve(config, image_config, dtype, kv_dtype, max_num_seqs, max_model_len, block_size,
@@ -191,7 +258,9 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 compression=compression, min_pixels=image_config.min_pixels,
                 max_pixels=image_config.max_pixels, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
-                visual_tokens_typical=typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
+                visual_tokens_typical=typical, video_temporal_patches=patches,
+                video_frame_tokens_worst=frame_worst, video_frame_tokens_typical=frame_typical,
+                video_tokens_worst=video_worst, video_tokens_typical=video_typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
                 kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
                 vision_peak_bytes=reserve.vision_peak_bytes, decode_peak_bytes=reserve.decode_peak_bytes,
                 decode_graph_bytes=reserve.decode_graph_bytes,
@@ -250,8 +319,9 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
 
 
 def _row(change: str, p: Plan) -> dict:
-    return {"change": change, "visual_tokens_worst": p.visual_tokens_worst, "blocks_worst": p.blocks_worst,
-            "num_kv_blocks": p.num_kv_blocks, "fit_worst": p.fit_worst, "fit_typical": p.fit_typical}
+    return {"change": change, "visual_tokens_worst": p.visual_tokens_worst, "video_tokens_worst": p.video_tokens_worst,
+            "blocks_worst": p.blocks_worst, "num_kv_blocks": p.num_kv_blocks, "fit_worst": p.fit_worst,
+            "fit_typical": p.fit_typical}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,22 +332,64 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _video_lines(plan: Plan) -> list[tuple[str, str]]:
+    """The per-video row, when the workload has videos."""
+    w = plan.workload
+    if not w.videos_per_request:
+        return []
+    width, height = plan.worst_image
+    patches = plan.video_temporal_patches
+    at_size = (f"{patches:,} x {plan.video_frame_tokens_typical:,} at {w.video_size[0]}x{w.video_size[1]}"
+               if w.video_size else "no frame size given: the worst")
+    return [("visual tokens per video", f"worst {plan.video_tokens_worst:,} ({patches:,} temporal patches x "
+                                        f"{plan.video_frame_tokens_worst:,}, frames of {width}x{height}), "
+                                        f"typical {plan.video_tokens_typical:,} ({at_size})")]
+
+
+def _video_warnings(plan: Plan) -> list[tuple[str, str]]:
+    """Clips that load_video refuses (VideoLimits, inputs/video.py): the plan counts them, the engine does not."""
+    w, limits = plan.workload, VideoLimits()
+    frames = w.video_frames
+    if not frames:
+        return []
+    rows = []
+    if frames > limits.max_frames:
+        rows.append(("warning", f"a clip of {frames:,} frames is over the limit of {limits.max_frames:,} "
+                                f"(VideoLimits.max_frames): the engine refuses it"))
+    clips = [("worst-case", plan.worst_image)] + ([("typical", w.video_size)] if w.video_size else [])
+    for which, (width, height) in clips:
+        if width * height > limits.max_frame_pixels:
+            rows.append(("warning", f"a {which} frame of {width}x{height} is over the limit of "
+                                    f"{limits.max_frame_pixels:,} pixels (VideoLimits.max_frame_pixels): "
+                                    "the engine refuses it"))
+        elif frames <= limits.max_frames and frames * width * height > limits.max_total_pixels:
+            rows.append(("warning", f"a {which} clip of {frames:,} frames of {width}x{height} is over the limit "
+                                    f"of {limits.max_total_pixels:,} pixels (VideoLimits.max_total_pixels): "
+                                    "the engine refuses it"))
+    return rows
+
+
 def plan_lines(plan: Plan) -> list[tuple[str, str]]:
     """(what, value) pairs: the table's rows, and the lines the engine logs at start-up."""
     w = plan.workload
     width, height = plan.worst_image
     tw, th = w.typical_image
+    videos = (f"{w.videos_per_request} video(s) of {w.video_seconds:g} s at {w.video_fps:g} fps "
+              f"({w.video_frames:,} frames), " if w.videos_per_request else "")
     return [
         ("model", f"{plan.model} ({plan.dtype} weights" + (f", {plan.quantization} language model"
                                                             if plan.quantization else "") + f", {plan.kv_dtype} KV)"),
         ("pixel cap", f"max_pixels={plan.max_pixels:,} min_pixels={plan.min_pixels:,}"
                       + (f", then {plan.compression.method} keeping {plan.compression.keep_ratio:.0%} of the tokens"
                          if plan.compression else "")),
-        ("request", f"{w.images_per_request} image(s), {w.prompt_tokens} prompt + {w.output_tokens} output tokens"),
+        ("request", f"{w.images_per_request} image(s), {videos}{w.prompt_tokens} prompt + {w.output_tokens} "
+                    "output tokens"),
         ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "
                                     f"typical {plan.visual_tokens_typical:,} (a {tw}x{th} photo)"),
-        ("visual tokens per request", f"worst {plan.visual_tokens_worst * w.images_per_request:,}, "
-                                      f"typical {plan.visual_tokens_typical * w.images_per_request:,}"),
+        *_video_lines(plan),
+        ("visual tokens per request",
+         f"worst {plan.visual_tokens_worst * w.images_per_request + plan.video_tokens_worst * w.videos_per_request:,}, "
+         f"typical {plan.visual_tokens_typical * w.images_per_request + plan.video_tokens_typical * w.videos_per_request:,}"),
         ("KV tokens per request", f"worst {plan.kv_tokens_worst:,}, typical {plan.kv_tokens_typical:,}"),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
         ("blocks per request", f"worst {plan.blocks_worst:,}, typical {plan.blocks_typical:,} "
@@ -294,7 +406,7 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
                         f"(at most max_num_seqs {plan.max_num_seqs})"),
     ] + ([("warning", f"a worst-case request ({plan.kv_tokens_worst + 1:,} tokens) is longer than max_model_len "
                       f"{plan.max_model_len:,}: the engine refuses it")]
-         if plan.kv_tokens_worst + 1 > plan.max_model_len else [])
+         if plan.kv_tokens_worst + 1 > plan.max_model_len else []) + _video_warnings(plan)
 
 
 def render(plan: Plan, width: int = 118) -> str:
@@ -309,12 +421,13 @@ def render(plan: Plan, width: int = 118) -> str:
     console.print(table)
     if plan.alternatives:
         alt = Table(title="What each lever buys, one change at a time")
-        for column in ("change", "tokens/image", "blocks/request", "KV blocks", "holds (worst)", "holds (typical)"):
+        videos = bool(plan.workload.videos_per_request)  # a tokens/video column only for a workload with videos
+        for column in ("change", "tokens/image", *(["tokens/video"] if videos else []), "blocks/request",
+                       "KV blocks", "holds (worst)", "holds (typical)"):
             alt.add_column(column, justify="left" if column == "change" else "right")
-        alt.add_row("(this plan)", f"{plan.visual_tokens_worst:,}", f"{plan.blocks_worst:,}",
-                    f"{plan.num_kv_blocks:,}", f"{plan.fit_worst:,}", f"{plan.fit_typical:,}")
-        for row in plan.alternatives:
-            alt.add_row(row["change"], f"{row['visual_tokens_worst']:,}", f"{row['blocks_worst']:,}",
+        for row in [_row("(this plan)", plan), *plan.alternatives]:
+            alt.add_row(row["change"], f"{row['visual_tokens_worst']:,}",
+                        *([f"{row['video_tokens_worst']:,}"] if videos else []), f"{row['blocks_worst']:,}",
                         f"{row['num_kv_blocks']:,}", f"{row['fit_worst']:,}", f"{row['fit_typical']:,}")
         console.print(alt)
     return console.export_text()
@@ -355,6 +468,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fps(text: str) -> float:
+    value, max_fps = _positive_float(text), VideoLimits().max_fps
+    if value > max_fps:
+        raise argparse.ArgumentTypeError(f"expected at most {max_fps:g} frames a second (what load_video "
+                                         f"accepts, VideoLimits.max_fps), got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanomm-plan", description="Plan the KV memory of a Qwen2-VL deployment "
                                 "from its config alone: visual tokens, blocks and concurrency.")
@@ -376,6 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive_int, default=64, help="text tokens per prompt")
     p.add_argument("--output-tokens", type=_positive_int, default=256)
     p.add_argument("--typical-image", type=parse_size, default=(1024, 768), metavar="WxH")
+    p.add_argument("--videos", type=int, default=0, help="videos per request (Qwen2-VL; default: none)")
+    p.add_argument("--video-seconds", type=_positive_float, metavar="S", help="each clip's length (with --videos)")
+    p.add_argument("--video-fps", type=_fps, default=DEFAULT_FPS, metavar="F",
+                   help="frames a second sent (default: 2); frames = S x F rounded, padded to an even count")
+    p.add_argument("--video-size", type=parse_size, metavar="WxH",
+                   help="every frame's size (default: only the pixel cap's worst-case frame)")
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-num-seqs", type=_positive_int, default=64)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (as LLM's switch)")
@@ -390,6 +517,10 @@ def main(argv=None) -> int:
 
     if args.images < 0:
         build_parser().error(f"--images must be >= 0, got {args.images}")
+    if args.videos < 0:
+        build_parser().error(f"--videos must be >= 0, got {args.videos}")
+    if args.videos and args.video_seconds is None:
+        build_parser().error("--videos needs --video-seconds, each clip's length")
     try:
         config, image_config = load_configs(args.model, args.revision)
         if not config.has_vision:
@@ -400,7 +531,8 @@ def main(argv=None) -> int:
         plan = make_plan(config, image_config, model=args.model, dtype=dtype, kv_dtype=args.kv_dtype,
                          quantization=args.quantization, visual_token_compression=args.compression,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                         workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image),
+                         workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image,
+                                           args.videos, args.video_seconds or 0.0, args.video_fps, args.video_size),
                          device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                          kv_cache_memory_gib=args.kv_cache_memory, cuda_graphs=not args.enforce_eager)
     except (CheckpointError, InvalidInputError) as exc:

@@ -13,7 +13,7 @@ from nanomm.inputs.compression import encode_visual_tokens
 from nanomm.model.attention import causal_attention
 from nanomm.model.fp8 import fp8_round_trip
 from nanomm.model.qwen2_vl import Qwen2VL
-from nanomm.model.rope import mrope_positions, text_positions
+from nanomm.model.rope import mrope_positions, text_positions, video_time_interval
 from nanomm.sampling import SamplingParams, adjust_logits, sample
 
 
@@ -78,7 +78,9 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     visual_ids = {cfg.image_token_id} | ({cfg.video_token_id} if videos else set())  # prompt pads = its media
     if cfg.has_vision:
         positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size,
-                                           compressed, video_token_id=cfg.video_token_id if videos else None)
+                                           compressed, video_token_id=cfg.video_token_id if videos else None,
+                                           time_intervals=[video_time_interval(im, cfg.vision.tokens_per_second)
+                                                           for im in images])
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)

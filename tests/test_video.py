@@ -4,6 +4,7 @@ the prefix cache serves a second pass and the encoder cache a repeated clip. The
 against transformers' in tests/test_video_processor.py."""
 
 import numpy as np
+from PIL import Image
 import pytest
 import torch
 import transformers
@@ -242,3 +243,59 @@ def test_the_server_takes_a_video_url_from_the_openai_client(qwen2_vl, tmp_path)
     assert reply.choices[0].message.content == offline.outputs[0].text
     assert reply.usage.model_extra["visual_tokens"] == offline.metrics.num_visual_tokens > 0
     assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    from hf_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl_video"))  # tokens_per_second 2
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
+    oracle = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    yield llm, oracle
+    llm.close()
+
+
+@pytest.mark.parametrize("fps", [2.0, 3.0, 24.0])
+def test_qwen2_5_vl_spaces_temporal_patches_by_seconds_as_transformers_does(qwen2_5_vl, fps):
+    """Qwen2.5-VL's time ids: temporal patch g at trunc(g x tokens_per_second x seconds per patch), in float32.
+    At 3 frames a second a patch spans 2/3 s: ids 0, 1, 2, 4 (4/3 apart, truncated); transformers is given the same
+    second_per_grid_ts, and the greedy tokens and logits agree."""
+    from nanomm.inputs.video import VideoInput
+
+    llm, oracle = qwen2_5_vl
+    frames = clip(8, 9, size=224)  # 8x8 tokens a patch: the text after resumes as transformers 5.24 has it
+    prompt = video_prompt(VideoInput(tuple(Image.fromarray(f) for f in frames), fps))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    prepared = llm.engine.prepare(prompt, params)
+    (video,) = whole_media(prepared.images)
+    first = prepared.token_ids.index(llm.model.config.video_token_id)
+    interval = float(torch.tensor(2 / fps, dtype=torch.float32) * 2)
+    expected = [first + int(torch.tensor(g, dtype=torch.float32) * torch.tensor(interval)) for g in range(4)]
+    assert prepared.positions[0, first:first + 4 * 64:64].tolist() == expected
+    inputs = hf_video_inputs(llm, prepared)
+    inputs["second_per_grid_ts"] = torch.tensor([video.second_per_grid], dtype=torch.float32)
+    tokens, logits = oracle_greedy(oracle, inputs, 8)
+    got = out.outputs[0].token_ids
+    comparable = steps_fed_the_same_tokens(got, tokens, logits)
+    assert comparable >= 1 and got[:comparable] == tokens[:comparable]
+    for step in range(comparable):
+        row = out.outputs[0].logprobs[step]
+        ours = torch.tensor([row[t].logprob for t in range(len(row))])
+        assert torch.allclose(ours, torch.log_softmax(logits[step], dim=-1), atol=1e-4), (fps, step)
+    assert_no_leaks(llm)
+
+
+def test_qwen2_5_vl_videos_through_the_engine_equal_the_dense_reference(qwen2_5_vl):
+    """Window attention inside each temporal patch: the engine's patch-by-patch encodes, batched with pictures,
+    give the reference's tokens (which encodes each clip whole)."""
+    from nanomm.inputs.video import VideoInput
+
+    llm, _ = qwen2_5_vl
+    prompts = [video_prompt(VideoInput(tuple(Image.fromarray(f) for f in clip(6, 30 + i, size=112)), 3.0),
+                            picture=random_image(84, 112, 40 + i) if i else None) for i in range(3)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=8, ignore_eos=True)
+              for i in range(3)]
+    assert_engine_matches_reference(llm, prompts, params)

@@ -514,7 +514,7 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
                          config.encoder_cache_size, shared, config.kv_cache_dtype)
 
 
-VIDEO_FAMILIES = ("qwen2_vl",)  # model types whose video path is checked against transformers (lesson 17)
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # model types whose video path is checked against transformers (lesson 17)
 
 
 def _no_video_reason(model_config, config: EngineConfig) -> str | None:

@@ -20,7 +20,7 @@ from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
 from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, DROPPED_MARKER, ImageSettings, OldImagePolicy,
                                       OldImages, PlaceholderIds, check_keep_last_images, parse_old_image_policy)
-from nanomm.model.rope import mrope_positions
+from nanomm.model.rope import mrope_positions, video_time_interval
 from nanomm.inputs.tokenizer import Tokenizer
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
@@ -128,7 +128,8 @@ class InputProcessor:
                 ("image", images, cfg.image_token_id, self.limit_images_per_prompt, "limit_images_per_prompt"),
                 ("video", videos, cfg.video_token_id, self.limit_videos_per_prompt, "limit_mm_per_prompt['video']")):
             if len(items) > limit:
-                raise InvalidInputError(f"{name}: {len(items)} {kind}s, over the limit of {limit} per prompt ({argument})")
+                raise InvalidInputError(f"{name}: {len(items)} {kind}s, over the limit of {limit} per prompt "
+                                        f"({argument})")
             placeholders = ids.count(pad) if kind == "image" or items else 0  # a stray <|video_pad|> is text
             if placeholders != len(items):
                 raise InvalidInputError(f"{name}: the prompt has {placeholders} {kind} placeholder(s) but "
@@ -151,13 +152,18 @@ class InputProcessor:
             raise InvalidInputError(f"{name}: the prompt is {len(ids)} tokens (images expanded), which leaves no "
                                     f"room to generate within max_model_len={self.max_model_len}")
         spans = _image_spans(ids, images, pads)
-        positions, delta = mrope_positions(ids, [im.grid_thw for im in images], self.model_config.image_token_id,
-                                           self.model_config.vision.spatial_merge_size,
-                                           _compressed_image_origins(images),
-                                           video_token_id=self.model_config.video_token_id if videos else None)
+        positions, delta = self._positions(ids, images, bool(videos))
         if videos:  # from here on, each temporal patch is a unit of its own: encoded and cached as prefill reaches it
             images, spans = _split_videos(images, spans)
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
+
+    def _positions(self, ids: list[int], media: list, has_videos: bool) -> tuple[torch.Tensor, int]:
+        """The expanded prompt's M-RoPE positions (3, L) and rope delta, from its whole pictures and videos."""
+        cfg = self.model_config
+        return mrope_positions(ids, [m.grid_thw for m in media], cfg.image_token_id, cfg.vision.spatial_merge_size,
+                               _compressed_image_origins(media),
+                               video_token_id=cfg.video_token_id if has_videos else None,
+                               time_intervals=[video_time_interval(m, cfg.vision.tokens_per_second) for m in media])
 
     def _in_prompt_order(self, ids: list[int], pictures: list, videos: list) -> tuple[list, list[int]]:
         """The pictures and videos in the order their placeholders appear, and each one's pad token id."""

@@ -73,6 +73,7 @@ class VisionConfig:
     intermediate_size: int | None = None  # Qwen2.5-VL's SwiGLU width; Qwen2-VL's MLP is embed_dim x mlp_ratio
     window_size: int = 0  # Qwen2.5-VL: blocks attend within windows of this many pixels a side (0: no windows)
     fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend over whole frames
+    tokens_per_second: float = 0  # Qwen2.5-VL: a video's M-RoPE time ids per second of clip (0: one per patch)
     num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings, resampled per image
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose outputs feed the first decoder layers
 
@@ -88,7 +89,8 @@ class VisionConfig:
 # transformers' Qwen2_5_VLVisionConfig class defaults, in nanomm's names (its hidden_size is our embed_dim, its
 # out_hidden_size our hidden_size).
 QWEN2_5_VISION_DEFAULTS = VisionConfig(depth=32, embed_dim=3584, num_heads=16, hidden_size=3584, hidden_act="silu",
-                                       intermediate_size=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))
+                                       intermediate_size=3420, window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
+                                       tokens_per_second=4)
 
 
 # transformers' Qwen3VL class defaults, in nanomm's names.
@@ -106,7 +108,7 @@ QWEN3_TEXT_ONLY_DEFAULTS = replace(QWEN3_TEXT_DEFAULTS, rope_theta=10_000.0, max
 TEXT_DEFAULTS = {"qwen2": QWEN2_TEXT_DEFAULTS, "qwen3_vl": QWEN3_TEXT_DEFAULTS,  # others: TextConfig()
                  "qwen3": QWEN3_TEXT_ONLY_DEFAULTS}
 VISION_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VISION_DEFAULTS, "qwen3_vl": QWEN3_VISION_DEFAULTS}  # others: VisionConfig()
-NEWER_VISION_FIELDS = {"qwen2_5_vl": ("window_size", "fullatt_block_indexes"),  # each newer tower's own fields
+NEWER_VISION_FIELDS = {"qwen2_5_vl": ("window_size", "fullatt_block_indexes", "tokens_per_second"),  # their own
                        "qwen3_vl": ("num_position_embeddings", "deepstack_visual_indexes")}
 
 

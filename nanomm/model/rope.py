@@ -35,8 +35,8 @@ def inverse_frequencies(dim: int, theta: float, device=None) -> torch.Tensor:
 
 
 def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]], image_token_id: int,
-                    spatial_merge_size: int, compressed=None, video_token_id: int | None = None
-                    ) -> tuple[torch.Tensor, int]:
+                    spatial_merge_size: int, compressed=None, video_token_id: int | None = None,
+                    time_intervals=None) -> tuple[torch.Tensor, int]:
     """Position ids (3, L) for an expanded prompt, and the rope delta that decode positions continue from.
 
     Text runs count up on all three axes. The k-th run of image (or, with video_token_id, video) tokens is
@@ -45,11 +45,16 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
     rule, which transformers 5.24 departs from when T > max(H, W) (lesson 17). Generated token i (0-based over the
     whole sequence, i >= L) gets i + delta.
 
+    time_intervals: per item, None (time ids 0, 1, 2, ...) or Qwen2.5-VL's interval for a video, tokens_per_second x
+    its seconds per temporal patch: temporal patch g gets time id trunc(g x interval), in float32 as transformers
+    computes it, and the text after the video resumes one past its largest id.
+
     compressed: per image, None, or (extent, coords) for an image whose visual tokens were compressed
     (inputs/compression.py): its tokens get start + coords (3, tokens), and the text after it resumes at
     start + extent.
     """
     compressed = compressed or [None] * len(image_grids)
+    time_intervals = time_intervals or [None] * len(image_grids)
     visual = {image_token_id, video_token_id} - {None}
     blocks, start, i, k = [], 0, 0, 0
     while i < len(input_ids):
@@ -58,7 +63,7 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
                 raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
             grid = (t, h // spatial_merge_size, w // spatial_merge_size)
-            extent, coords = compressed[k] or (max(grid), grid_positions(*grid))
+            extent, coords = compressed[k] or _spaced_in_time(grid, time_intervals[k])
             blocks.append(coords + start)  # (3, tokens)
             start += extent
             i += coords.shape[1]
@@ -73,6 +78,25 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
     positions = torch.cat(blocks, dim=1) if blocks else torch.zeros(3, 0, dtype=torch.long)
     delta = (start - len(input_ids)) if len(input_ids) else 0
     return positions, delta
+
+
+def video_time_interval(item, tokens_per_second: float) -> float | None:
+    """Qwen2.5-VL's spacing of a video's temporal patches in time ids: tokens_per_second x the seconds one patch
+    spans, in float32 as transformers computes it. None for a picture, or a family that counts patches (Qwen2-VL)."""
+    if not tokens_per_second or not getattr(item, "is_video", False):
+        return None
+    return (torch.tensor(item.second_per_grid, dtype=torch.float32) * tokens_per_second).item()
+
+
+def _spaced_in_time(grid: tuple[int, int, int], interval: float | None) -> tuple[int, torch.Tensor]:
+    """(extent, (3, t*h*w) coordinates) of a merged grid whose temporal patches are `interval` time ids apart
+    (None: 1 apart). The extent is one past the largest coordinate."""
+    coords = grid_positions(*grid)
+    if interval is not None:
+        t, h, w = grid
+        ids = (torch.arange(t) * torch.tensor(interval, dtype=torch.float32)).long()  # (t,): float32, truncated
+        coords[0] = ids.repeat_interleave(h * w)
+    return int(coords.max()) + 1, coords
 
 
 def text_positions(num_tokens: int, start: int = 0) -> torch.Tensor:
