@@ -4,7 +4,7 @@ Lesson: lessons/04-paged-kv-cache.md ("Plan the pool before you buy the GPU").
 
     nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --max-pixels 1003520
     nanomm-plan checkpoints/small --kv-cache-memory 2 --images 2 --json
-    nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --images 0 --videos 1 --video-seconds 20 --video-size 448x448
+    nanomm-plan Qwen/Qwen2-VL-2B-Instruct --device-memory 80 --videos 1 --video-seconds 20 --video-size 448x448
 
 The arithmetic, in the order a request meets it:
 1. **Visual tokens per image.** smart_resize (inputs/image.py) bounds an image by `max_pixels`; the worst case
@@ -48,12 +48,14 @@ from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_t
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
 from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument
 from nanomm.inputs.image import ImageProcessorConfig
-from nanomm.inputs.video import DEFAULT_FPS, VideoLimits
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
 from nanomm.accel.quant import quantized_layers, quantized_weight_bytes
 
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
+# inputs/video.py's DEFAULT_FPS. That module (and its VideoLimits) is imported only where videos are planned: the
+# engine logs a plan at start-up, and a pictures-only engine loads no video code (tests/test_runtime_imports.py).
+DEFAULT_VIDEO_FPS = 2.0
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
 
 
@@ -66,17 +68,19 @@ class Workload:
     typical_image: tuple[int, int] = (1024, 768)  # (width, height): a photo shrunk for the web
     videos_per_request: int = 0
     video_seconds: float = 0.0  # each clip's length: > 0 when there are videos
-    video_fps: float = DEFAULT_FPS  # the frames a second the caller sends (the engine keeps every frame it is sent)
+    video_fps: float = DEFAULT_VIDEO_FPS  # frames a second, as sent (the engine keeps every frame it is sent)
     video_size: tuple[int, int] | None = None  # (width, height) of every frame; None: the cap's worst-case frame
 
     def __post_init__(self):
-        check_int(self.videos_per_request, "videos_per_request", minimum=0, error=InvalidInputError)
+        if check_int(self.videos_per_request, "videos_per_request", minimum=0, error=InvalidInputError) == 0:
+            return  # the video fields are not used
+        from nanomm.inputs.video import VideoLimits
+
         max_fps = VideoLimits().max_fps  # what load_video accepts
         if not is_finite_number(self.video_fps) or not 0 < self.video_fps <= max_fps:
             raise InvalidInputError(f"video fps must be a number in (0, {max_fps:g}] (VideoLimits.max_fps), "
                                     f"got {self.video_fps!r}")
-        if not is_finite_number(self.video_seconds) or self.video_seconds < 0 or (
-                self.videos_per_request and self.video_seconds == 0):
+        if not is_finite_number(self.video_seconds) or self.video_seconds <= 0:
             raise InvalidInputError(f"video seconds must be a number > 0, got {self.video_seconds!r}")
         if self.video_size is not None:
             width, height = self.video_size
@@ -260,8 +264,9 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, video_temporal_patches=patches,
                 video_frame_tokens_worst=frame_worst, video_frame_tokens_typical=frame_typical,
-                video_tokens_worst=video_worst, video_tokens_typical=video_typical, kv_bytes_per_token=per_token, kv_tokens_worst=kv_worst,
-                kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0, weights_bytes=weights,
+                video_tokens_worst=video_worst, video_tokens_typical=video_typical, kv_bytes_per_token=per_token,
+                kv_tokens_worst=kv_worst, kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0,
+                weights_bytes=weights,
                 vision_peak_bytes=reserve.vision_peak_bytes, decode_peak_bytes=reserve.decode_peak_bytes,
                 decode_graph_bytes=reserve.decode_graph_bytes,
                 max_seq_len_to_capture=max_seq_len_to_capture,
@@ -348,10 +353,12 @@ def _video_lines(plan: Plan) -> list[tuple[str, str]]:
 
 def _video_warnings(plan: Plan) -> list[tuple[str, str]]:
     """Clips that load_video refuses (VideoLimits, inputs/video.py): the plan counts them, the engine does not."""
-    w, limits = plan.workload, VideoLimits()
-    frames = w.video_frames
+    w, frames = plan.workload, plan.workload.video_frames
     if not frames:
         return []
+    from nanomm.inputs.video import VideoLimits
+
+    limits = VideoLimits()
     rows = []
     if frames > limits.max_frames:
         rows.append(("warning", f"a clip of {frames:,} frames is over the limit of {limits.max_frames:,} "
@@ -374,6 +381,9 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
     w = plan.workload
     width, height = plan.worst_image
     tw, th = w.typical_image
+    visual_worst = plan.visual_tokens_worst * w.images_per_request + plan.video_tokens_worst * w.videos_per_request
+    visual_typical = (plan.visual_tokens_typical * w.images_per_request
+                      + plan.video_tokens_typical * w.videos_per_request)
     videos = (f"{w.videos_per_request} video(s) of {w.video_seconds:g} s at {w.video_fps:g} fps "
               f"({w.video_frames:,} frames), " if w.videos_per_request else "")
     return [
@@ -387,9 +397,7 @@ def plan_lines(plan: Plan) -> list[tuple[str, str]]:
         ("visual tokens per image", f"worst {plan.visual_tokens_worst:,} (a {width}x{height} image), "
                                     f"typical {plan.visual_tokens_typical:,} (a {tw}x{th} photo)"),
         *_video_lines(plan),
-        ("visual tokens per request",
-         f"worst {plan.visual_tokens_worst * w.images_per_request + plan.video_tokens_worst * w.videos_per_request:,}, "
-         f"typical {plan.visual_tokens_typical * w.images_per_request + plan.video_tokens_typical * w.videos_per_request:,}"),
+        ("visual tokens per request", f"worst {visual_worst:,}, typical {visual_typical:,}"),
         ("KV tokens per request", f"worst {plan.kv_tokens_worst:,}, typical {plan.kv_tokens_typical:,}"),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
         ("blocks per request", f"worst {plan.blocks_worst:,}, typical {plan.blocks_typical:,} "
@@ -469,6 +477,8 @@ def _positive_float(text: str) -> float:
 
 
 def _fps(text: str) -> float:
+    from nanomm.inputs.video import VideoLimits
+
     value, max_fps = _positive_float(text), VideoLimits().max_fps
     if value > max_fps:
         raise argparse.ArgumentTypeError(f"expected at most {max_fps:g} frames a second (what load_video "
@@ -497,9 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive_int, default=64, help="text tokens per prompt")
     p.add_argument("--output-tokens", type=_positive_int, default=256)
     p.add_argument("--typical-image", type=parse_size, default=(1024, 768), metavar="WxH")
-    p.add_argument("--videos", type=int, default=0, help="videos per request (Qwen2-VL; default: none)")
+    p.add_argument("--videos", type=int, default=0, help="videos per request (default: none)")
     p.add_argument("--video-seconds", type=_positive_float, metavar="S", help="each clip's length (with --videos)")
-    p.add_argument("--video-fps", type=_fps, default=DEFAULT_FPS, metavar="F",
+    p.add_argument("--video-fps", type=_fps, default=DEFAULT_VIDEO_FPS, metavar="F",
                    help="frames a second sent (default: 2); frames = S x F rounded, padded to an even count")
     p.add_argument("--video-size", type=parse_size, metavar="WxH",
                    help="every frame's size (default: only the pixel cap's worst-case frame)")

@@ -1,5 +1,6 @@
 """The engine-level input corpus: every bad input is rejected with a clear message naming the prompt and the
-problem, and odd but legitimate image formats are served token for token like the dense reference.
+problem, and odd but legitimate image formats are served token for token like the dense reference. Bad videos too
+(section 4, lesson 17): each refused from what its header or shape says, before its frames are decoded.
 
 Every file is built here, in code, in a temporary folder: nothing is downloaded and nothing is committed.
 tests/test_image.py covers the same inputs one level down (nanomm.inputs.image_io and nanomm.inputs.image); this
@@ -15,12 +16,16 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from helpers import (assert_no_leaks, chat_prompt, data_url, png_header_only, random_image, reference_tokens,
                      run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
+from nanomm.inputs import video as video_module
+from nanomm.inputs.video import VideoInput, VideoLimits, load_video
 from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -31,7 +36,7 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny")  # Qwen2-VL: its engine serves videos
     return LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=28 * 28 * CAP_TOKENS,
                limit_images_per_prompt=LIMIT, max_model_len=MAX_MODEL_LEN)
 
@@ -498,3 +503,208 @@ def test_mixed_formats_and_forms_in_one_call(llm, good):
     assert [image_pads(llm, o) for o in outputs][2] == 0
     assert all(image_pads(llm, o) <= LIMIT * CAP_TOKENS for o in outputs)
     assert outputs[0].metrics.num_visual_tokens == image_pads(llm, outputs[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Videos (lesson 17): bad clips are refused like bad images, from the header, the array's shape or the frame
+#    rate, before a frame is decoded (a corrupt stream: when its broken frame is reached); a good clip still serves.
+
+
+MAX_FRAMES = VideoLimits().max_frames  # 768, the engine's limits (load_video's defaults)
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def gif_bytes(num_frames: int, width: int, height: int, screen: tuple[int, int] | None = None,
+              delay_cs: int = 5) -> bytes:
+    """A GIF written by hand: a 2-colour palette (black, red) and num_frames frames of width x height, frame i all
+    colour i % 2, each shown delay_cs hundredths of a second, on a logical screen that claims `screen` (default: the
+    frame's size). A few bytes a frame: the frame count and the claimed size cost nothing to make."""
+    screen_width, screen_height = screen or (width, height)
+    out = bytearray(b"GIF89a" + struct.pack("<HHBBB", screen_width, screen_height, 0x80, 0, 0) + bytes(3) + b"\xff\0\0")
+    out += b"\x21\xff\x0bNETSCAPE2.0\x03\x01\0\0\0"  # loop forever
+    for i in range(num_frames):
+        out += b"\x21\xf9\x04\0" + struct.pack("<H", delay_cs) + b"\0\0"  # graphic control: the frame's delay
+        out += b"\x2c" + struct.pack("<HHHHB", 0, 0, width, height, 0)  # image descriptor, no local palette
+        # LZW at 2 bits: 3-bit codes, a clear code (4) before every second pixel keeps them 3 bits wide, then end (5)
+        codes = [c for k in range(width * height) for c in ([4] if k % 2 == 0 else []) + [i % 2]] + [5]
+        packed = sum(code << (3 * k) for k, code in enumerate(codes)).to_bytes(-(-3 * len(codes) // 8), "little")
+        out += b"\x02" + b"".join(bytes([len(packed[j:j + 255])]) + packed[j:j + 255]
+                                   for j in range(0, len(packed), 255)) + b"\0"
+    return bytes(out + b"\x3b")
+
+
+def good_frames(num_frames: int = 4, size: tuple[int, int] = (56, 56), seed: int = 40) -> list:
+    return [random_image(*size, seed + i) for i in range(num_frames)]
+
+
+@pytest.fixture(scope="module")
+def bad_videos(tmp_path_factory) -> Corpus:
+    """Clips that must be refused, as files (bytes, paths, data URLs)."""
+    corpus = Corpus(tmp_path_factory.mktemp("bad_videos"))
+    frames = [im.quantize(16) for im in good_frames(4, (32, 32))]
+    whole = encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    corpus.add("truncated.gif", whole[: len(whole) // 2])
+    corpus.add("huge_frame.gif", gif_bytes(1, 1, 1, screen=(60_000, 60_000)))  # 3.6 G pixels claimed
+    corpus.add("big_frame.gif", gif_bytes(1, 1, 1, screen=(5_000, 5_000)))  # under Pillow's limit, over nanomm's
+    corpus.add("big_clip.gif", gif_bytes(70, 1, 1, screen=(4_096, 4_096)))  # 70 x 16.8 M pixels claimed
+    corpus.add("too_many_frames.gif", gif_bytes(MAX_FRAMES + 1, 1, 1))
+    corpus.add("zero_ms.gif", gif_bytes(2, 4, 4, delay_cs=0))  # frames that last 0 ms: no frame rate
+    webp = good_frames(2, (8, 8))
+    corpus.add("1000fps.webp", encode(webp[0], "WEBP", save_all=True, append_images=webp[1:], duration=1,
+                                      lossless=True))
+    # The corpus is what it claims to be: the hand-made GIF decodes as Pillow reads GIFs ...
+    well_formed = Image.open(io.BytesIO(gif_bytes(3, 4, 2)))
+    assert well_formed.n_frames == 3 and well_formed.size == (4, 2)
+    well_formed.seek(1)
+    assert well_formed.convert("RGB").getpixel((3, 1)) == (255, 0, 0)
+    # ... Pillow cannot decode the truncated one, or refuses the huge one as a bomb ...
+    truncated = Image.open(io.BytesIO(corpus.blobs["truncated.gif"]))
+    with pytest.raises(OSError):
+        for index in range(4):
+            truncated.seek(index)
+            truncated.load()
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(io.BytesIO(corpus.blobs["huge_frame.gif"]))
+    # ... and these headers claim what the limits refuse, in a few KB.
+    assert Image.open(io.BytesIO(corpus.blobs["big_frame.gif"])).size == (5_000, 5_000)
+    big_clip = Image.open(io.BytesIO(corpus.blobs["big_clip.gif"]))
+    assert big_clip.n_frames * big_clip.width * big_clip.height > VideoLimits().max_total_pixels
+    assert Image.open(io.BytesIO(corpus.blobs["too_many_frames.gif"])).n_frames == MAX_FRAMES + 1
+    assert len(corpus.blobs["too_many_frames.gif"]) < 20_000
+    assert Image.open(io.BytesIO(corpus.blobs["1000fps.webp"])).n_frames == 2
+    return corpus
+
+
+def gif_form(corpus: Corpus, name: str, form: str):
+    path = corpus.files[name]
+    return {"path": str(path), "pathlike": path, "bytes": corpus.blobs[name],
+            "data_url": data_url(corpus.blobs[name], "image/webp" if path.suffix == ".webp" else "image/gif")}[form]
+
+
+VIDEO_CASES = {
+    # name: (a callable building the video from the corpus, a distinctive message fragment)
+    "corrupt stream: truncated gif bytes": (lambda c: gif_form(c, "truncated.gif", "bytes"), "truncated or corrupt"),
+    "corrupt stream: truncated gif file": (lambda c: gif_form(c, "truncated.gif", "pathlike"),
+                                           "truncated or corrupt"),
+    "corrupt stream: truncated gif data url": (lambda c: gif_form(c, "truncated.gif", "data_url"),
+                                               "truncated or corrupt"),
+    "huge frame: a gif claiming 60000x60000": (lambda c: gif_form(c, "huge_frame.gif", "bytes"), "pixel limit"),
+    "huge frame: its data url": (lambda c: gif_form(c, "huge_frame.gif", "data_url"), "pixel limit"),
+    "huge frame: 5000x5000, nanomm's limit": (lambda c: gif_form(c, "big_frame.gif", "path"), "(max_frame_pixels)"),
+    "huge clip: 70 frames of 4096x4096": (lambda c: gif_form(c, "big_clip.gif", "bytes"), "(max_total_pixels)"),
+    "huge frame: an array": (lambda c: torch.zeros(1, 5_000, 5_000, 3, dtype=torch.uint8).expand(2, -1, -1, -1),
+                             "(max_frame_pixels)"),
+    "too many frames: gif bytes": (lambda c: gif_form(c, "too_many_frames.gif", "bytes"),
+                                   f"over the limit of {MAX_FRAMES} (max_frames)"),
+    "too many frames: gif file": (lambda c: gif_form(c, "too_many_frames.gif", "path"), "(max_frames)"),
+    "too many frames: an array": (lambda c: np.zeros((MAX_FRAMES + 1, 2, 2, 3), dtype=np.uint8), "(max_frames)"),
+    "too many frames: a frame list": (lambda c: [Image.new("RGB", (2, 2))] * (MAX_FRAMES + 1), "(max_frames)"),
+    "zero frames: an empty array": (lambda c: np.zeros((0, 56, 56, 3), dtype=np.uint8), "has no frames"),
+    "zero frames: an empty tensor": (lambda c: torch.zeros(0, 56, 56, 3, dtype=torch.uint8), "has no frames"),
+    "zero frames: an empty list": (lambda c: [], "has no frames"),
+    "zero frames: an empty VideoInput": (lambda c: VideoInput((), 2.0), "has no frames"),
+    "fps 0": (lambda c: VideoInput(tuple(good_frames(2)), 0), "fps must be a positive number, got 0"),
+    "fps negative": (lambda c: VideoInput(tuple(good_frames(2)), -2.0), "fps must be a positive number, got -2.0"),
+    "fps NaN": (lambda c: VideoInput(tuple(good_frames(2)), float("nan")), "got nan"),
+    "fps 0 from a file: frames of 0 ms": (lambda c: gif_form(c, "zero_ms.gif", "bytes"), "unplayable frame rate"),
+    "fps 1000 from a file: frames of 1 ms": (lambda c: gif_form(c, "1000fps.webp", "data_url"),
+                                             "fps must be a number in (0, 240], got 1000.0"),
+}
+
+
+@pytest.fixture
+def frames_decoded(monkeypatch) -> list:
+    """Each frame load_video converts to RGB (the decode of a file's frame, or a PIL frame's conversion), counted."""
+    decoded, to_rgb = [], video_module.to_rgb
+
+    def counting(image):
+        decoded.append(image.size)
+        return to_rgb(image)
+    monkeypatch.setattr(video_module, "to_rgb", counting)
+    return decoded
+
+
+def with_video(text: str, video, images: list = ()) -> dict:
+    """A chat prompt with these images, then one video, then the text."""
+    prompt = chat_prompt(VIDEO_PLACEHOLDER + text, ["x"] * len(images))
+    prompt = prompt["prompt"] if images else prompt
+    return {"prompt": prompt, "multi_modal_data": {"video": [video], **({"image": list(images)} if images else {})}}
+
+
+def good_video_prompts(bad: Corpus) -> list:
+    frames = good_frames(3, (84, 56))  # 3 frames, padded to 4: 2 temporal patches of 3 x 2 tokens
+    gif = encode(frames[0].quantize(32), "GIF", save_all=True, append_images=[f.quantize(32) for f in frames[1:]],
+                 duration=500, loop=0)
+    return [with_video("what moves?", frames), with_video("and here?", data_url(gif, "image/gif"), [ok_image(6)])]
+
+
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+def test_bad_video_rejects_the_call_before_its_frames_are_decoded(llm, bad_videos, frames_decoded, case):
+    source, fragment = VIDEO_CASES[case]
+    prompts = [with_images("fine", [ok_image()]), with_video("the bad one", source(bad_videos))]
+    assert_rejected(llm, prompts, fragment, "prompt 1, video 0")
+    if case.startswith("corrupt stream"):  # decoded until the broken frame: fewer than the file's 4 frames
+        assert len(frames_decoded) < 4
+    elif "from a file" in case:  # a file's rate comes from its frames' durations, read as each is decoded
+        assert len(frames_decoded) <= 2
+    else:
+        assert frames_decoded == [], f"{case}: {len(frames_decoded)} frame(s) decoded before the refusal"
+
+
+@pytest.mark.parametrize("fps", [0, -1, float("nan"), 10_000, float("inf"), True, "2"])
+@pytest.mark.parametrize("form", ["frame list", "array"])
+def test_fps_out_of_range_is_refused_before_a_frame_is_converted(frames_decoded, fps, form):
+    """load_video's fps= (for frames given as a list or an array): in (0, max_fps], checked before anything else.
+    (The engine passes no fps; a rate reaches it in a VideoInput or from a file's frame durations, as above.)"""
+    frames = good_frames(2, (8, 8))
+    source = frames if form == "frame list" else np.stack([np.asarray(f) for f in frames])
+    with pytest.raises(InvalidInputError, match=r"clip: fps must be a number in \(0, 240\]"):
+        load_video(source, "clip", fps=fps)
+    assert frames_decoded == []
+
+
+def test_bad_videos_then_good_requests_are_served(llm, bad_videos):
+    """After every bad clip, in one call each: nothing leaked, and clips and pictures serve like the reference."""
+    for case, (source, _) in VIDEO_CASES.items():
+        with pytest.raises(InvalidInputError):
+            llm.generate(with_video(case, source(bad_videos)), GREEDY)
+    assert_no_leaks(llm)
+    outputs = assert_served(llm, [*good_video_prompts(bad_videos), with_images("a picture", [ok_image(7)])])
+    video_pads = [o.prompt_token_ids.count(llm.model.config.video_token_id) for o in outputs]
+    assert video_pads == [12, 12, 0]
+
+
+def test_streaming_bad_videos_among_good_ones(llm, bad_videos):
+    """add_request: a bad clip alone may raise there or finish its request with an error (a clip without pictures
+    is decoded on the caller's thread today); with a picture it goes to the worker pool and finishes with an error.
+    Either way it names the request and the video, and the good requests around it are untouched."""
+    engine = llm.engine
+    good = {}
+    for prompt in good_video_prompts(bad_videos):
+        good[engine.add_request(prompt, GREEDY)] = prompt
+    engine.step()  # the bad requests arrive while good ones are in flight
+    expected_errors = {}
+    for i, (case, (source, fragment)) in enumerate(VIDEO_CASES.items()):
+        for images in ([], [ok_image(8)]):
+            try:
+                rid = engine.add_request(with_video(f"bad {i}", source(bad_videos), images), GREEDY)
+            except InvalidInputError as err:
+                assert not images, f"{case}: a request with a picture is prepared on the pool: {err}"
+                assert "video 0" in str(err) and fragment.lower() in str(err).lower(), (case, str(err))
+                continue
+            expected_errors[rid] = (f"request {rid}, video 0", fragment)
+        if i % 4 == 0:
+            prompt = with_images(f"good {i}", [random_image(50 + i, 40, 60 + i)])
+            good[engine.add_request(prompt, GREEDY)] = prompt
+    finished = run_to_completion(engine)
+    assert sorted(finished) == sorted([*good, *expected_errors])
+    for rid, fragments in expected_errors.items():
+        completion = finished[rid].outputs[0]
+        assert completion.finish_reason == "error" and completion.token_ids == [], rid
+        for fragment in fragments:
+            assert fragment.lower() in completion.error.lower(), f"{fragment!r} not in {completion.error!r}"
+    for rid, prompt in good.items():
+        completion = finished[rid].outputs[0]
+        assert completion.finish_reason == "length" and completion.error is None
+        assert completion.token_ids == reference_tokens(llm, prompt, GREEDY), f"good request {rid} differs"
+    assert_no_leaks(llm)

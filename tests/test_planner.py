@@ -9,6 +9,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -18,7 +19,9 @@ from nanomm.inputs.image import ImageProcessorConfig, smart_resize
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import load_model
 from nanomm.engine.sizing import GiB, image_tokens, kv_pool_budget, worst_case_image
-from nanomm.planner import Workload, load_configs, main, make_plan, parameter_count, render
+from nanomm.errors import InvalidInputError
+from nanomm.planner import (DEFAULT_VIDEO_FPS, Workload, load_configs, main, make_plan, parameter_count, plan_lines,
+                            render)
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN2_VL_2B = ROOT / "tests" / "data" / "Qwen2-VL-2B-Instruct"
@@ -218,6 +221,151 @@ def test_the_command_line(capsys, tmp_path):
     # A pool that cannot hold one worst-case request is an error exit, after the plan is shown.
     assert main([str(QWEN2_VL_2B), "--kv-cache-memory", "0.01"]) == 1
     assert "cannot hold even one" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Videos (lesson 17): frames = seconds x fps, padded to whole temporal patches of 2 frames, each the tokens of a picture
+
+
+def _video_plan(image_config=None, **workload):
+    config, hub_images = load_configs(QWEN2_VL_2B)
+    return make_plan(config, image_config or hub_images, device_memory_gib=80, alternatives=False,
+                     workload=Workload(**({"images_per_request": 0} | workload)))
+
+
+def test_video_tokens_by_hand():
+    # 20 s at 2 fps of 448x448: 40 frames -> 20 temporal patches x (448 / 28)^2 = 5,120 tokens; at the Hub's cap a
+    # worst-case frame has 16,384 (test_worst_case_at_the_hub_cap_is_16384_tokens): 20 x 16,384.
+    plan = _video_plan(videos_per_request=1, video_seconds=20, video_fps=2, video_size=(448, 448))
+    assert plan.workload.video_frames == 40 and plan.video_temporal_patches == 20
+    assert (plan.video_frame_tokens_typical, plan.video_frame_tokens_worst) == (256, 16_384)
+    assert plan.video_tokens_typical == 20 * 16 * 16 == 5_120
+    assert plan.video_tokens_worst == 20 * 16_384 == 327_680
+    # 64 prompt tokens + <|vision_start|> 5,120 x <|video_pad|> <|vision_end|> + 256 output, less the last one
+    assert plan.kv_tokens_typical == 64 + 5_122 + 256 - 1 == 5_441
+    assert plan.blocks_typical == 341 and plan.fit_typical == plan.num_kv_blocks // 341  # ceil(5,441 / 16)
+    assert plan.kv_tokens_worst == 64 + 327_682 + 256 - 1 and plan.fit_worst == plan.num_kv_blocks // 20_501
+    # At a cap of 1,280 tokens a frame (1,003,520 pixels), 20 temporal patches of the worst frame: 25,600.
+    _, hub_images = load_configs(QWEN2_VL_2B)
+    capped = _video_plan(replace(hub_images, max_pixels=1_003_520), videos_per_request=1, video_seconds=20)
+    assert capped.video_tokens_worst == capped.video_tokens_typical == 20 * 1_280  # no size given: the worst
+    # Frames are seconds x fps rounded half up (at least one), then padded to an even count.
+    for seconds, fps, frames, patches in [(2.5, 2, 5, 3), (1.3, 3, 4, 2), (1.25, 2, 3, 2), (0.1, 2, 1, 1),
+                                          (4, 0.5, 2, 1), (60, 30, 1_800, 900)]:
+        plan = _video_plan(videos_per_request=1, video_seconds=seconds, video_fps=fps, video_size=(56, 56))
+        assert (plan.workload.video_frames, plan.video_temporal_patches) == (frames, patches), (seconds, fps)
+        assert plan.video_tokens_typical == patches * 4  # 56x56: 2 x 2 tokens a temporal patch
+    # Pictures and videos together, each with its two markers.
+    both = _video_plan(images_per_request=2, videos_per_request=3, video_seconds=20, video_size=(448, 448),
+                       typical_image=(448, 448))
+    assert both.kv_tokens_typical == 64 + 2 * (256 + 2) + 3 * (5_120 + 2) + 256 - 1
+    assert both.kv_tokens_worst == 64 + 2 * (16_384 + 2) + 3 * (327_680 + 2) + 256 - 1
+
+
+def test_without_videos_the_plan_is_the_pictures_plan():
+    plan = _video_plan(images_per_request=1)
+    assert (plan.video_temporal_patches, plan.video_tokens_worst, plan.video_tokens_typical) == (0, 0, 0)
+    assert plan.kv_tokens_worst == 64 + 16_384 + 2 + 256 - 1
+    assert not any("video" in what for what, _ in plan_lines(plan))
+    # An fps or length given with no video changes nothing, and is not checked (the engine never meets it).
+    assert _video_plan(images_per_request=1, video_fps=0, video_seconds=-1).kv_tokens_worst == plan.kv_tokens_worst
+
+
+def test_the_planner_s_video_tokens_are_the_video_processor_s():
+    """The planner's arithmetic against the real processor (inputs/video.py) on tiny clips."""
+    from nanomm.inputs.video import DEFAULT_FPS, load_video, preprocess_video
+
+    assert DEFAULT_VIDEO_FPS == DEFAULT_FPS
+    _, hub_images = load_configs(QWEN2_VL_2B)
+    # 4 s at 2 fps of 448x448: 8 frames, (4, 16, 16).
+    clip = np.zeros((8, 448, 448, 3), dtype=np.uint8)
+    processed = preprocess_video(load_video(clip, fps=2.0), hub_images)
+    plan = _video_plan(videos_per_request=1, video_seconds=4, video_fps=2, video_size=(448, 448))
+    assert plan.video_tokens_typical == processed.num_tokens == 1_024
+    # 1.5 s at 2 fps of 1280x720 under a 448x448 cap: 3 frames padded to 4, each frame resized to 336x588: (2, 12, 21)
+    capped = replace(hub_images, max_pixels=448 * 448)
+    clip = np.zeros((3, 720, 1280, 3), dtype=np.uint8)
+    processed = preprocess_video(load_video(clip, fps=2.0), capped)
+    plan = _video_plan(capped, videos_per_request=1, video_seconds=1.5, video_fps=2, video_size=(1280, 720))
+    assert plan.video_tokens_typical == processed.num_tokens == 2 * 12 * 21
+    # The worst-case frame, at a small cap (64 tokens): 2 frames of the planner's witness reach its count.
+    small = replace(hub_images, max_pixels=64 * 784)
+    plan = _video_plan(small, videos_per_request=1, video_seconds=1, video_fps=2)
+    width, height = plan.worst_image
+    processed = preprocess_video(load_video(np.zeros((2, height, width, 3), dtype=np.uint8)), small)
+    assert plan.video_tokens_worst == processed.num_tokens == plan.video_frame_tokens_worst
+
+
+def test_a_video_request_s_length_is_the_engine_s(ckpt):
+    """The engine's own expansion of a prompt with a clip: as many <|video_pad|> and tokens as the plan counts."""
+    frames, (width, height) = 5, (84, 56)  # 2.5 s at 2 fps: 5 frames, padded to 6
+    prompt = {"prompt": "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>what moves?<|im_end|>\n"
+                        "<|im_start|>assistant\n",
+              "multi_modal_data": {"video": np.zeros((frames, height, width, 3), dtype=np.uint8)}}
+    with LLM(ckpt, max_pixels=64 * 784, num_kv_blocks=400, block_size=4, num_preprocess_workers=0) as llm:
+        prepared = llm.engine.prepare(prompt, SamplingParams(max_tokens=8))
+        text_tokens = len(llm.tokenizer.encode(prompt["prompt"])) - 3  # less the clip's 3 placeholder tokens
+        plan = llm.plan(images_per_request=0, videos_per_request=1, video_seconds=2.5, video_fps=2,
+                        video_size=(width, height), prompt_tokens=text_tokens, output_tokens=8)
+        pads = prepared.token_ids.count(llm.model.config.video_token_id)
+    assert pads == plan.video_tokens_typical == 3 * 2 * 3  # 3 temporal patches of 2 x 3 tokens
+    assert plan.kv_tokens_typical == len(prepared.token_ids) + 8 - 1
+
+
+def test_video_options_on_the_command_line(capsys):
+    argv = [str(QWEN2_VL_2B), "--device-memory", "80", "--images", "0", "--videos", "1", "--video-seconds", "20"]
+    assert main(argv + ["--video-size", "448x448", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["video_tokens_typical"] == 5_120 and plan["video_tokens_worst"] == 327_680
+    assert plan["workload"]["videos_per_request"] == 1 and plan["workload"]["video_fps"] == 2.0
+    assert plan["kv_tokens_typical"] == 64 + 5_122 + 256 - 1
+    # The table: a row per video, the request's clips, a tokens/video column of the levers.
+    assert main(argv + ["--video-size", "448x448", "--video-fps", "1", "--max-pixels", "1003520"]) == 0
+    table = capsys.readouterr().out
+    assert "visual tokens per video" in table and "tokens/video" in table
+    _, hub_images = load_configs(QWEN2_VL_2B)
+    lines = dict(plan_lines(_video_plan(replace(hub_images, max_pixels=1_003_520), videos_per_request=1,
+                                        video_seconds=20, video_fps=1, video_size=(448, 448))))
+    assert lines["request"] == "0 image(s), 1 video(s) of 20 s at 1 fps (20 frames), 64 prompt + 256 output tokens"
+    assert lines["visual tokens per video"] == ("worst 12,800 (10 temporal patches x 1,280, frames of 8960x112), "
+                                                "typical 2,560 (10 x 256 at 448x448)")
+    assert lines["visual tokens per request"] == "worst 12,800, typical 2,560"
+    # A clip longer than load_video takes is planned, with a warning that the engine refuses it.
+    assert main([str(QWEN2_VL_2B), "--videos", "1", "--video-seconds", "400", "--video-size", "56x56"]) in (0, 1)
+    assert "over the limit of 768 (VideoLimits.max_frames)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--videos", "1", "--video-seconds", "-5"], "--video-seconds: expected a number > 0, got '-5'"),
+    (["--videos", "1", "--video-seconds", "0"], "--video-seconds: expected a number > 0, got '0'"),
+    (["--videos", "1", "--video-seconds", "4", "--video-fps", "0"], "--video-fps: expected a number > 0, got '0'"),
+    (["--videos", "1", "--video-seconds", "4", "--video-fps", "-2"], "--video-fps: expected a number > 0"),
+    (["--videos", "1", "--video-seconds", "4", "--video-fps", "nan"], "--video-fps: expected a number > 0"),
+    (["--videos", "1", "--video-seconds", "4", "--video-fps", "10000"], "at most 240 frames a second"),
+    (["--videos", "1", "--video-seconds", "4", "--video-size", "big"], "WIDTHxHEIGHT"),
+    (["--videos", "-1", "--video-seconds", "4"], "--videos must be >= 0"),
+    (["--videos", "1"], "--videos needs --video-seconds"),
+])
+def test_bad_video_options_are_clear_errors(capsys, options, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(QWEN2_VL_2B), *options])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_video_workloads_and_families_are_clear_errors(capsys):
+    for fields, message in [(dict(video_seconds=-1), "video seconds must be a number > 0, got -1"),
+                            (dict(video_seconds=0), "video seconds must be a number > 0"),
+                            (dict(video_seconds=4, video_fps=0), "video fps must be a number in (0, 240]"),
+                            (dict(video_seconds=4, video_fps=float("nan")), "got nan"),
+                            (dict(video_seconds=4, video_fps=10_000), "got 10000"),
+                            (dict(video_seconds=4, video_size=(0, 10)), "video width must be a positive int")]:
+        with pytest.raises(InvalidInputError, match=re.escape(message)):
+            Workload(videos_per_request=1, **fields)
+    with pytest.raises(InvalidInputError, match="videos_per_request must be an int >= 0"):
+        Workload(videos_per_request=-1)
+    # A family whose video path the engine does not serve: the planner says so, as the engine would.
+    assert main([str(ROOT / "tests" / "data" / "Qwen3-VL-2B-Instruct"), "--videos", "1", "--video-seconds", "4"]) == 2
+    assert "videos are served for" in capsys.readouterr().err
 
 
 README_PLAN = re.compile(r"<!-- plan: (.*?) -->\n```text\n(.*?)```", re.S)

@@ -132,13 +132,14 @@ class LLMEngine:
             self.intake.check_fits(prepared, params, name)
         else:
             validated = self.processor.validate(prompt, name)
-            if validated.raw_images and not self.intake.pool.inline:
+            media = validated.raw_images or validated.raw_videos  # decoded on the pool, failing as a result there
+            if media and not self.intake.pool.inline:
                 self.intake.submit(request_id, validated, params, arrival)
                 return request_id
             try:  # text alone is cheap: preprocess here, and raise here
                 prepared = self.intake.prepare(validated, params)
             except InvalidInputError as exc:
-                if not validated.raw_images:
+                if not media:
                     raise
                 # No workers: decoded here, with the pool's contract (an error result for this request).
                 self.intake.fail(request_id, validated, str(exc), arrival)
