@@ -54,7 +54,6 @@ import io
 import json
 import os
 import random
-import re
 import shlex
 import subprocess
 import sys

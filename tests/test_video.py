@@ -57,6 +57,18 @@ def hf_video_inputs(llm, prepared) -> dict:
     return inputs
 
 
+def assert_answer_is_transformers(out, oracle, inputs: dict, label) -> None:
+    """The engine's 8 greedy tokens are transformers' (up to a near-tie), and so is each step's distribution."""
+    tokens, logits = oracle_greedy(oracle, inputs, 8)
+    got = out.outputs[0].token_ids
+    comparable = steps_fed_the_same_tokens(got, tokens, logits)
+    assert comparable >= 1 and got[:comparable] == tokens[:comparable]
+    for step in range(comparable):
+        row = out.outputs[0].logprobs[step]
+        ours = torch.tensor([row[t].logprob for t in range(len(row))])
+        assert torch.allclose(ours, torch.log_softmax(logits[step], dim=-1), atol=1e-4), (label, step)
+
+
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory, ckpt):
     llm = LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
@@ -81,15 +93,7 @@ def test_greedy_tokens_and_logits_equal_transformers(qwen2_vl, name):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     prepared = llm.engine.prepare(prompt, params)
-    tokens, logits = oracle_greedy(oracle, hf_video_inputs(llm, prepared), 8)
-    got = out.outputs[0].token_ids
-    comparable = steps_fed_the_same_tokens(got, tokens, logits)
-    assert comparable >= 1 and got[:comparable] == tokens[:comparable]
-    for step in range(comparable):
-        row = out.outputs[0].logprobs[step]
-        ours = torch.tensor([row[t].logprob for t in range(len(row))])
-        theirs = torch.log_softmax(logits[step], dim=-1)
-        assert torch.allclose(ours, theirs, atol=1e-4), (name, step)
+    assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), name)
     assert out.metrics.num_visual_tokens == sum(m.num_tokens for m in prepared.images)
     assert_no_leaks(llm)
 
@@ -277,14 +281,7 @@ def test_qwen2_5_vl_spaces_temporal_patches_by_seconds_as_transformers_does(qwen
     assert prepared.positions[0, first:first + 4 * 64:64].tolist() == expected
     inputs = hf_video_inputs(llm, prepared)
     inputs["second_per_grid_ts"] = torch.tensor([video.second_per_grid], dtype=torch.float32)
-    tokens, logits = oracle_greedy(oracle, inputs, 8)
-    got = out.outputs[0].token_ids
-    comparable = steps_fed_the_same_tokens(got, tokens, logits)
-    assert comparable >= 1 and got[:comparable] == tokens[:comparable]
-    for step in range(comparable):
-        row = out.outputs[0].logprobs[step]
-        ours = torch.tensor([row[t].logprob for t in range(len(row))])
-        assert torch.allclose(ours, torch.log_softmax(logits[step], dim=-1), atol=1e-4), (fps, step)
+    assert_answer_is_transformers(out, oracle, inputs, fps)
     assert_no_leaks(llm)
 
 

@@ -88,17 +88,24 @@ def _decoding(name: str):
     decode on a worker pool): the decompression-bomb guard is our own header check, `_check_size`, which runs
     before any pixel is decoded. Pillow's own DecompressionBombError (over twice its limit) is still caught.
     """
+    with decode_errors(name, "the image", f"an image in a supported format ({', '.join(SUPPORTED_FORMATS)})"):
+        yield
+
+
+@contextlib.contextmanager
+def decode_errors(name: str, what: str, expected: str):
+    """Pillow's (or a decoder's) exceptions on bad data -> an InvalidInputError naming the input: `what` is it
+    ("the image"), `expected` what it should have been. Shared by images and videos (inputs/video.py)."""
     try:
         yield
     except InvalidInputError:
         raise
     except Image.DecompressionBombError as e:
-        raise InvalidInputError(f"{name}: the image is over Pillow's decompression-bomb pixel limit ({e})") from e
+        raise InvalidInputError(f"{name}: {what} is over Pillow's decompression-bomb pixel limit ({e})") from e
     except Image.UnidentifiedImageError as e:
-        raise InvalidInputError(f"{name}: not an image in a supported format "
-                                f"({', '.join(SUPPORTED_FORMATS)})") from e
-    except Exception as e:  # corrupt data surfaces as OSError, SyntaxError, ValueError, struct.error, ...
-        raise InvalidInputError(f"{name}: the image is truncated or corrupt and cannot be decoded "
+        raise InvalidInputError(f"{name}: not {expected}") from e
+    except Exception as e:  # corrupt data surfaces as OSError, EOFError, SyntaxError, ValueError, struct.error, ...
+        raise InvalidInputError(f"{name}: {what} is truncated or corrupt and cannot be decoded "
                                 f"({type(e).__name__}: {e})") from e
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import ctypes
 import hashlib
 import io
@@ -49,7 +48,7 @@ from PIL import Image
 
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
 from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, smart_resize, to_rgb
-from nanomm.inputs.image_io import _data_url_payload, _read_file, _short
+from nanomm.inputs.image_io import _data_url_payload, _read_file, _short, decode_errors
 
 DEFAULT_FPS = 2.0  # the frame rate of frames given as a list or an array, when the caller does not say
 VIDEO_FORMATS = ("GIF", "WEBP", "PNG")  # Pillow's animated formats (PNG covers APNG)
@@ -344,21 +343,9 @@ def _fps_from_durations(durations: list, name: str) -> float | None:
     return 1000.0 / mean_ms
 
 
-@contextlib.contextmanager
 def _decoding(name: str):
-    """Everything Pillow raises on bad data becomes an InvalidInputError naming the video."""
-    try:
-        yield
-    except InvalidInputError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise InvalidInputError(f"{name}: a frame is over Pillow's decompression-bomb pixel limit ({e})") from e
-    except Image.UnidentifiedImageError as e:
-        raise InvalidInputError(f"{name}: not a video in a supported format (animated GIF, WebP or PNG, MP4, "
-                                "WebM)") from e
-    except Exception as e:  # corrupt data surfaces as OSError, EOFError, SyntaxError, ValueError, ...
-        raise InvalidInputError(f"{name}: the video is truncated or corrupt and cannot be decoded "
-                                f"({type(e).__name__}: {e})") from e
+    """Everything Pillow or the decoder raises on bad data becomes an InvalidInputError naming the video."""
+    return decode_errors(name, "the video", "a video in a supported format (animated GIF, WebP or PNG, MP4, WebM)")
 
 
 def _container_of(data: bytes) -> str | None:
