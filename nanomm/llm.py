@@ -24,6 +24,7 @@ from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer, multi_modal_data
+from nanomm.model.config import read_checkpoint_json
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
 from nanomm.planner import Plan, Workload, make_plan, plan_lines
@@ -76,7 +77,9 @@ class LLM:
         models = [m for m in (self.model, self.draft_model) if m is not None]
         # the memory split, for stats(); on a GPU the activation reserve is measured by running the model
         config, self.memory = size_engine(config, models, self.image_config, profile_memory)
-        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config, self.draft_model)
+        video_preprocessor = read_checkpoint_json(folder / "video_preprocessor_config.json", required=False)
+        self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config, self.draft_model,
+                                video_preprocessor=video_preprocessor or None)
         if logger.isEnabledFor(logging.INFO):
             for what, value in plan_lines(self.plan()):
                 logger.info("KV plan: %s: %s", what, value)
@@ -124,7 +127,9 @@ class LLM:
                          visual_token_compression=config.visual_token_compression, block_size=config.block_size,
                          max_num_seqs=config.max_num_seqs,
                          max_model_len=config.max_model_len, workload=Workload(**workload),
-                         num_kv_blocks=config.num_kv_blocks)
+                         num_kv_blocks=config.num_kv_blocks,
+                         video_settings=self.engine.processor.video_settings if workload.get("videos_per_request")
+                         else None)
 
     @property
     def _dtype_name(self) -> str:

@@ -14,7 +14,9 @@ The arithmetic, in the order a request meets it:
    **Visual tokens per video** (lesson 17): a clip of S seconds at F frames a second has round(S x F) frames
    (at least one), padded to an even count; each pair is a temporal patch with the tokens of one picture of
    the frame's size under the same cap (a per-frame cap: inputs/video.py), never compressed. A 20 s clip at
-   2 fps of 448x448 frames: 40 frames, 20 temporal patches x 16 x 16 = 5,120 tokens.
+   2 fps of 448x448 frames: 40 frames, 20 temporal patches x 16 x 16 = 5,120 tokens. Qwen3-VL samples the clip
+   at 2 frames a second, bounds the whole clip's pixels, and adds each patch's time as text
+   (inputs/video_settings.py).
 2. **Tokens per request** = prompt text + per image or video (visual tokens + <|vision_start|> + <|vision_end|>)
    + output.
    The KV cache holds every token but the last: the final output token is sampled and never fed back.
@@ -47,7 +49,7 @@ from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_t
                                   kv_pool_blocks, kv_pool_budget, worst_case_image)
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
 from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument
-from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
 from nanomm.accel.quant import quantized_layers, quantized_weight_bytes
@@ -56,7 +58,7 @@ KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an
 # inputs/video.py's DEFAULT_FPS. That module (and its VideoLimits) is imported only where videos are planned: the
 # engine logs a plan at start-up, and a pictures-only engine loads no video code (tests/test_runtime_imports.py).
 DEFAULT_VIDEO_FPS = 2.0
-CONFIG_FILES = ["config.json", "preprocessor_config.json", "generation_config.json"]
+CONFIG_FILES = ["config.json", "preprocessor_config.json", "video_preprocessor_config.json", "generation_config.json"]
 
 
 @dataclass
@@ -110,7 +112,8 @@ class Plan:
     visual_tokens_worst: int  # per image
     visual_tokens_typical: int
     video_temporal_patches: int  # per video: frames padded to whole temporal patches, over temporal_patch_size
-    video_frame_tokens_worst: int  # per temporal patch of a worst-case frame (the worst image's, uncompressed)
+    worst_video_frame: tuple[int, int]  # (width, height) of a frame that reaches the most tokens a patch
+    video_frame_tokens_worst: int  # per temporal patch of a worst-case frame (uncompressed)
     video_frame_tokens_typical: int  # per temporal patch at workload.video_size (the worst without one)
     video_tokens_worst: int  # per video: temporal patches x frame tokens; 0 without videos
     video_tokens_typical: int
@@ -132,13 +135,15 @@ class Plan:
     concurrency_typical: int
     budget_rule: str  # how the pool was sized, in words
     alternatives: list[dict] = field(default_factory=list)  # what a smaller cap, compression or quantization buys
+    video_settings: object = field(default=None, repr=False)  # the VideoSettings planned with (None: the family's)
 
     @property
     def kv_memory_bytes(self) -> int:
         return self.num_kv_blocks * self.block_size * self.kv_bytes_per_token
 
     def to_json(self) -> dict:
-        return asdict(self) | {"kv_memory_bytes": self.kv_memory_bytes}
+        return {key: value for key, value in asdict(self).items() if key != "video_settings"} | {
+            "kv_memory_bytes": self.kv_memory_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,6 +165,49 @@ def video_tokens(num_frames: int, width: int, height: int, config: ImageProcesso
     """The visual tokens of a clip of num_frames frames of width x height under config's (per-frame) cap: each
     temporal patch has the tokens of one picture of that size; videos are never compressed."""
     return video_temporal_patches(num_frames, config) * image_tokens(width, height, config)
+
+
+def video_token_counts(config: ModelConfig, image_config: ImageProcessorConfig,
+                       workload: Workload, settings=None) -> tuple[int, tuple[int, int], int, int, int]:
+    """Per video: (temporal patches, the (width, height) of a frame that reaches the most tokens, visual tokens per
+    patch at that size, at workload.video_size, and the text tokens the family adds inside the placeholder). Qwen2-VL and Qwen2.5-VL keep every frame and cap each
+    one like a picture; Qwen3-VL samples 2 frames a second, caps the whole clip, and writes each patch's time
+    ("<12.5 seconds>": a token per digit, "<", ".", " seconds", ">") between its own two markers.
+    settings: the engine's video settings (None: the family's); a per-frame cap is the plan's image cap."""
+    if not workload.videos_per_request:
+        return 0, (0, 0), 0, 0, 0
+    from nanomm.inputs.video_settings import VideoSettings
+
+    settings = settings or VideoSettings.for_model(config.model_type, image_config)
+    if settings.rules == "qwen2":
+        settings = replace(settings, pixels=image_config)
+    fps, T = workload.video_fps, image_config.temporal_patch_size
+    kept = settings.frame_indices(workload.video_frames, fps, "the planned video")
+    patches = -(-len(kept) // T)
+    if settings.rules == "qwen2":
+        worst_frame, worst = worst_case_image(image_config)  # uncompressed: videos are never compressed
+        typical = image_tokens(*workload.video_size, image_config) if workload.video_size else worst
+        return patches, worst_frame, worst, typical, 0
+
+    def frame_tokens(width: int, height: int) -> int:
+        return math.prod(settings.resized(len(kept), height, width, "the planned video")) // settings.pixels.factor ** 2
+
+    worst, worst_frame = max((frame_tokens(w, h), (w, h)) for w, h in clip_frame_candidates(settings, len(kept)))
+    typical = frame_tokens(*workload.video_size) if workload.video_size else worst
+    # "<12.5 seconds>" is a token per character of "12.5", then "<", " seconds" and ">"; then the patch's two markers
+    text = sum(len(f"{seconds:.1f}") + 3 + 2 for seconds in settings.timestamps(kept, fps))
+    return patches, worst_frame, worst, typical, text
+
+
+def clip_frame_candidates(settings, num_frames: int) -> list[tuple[int, int]]:
+    """Frame sizes that may reach the most tokens under a clip budget (Qwen3-VL): whole tokens filling the frame's
+    share of the budget, and strips at the largest aspect ratio, whose floor of one token a side can exceed it."""
+    f = settings.pixels.factor
+    t_bar = max(settings.pixels.temporal_patch_size, round(num_frames / settings.pixels.temporal_patch_size)
+                * settings.pixels.temporal_patch_size)
+    cap = max(1, settings.pixels.max_pixels // (min(t_bar, num_frames) * f * f))
+    candidates = [(min(cap // a, a * int(MAX_ASPECT_RATIO)) * f, a * f) for a in range(1, math.isqrt(cap) + 1)]
+    return candidates + [(int(height * MAX_ASPECT_RATIO), height) for height in (32, 64, 128)]
 
 
 def request_kv_tokens(visual_tokens_per_image: int, workload: Workload, visual_tokens_per_video: int = 0) -> int:
@@ -214,13 +262,14 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
               kv_cache_memory_gib: float | None = None, num_kv_blocks: int | None = None,
               quantization: str | None = None, quantization_group_size: int = 128, num_parameters: int | None = None,
               visual_token_compression=None, alternatives: bool = True, cuda_graphs: bool = True,
-              max_seq_len_to_capture: int = 8192) -> Plan:
+              max_seq_len_to_capture: int = 8192, video_settings=None) -> Plan:
     """Plan the KV pool for a workload: on a GPU of device_memory_gib, in a fixed kv_cache_memory_gib, or in a
     pool already decided (num_kv_blocks: a running engine's); else the CPU default.
     quantization: None, "int8" or "int4" (the weights, model_weight_bytes), int4 in groups of quantization_group_size.
     num_parameters: the model's, if already counted (parameter_count). visual_token_compression: the engine's policy
     ({"method": .., "keep_ratio": ..}, inputs/compression.py), which every image's tokens go through.
-    cuda_graphs, max_seq_len_to_capture: on a GPU, as `LLM(enforce_eager=not cuda_graphs, ...)` would run."""
+    cuda_graphs, max_seq_len_to_capture: on a GPU, as `LLM(enforce_eager=not cuda_graphs, ...)` would run.
+    video_settings: the engine's (inputs/video_settings.py `VideoSettings`); None: the family's defaults."""
     workload = workload or Workload()
     if workload.videos_per_request:
         from nanomm.engine.engine import VIDEO_FAMILIES  # the families whose video path the engine serves
@@ -236,13 +285,11 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     text = config.text
     per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
-    frames = workload.video_frames
-    patches = video_temporal_patches(frames, image_config) if frames else 0
-    frame_worst = worst_case_image(image_config)[1]  # uncompressed: videos are never compressed
-    frame_typical = image_tokens(*workload.video_size, image_config) if workload.video_size else frame_worst
+    patches, worst_frame, frame_worst, frame_typical, video_text = video_token_counts(config, image_config, workload,
+                                                                                      video_settings)
     video_worst, video_typical = patches * frame_worst, patches * frame_typical
-    kv_worst = request_kv_tokens(worst, workload, video_worst)
-    kv_typical = request_kv_tokens(typical, workload, video_typical)
+    kv_worst = request_kv_tokens(worst, workload, video_worst + video_text)
+    kv_typical = request_kv_tokens(typical, workload, video_typical + video_text)
     num_parameters = num_parameters or parameter_count(config)
     weights = model_weight_bytes(config, dtype, quantization, num_parameters, quantization_group_size)
     reserve = estimated_reserve(config, image_config, dtype, kv_dtype, max_num_seqs, max_model_len, block_size,
@@ -263,7 +310,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 max_pixels=image_config.max_pixels, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, workload=workload, worst_image=worst_image, visual_tokens_worst=worst,
                 visual_tokens_typical=typical, video_temporal_patches=patches,
-                video_frame_tokens_worst=frame_worst, video_frame_tokens_typical=frame_typical,
+                worst_video_frame=worst_frame, video_frame_tokens_worst=frame_worst, video_frame_tokens_typical=frame_typical,
                 video_tokens_worst=video_worst, video_tokens_typical=video_typical, kv_bytes_per_token=per_token,
                 kv_tokens_worst=kv_worst, kv_tokens_typical=kv_typical, blocks_worst=0, blocks_typical=0,
                 weights_bytes=weights,
@@ -271,7 +318,8 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
                 decode_graph_bytes=reserve.decode_graph_bytes,
                 max_seq_len_to_capture=max_seq_len_to_capture,
                 kv_budget_bytes=budget, num_kv_blocks=num_kv_blocks,
-                fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule)
+                fit_worst=0, fit_typical=0, concurrency_worst=0, concurrency_typical=0, budget_rule=rule,
+                video_settings=video_settings)
     _count_requests(plan)
     if alternatives:
         pool = dict(device_memory_gib=device_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
@@ -301,7 +349,7 @@ def _alternatives(config, image_config, plan: Plan, pool: dict, num_parameters: 
                 block_size=plan.block_size, max_num_seqs=plan.max_num_seqs, max_model_len=plan.max_model_len,
                 workload=plan.workload, quantization_group_size=quantization_group_size, num_parameters=num_parameters,
                 alternatives=False, cuda_graphs=plan.decode_graph_bytes > 0,
-                max_seq_len_to_capture=plan.max_seq_len_to_capture, **pool)
+                max_seq_len_to_capture=plan.max_seq_len_to_capture, video_settings=plan.video_settings, **pool)
     rows = []
     for tokens in (4096, 1280, 256, 64):  # visual-token caps people use, below the current one
         max_pixels = tokens * image_config.factor**2
@@ -342,7 +390,7 @@ def _video_lines(plan: Plan) -> list[tuple[str, str]]:
     w = plan.workload
     if not w.videos_per_request:
         return []
-    width, height = plan.worst_image
+    width, height = plan.worst_video_frame
     patches = plan.video_temporal_patches
     at_size = (f"{patches:,} x {plan.video_frame_tokens_typical:,} at {w.video_size[0]}x{w.video_size[1]}"
                if w.video_size else "no frame size given: the worst")
@@ -363,7 +411,7 @@ def _video_warnings(plan: Plan) -> list[tuple[str, str]]:
     if frames > limits.max_frames:
         rows.append(("warning", f"a clip of {frames:,} frames is over the limit of {limits.max_frames:,} "
                                 f"(VideoLimits.max_frames): the engine refuses it"))
-    clips = [("worst-case", plan.worst_image)] + ([("typical", w.video_size)] if w.video_size else [])
+    clips = [("worst-case", plan.worst_video_frame)] + ([("typical", w.video_size)] if w.video_size else [])
     for which, (width, height) in clips:
         if width * height > limits.max_frame_pixels:
             rows.append(("warning", f"a {which} frame of {width}x{height} is over the limit of "
@@ -451,6 +499,18 @@ def load_configs(model: str, revision: str | None = None) -> tuple[ModelConfig, 
 
     folder = resolve_checkpoint(model, revision, allow_patterns=CONFIG_FILES)
     return ModelConfig.from_pretrained(folder), ImageProcessorConfig.from_pretrained(folder)
+
+
+def load_video_settings(model: str, config: ModelConfig, image_config: ImageProcessorConfig,
+                        revision: str | None = None):
+    """The engine's video settings for a folder or hub id: the family's, then its video_preprocessor_config.json."""
+    from nanomm.inputs.video_settings import VideoSettings
+    from nanomm.model.config import read_checkpoint_json
+    from nanomm.model.loader import resolve_checkpoint
+
+    folder = resolve_checkpoint(model, revision, allow_patterns=CONFIG_FILES)
+    return VideoSettings.for_model(config.model_type, image_config,
+                                   read_checkpoint_json(folder / "video_preprocessor_config.json", required=False))
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -544,7 +604,9 @@ def main(argv=None) -> int:
                          workload=Workload(args.images, args.prompt_tokens, args.output_tokens, args.typical_image,
                                            args.videos, args.video_seconds or 0.0, args.video_fps, args.video_size),
                          device_memory_gib=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                         kv_cache_memory_gib=args.kv_cache_memory, cuda_graphs=not args.enforce_eager)
+                         kv_cache_memory_gib=args.kv_cache_memory, cuda_graphs=not args.enforce_eager,
+                         video_settings=load_video_settings(args.model, config, image_config, args.revision)
+                         if args.videos else None)
     except (CheckpointError, InvalidInputError) as exc:
         print(f"nanomm-plan: {exc}", file=sys.stderr)
         return 2

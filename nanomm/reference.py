@@ -56,6 +56,18 @@ def whole_media(units: list) -> list:
     return media
 
 
+def placed_media(media: list, compressed: list) -> tuple[list, list]:
+    """The runs of visual tokens that M-RoPE places one after another, with each one's compression: a picture or a
+    video is one run, except a Qwen3-VL video, whose temporal patches each sit in the prompt as a picture of its
+    own after its time in text (inputs/video_settings.py), as transformers' get_rope_index splits its grid."""
+    placed, placed_compressed = [], []
+    for item, packed in zip(media, compressed):
+        parts = item.temporal_groups() if getattr(item, "timestamps", None) else [item]
+        placed += parts
+        placed_compressed += [packed] * len(parts)
+    return placed, placed_compressed
+
+
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
@@ -67,7 +79,6 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
     images = whole_media(images)  # a video whole, as the model defines it: one encode, its positions
-    grids = [tuple(im.grid_thw) for im in images]
     image_embeds, compressed = None, None
     if images:
         visual = encode_visual_tokens(model, images)  # each image compressed by its own policy, if it has one
@@ -77,10 +88,12 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     videos = any(getattr(im, "is_video", False) for im in images)
     visual_ids = {cfg.image_token_id} | ({cfg.video_token_id} if videos else set())  # prompt pads = its media
     if cfg.has_vision:
-        positions, delta = mrope_positions(prompt_ids, grids, cfg.image_token_id, cfg.vision.spatial_merge_size,
-                                           compressed, video_token_id=cfg.video_token_id if videos else None,
-                                           time_intervals=[video_time_interval(im, cfg.vision.tokens_per_second)
-                                                           for im in images])
+        placed, compressed = placed_media(images, compressed or [None] * len(images))
+        positions, delta = mrope_positions(prompt_ids, [tuple(m.grid_thw) for m in placed], cfg.image_token_id,
+                                           cfg.vision.spatial_merge_size, compressed,
+                                           video_token_id=cfg.video_token_id if videos else None,
+                                           time_intervals=[video_time_interval(m, cfg.vision.tokens_per_second)
+                                                           for m in placed])
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)

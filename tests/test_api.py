@@ -70,7 +70,7 @@ BAD_PROMPTS = {
     "placeholder without image": (chat_prompt("x", ["IMG"])["prompt"], "1 image placeholder"),
     "audio": ({"prompt": "x", "multi_modal_data": {"audio": []}}, "'image' and/or 'video' keys"),
     "a video without its placeholder": ({"prompt": "x", "multi_modal_data": {"video": [[]]}}, "0 video placeholder"),
-    "bad mm kwargs": ({"prompt": "x", "mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
+    "bad mm kwargs": ({"prompt": "x", "mm_processor_kwargs": {"frame_rate": 2}}, "mm_processor_kwargs"),
     "bad max_pixels": ({**chat_prompt("x", ["IMG"]), "mm_processor_kwargs": {"max_pixels": -5}}, "max_pixels"),
     "corrupt image": (chat_prompt("x", [b"\x89PNG\r\n\x1a\n broken"]), "image 0"),
     "missing file": (chat_prompt("x", ["/no/such/file.png"]), "image 0"),

@@ -12,6 +12,7 @@ import transformers
 from helpers import assert_engine_matches_reference, assert_no_leaks, random_image
 from nanomm import LLM, SamplingParams
 from nanomm.errors import InvalidInputError
+from nanomm.inputs.video import VideoInput
 from nanomm.reference import whole_media
 from test_model_parity import oracle_greedy, steps_fed_the_same_tokens
 
@@ -164,6 +165,48 @@ def test_bad_videos_are_errors_naming_the_video(qwen2_vl):
     assert_no_leaks(llm)
 
 
+def test_a_request_samples_its_videos_within_the_engine_s_caps(qwen2_vl):
+    """mm_processor_kwargs: a rate or a count of frames (transformers' sampling, tests/test_video_processor.py), and
+    caps that may go down, never up. Every bad setting is refused before a frame is decoded."""
+    llm, _ = qwen2_vl
+    frames = VideoInput(tuple(Image.fromarray(f) for f in clip(16, 11)), 8.0)  # 2 s at 8 fps
+    for kwargs, grid_t in (({}, 8), ({"fps": 2}, 2), ({"num_frames": 8}, 4), ({"fps": 4, "max_frames": 4}, 2)):
+        prepared = llm.engine.prepare({**video_prompt(frames), "mm_processor_kwargs": kwargs}, None)
+        assert whole_media(prepared.images)[0].grid_thw[0] == grid_t, kwargs
+    small = llm.engine.prepare({**video_prompt(frames), "mm_processor_kwargs": {"video_max_pixels": 28 * 28}}, None)
+    assert whole_media(small.images)[0].grid_thw == (8, 2, 2)
+    for key, value, message in [("fps", -1, "fps must be a positive number"),
+                                ("num_frames", 10_000, "num_frames=10000 is over the engine's cap of 768"),
+                                ("max_frames", 769, "max_frames=769 is over the engine's cap of 768"),
+                                ("video_max_pixels", MAX_PIXELS + 1, "video_max_pixels=50177 is over"),
+                                ("min_frames", "4", "min_frames"), ("min_frames", 9, "min_frames \\(9\\) is over")]:
+        with pytest.raises(InvalidInputError, match=message):  # a clip that cannot load: refused before that
+            llm.engine.prepare({**video_prompt(lambda: None), "mm_processor_kwargs": {key: value, "max_frames": 8}
+                                if key == "min_frames" and value == 9 else {key: value}}, None)
+    with pytest.raises(InvalidInputError, match="fps or num_frames, not both"):
+        llm.generate([{**video_prompt(frames), "mm_processor_kwargs": {"fps": 1, "num_frames": 4}}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_the_engine_s_media_io_kwargs_set_how_every_video_is_sampled(ckpt):
+    frames = VideoInput(tuple(Image.fromarray(f) for f in clip(16, 12)), 8.0)
+    with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0,
+             media_io_kwargs={"video": {"num_frames": 4}}) as llm:
+        assert whole_media(llm.engine.prepare(video_prompt(frames), None).images)[0].grid_thw[0] == 2
+        mine = llm.engine.prepare({**video_prompt(frames), "mm_processor_kwargs": {"num_frames": 6}}, None)
+        assert whole_media(mine.images)[0].grid_thw[0] == 3  # a request's count replaces the engine's
+    for bad, message in (({"audio": {}}, "media_io_kwargs must be a dict"), ({"video": {"fps": 0}}, "fps"),
+                         ({"video": {"frames": 3}}, "unknown video settings")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(ckpt), device="cpu", dtype="float32", media_io_kwargs=bad)
+    from nanomm.serve.app import parse_args
+
+    assert parse_args(["--media-io-kwargs", '{"video": {"fps": 1}}']).media_io_kwargs == {"video": {"fps": 1}}
+    with pytest.raises(SystemExit):
+        parse_args(["--media-io-kwargs", "fps=1"])
+
+
 def test_a_clip_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen2_vl):
     """The tower attends within a temporal patch only: the engine's units, encoded one by one, give the tokens of
     the whole clip encoded at once (attention across patches, or a patch's rows out of place, would be off by
@@ -184,8 +227,9 @@ def test_families_and_roles_without_a_checked_video_path_refuse_videos_by_name()
     from nanomm.engine.config import EngineConfig
     from nanomm.engine.engine import _no_video_reason
 
-    assert _no_video_reason(SimpleNamespace(model_type="qwen2_vl"), EngineConfig()) is None
-    assert "qwen3_vl" in _no_video_reason(SimpleNamespace(model_type="qwen3_vl"), EngineConfig())
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        assert _no_video_reason(SimpleNamespace(model_type=family), EngineConfig()) is None
+    assert "qwen2" in _no_video_reason(SimpleNamespace(model_type="qwen2"), EngineConfig())  # a text-only draft
     assert "encoder service" in _no_video_reason(SimpleNamespace(model_type="qwen2_vl"),
                                                  EngineConfig(encoder_url="http://127.0.0.1:9"))
     assert EngineConfig(limit_mm_per_prompt={"video": 0}).limit_videos_per_prompt == 0
@@ -266,7 +310,6 @@ def test_qwen2_5_vl_spaces_temporal_patches_by_seconds_as_transformers_does(qwen
     """Qwen2.5-VL's time ids: temporal patch g at trunc(g x tokens_per_second x seconds per patch), in float32.
     At 3 frames a second a patch spans 2/3 s: ids 0, 1, 2, 4 (4/3 apart, truncated); transformers is given the same
     second_per_grid_ts, and the greedy tokens and logits agree."""
-    from nanomm.inputs.video import VideoInput
 
     llm, oracle = qwen2_5_vl
     frames = clip(8, 9, size=224)  # 8x8 tokens a patch: the text after resumes as transformers 5.24 has it
@@ -288,7 +331,6 @@ def test_qwen2_5_vl_spaces_temporal_patches_by_seconds_as_transformers_does(qwen
 def test_qwen2_5_vl_videos_through_the_engine_equal_the_dense_reference(qwen2_5_vl):
     """Window attention inside each temporal patch: the engine's patch-by-patch encodes, batched with pictures,
     give the reference's tokens (which encodes each clip whole)."""
-    from nanomm.inputs.video import VideoInput
 
     llm, _ = qwen2_5_vl
     prompts = [video_prompt(VideoInput(tuple(Image.fromarray(f) for f in clip(6, 30 + i, size=112)), 3.0),
@@ -296,3 +338,123 @@ def test_qwen2_5_vl_videos_through_the_engine_equal_the_dense_reference(qwen2_5_
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=8, ignore_eos=True)
               for i in range(3)]
     assert_engine_matches_reference(llm, prompts, params)
+
+
+# -- Qwen3-VL: frames sampled, each temporal patch a picture of its own after its time in text ----------------------
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    from hf_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_vl_video"), "qwen3_vl")
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0)
+    oracle = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    yield llm, oracle, folder
+    llm.close()
+
+
+QWEN3_CLIPS = {  # clips as arrays are 2 frames a second, Qwen3-VL's own rate: every frame is kept
+    "16 frames": lambda: video_prompt(clip(16, 1, size=128)),  # 8 temporal patches of 4x4 tokens
+    "an odd frame count": lambda: video_prompt(clip(5, 2, size=96)),  # padded to 6: 3 of 3x3
+    "two videos": lambda: video_prompt(clip(4, 3, size=64), clip(6, 4, size=96)),
+    "a video and a picture": lambda: video_prompt(clip(4, 5, size=64), picture=random_image(96, 64, 6)),
+    "24 fps, sampled": lambda: video_prompt(VideoInput(tuple(Image.fromarray(f) for f in clip(24, 7, size=64)), 8.0)),
+}
+
+
+@pytest.mark.parametrize("name", QWEN3_CLIPS)
+def test_qwen3_vl_greedy_tokens_and_logits_equal_transformers(qwen3_vl, name):
+    """transformers is given the prompt nanomm expanded (the times and the inner vision markers are checked
+    against Qwen3VLProcessor in tests/test_video_processor.py) and the whole clips' pixel values; it splits each
+    clip into temporal patches for its positions as nanomm does, and its DeepStack levels go to the video's tokens."""
+    llm, oracle, _ = qwen3_vl
+    prompt = QWEN3_CLIPS[name]()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    prepared = llm.engine.prepare(prompt, params)
+    assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), name)
+    assert_no_leaks(llm)
+
+
+def test_qwen3_vl_lays_out_each_temporal_patch_as_a_picture_after_its_time(qwen3_vl):
+    """8 frames of 64x64 at 2 a second: 4 temporal patches of 2x2 tokens at 0.25, 1.25, 2.25 and 3.25 s. Each
+    is "<t seconds>" <|vision_start|> 4 pads <|vision_end|>, inside the placeholder's own markers; its tokens take
+    t = s, h and w = s..s+1 from the position s where it starts, and the text after it resumes at s + 2."""
+    llm, _, _ = qwen3_vl
+    cfg, tok = llm.model.config, llm.tokenizer
+    prepared = llm.engine.prepare(video_prompt(VideoInput(tuple(Image.fromarray(f) for f in clip(8, 8, size=64)),
+                                                          2.0)), None)
+    ids, positions = prepared.token_ids, prepared.positions
+    begin = ids.index(cfg.vision_start_token_id)
+    expected = [cfg.vision_start_token_id]
+    for seconds in ("0.2", "1.2", "2.2", "3.2"):  # Python's format of 0.25 (a binary fraction, rounded to even)
+        expected += tok.encode(f"<{seconds} seconds>") + [cfg.vision_start_token_id] + [cfg.video_token_id] * 4 + [
+            cfg.vision_end_token_id]
+    assert ids[begin:begin + len(expected) + 1] == expected + [cfg.vision_end_token_id]
+    assert [(span.length, span.start) for span in prepared.image_spans] == [
+        (4, i) for i, t in enumerate(ids) if t == cfg.video_token_id and ids[i - 1] != cfg.video_token_id]
+    for span in prepared.image_spans:
+        s = int(positions[0, span.start])
+        assert positions[:, span.start:span.end].tolist() == [[s] * 4, [s, s, s + 1, s + 1], [s, s + 1, s, s + 1]]
+        assert positions[:, span.end].tolist() == [s + 2] * 3  # its <|vision_end|>
+    assert len({span.content_hash for span in prepared.image_spans}) == 4
+
+
+def test_qwen3_vl_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen3_vl):
+    """The learned position grid and the DeepStack levels too: per temporal patch, as the engine encodes, they equal
+    the whole clip's (to float32 rounding)."""
+    llm, _, _ = qwen3_vl
+    prepared = llm.engine.prepare(video_prompt(clip(8, 9, size=96)), None)
+    (video,) = whole_media(prepared.images)
+    with torch.inference_mode():
+        whole = llm.model.encode_images(video.pixel_values, [video.grid_thw])[0]  # (levels, tokens, hidden)
+        parts = [llm.model.encode_images(g.pixel_values, [g.grid_thw])[0] for g in prepared.images]
+    assert len(parts) == 4 and whole.shape[0] == 1 + len(llm.model.config.vision.deepstack_visual_indexes)
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_num_batched_tokens=7, block_size=4),  # chunks end inside temporal patches and between them
+    dict(num_kv_blocks=30, block_size=4, max_num_seqs=4),  # too few blocks: preemption
+    dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
+], ids=["chunks-cut-groups", "preemption", "ngram"])
+def test_qwen3_vl_videos_through_the_engine_equal_the_dense_reference(qwen3_vl, settings):
+    _, _, folder = qwen3_vl
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             **settings) as llm:
+        prompts = [video_prompt(clip(6, 50 + i, size=64), text=f"clip {i}") for i in range(3)] + [
+            video_prompt(clip(4, 60, size=64), picture=random_image(64, 64, 61))]
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True)
+                  for i in range(len(prompts))]
+        assert_engine_matches_reference(llm, prompts, params)
+        again = assert_engine_matches_reference(llm, prompts, params)  # a second pass
+        if "num_kv_blocks" in settings:
+            assert llm.stats()["preemptions"] > 0
+        else:
+            assert all(out.metrics.num_cached_tokens > 0 for out in again)
+        moved = {**prompts[0], "prompt": "<|im_start|>user\nfirst this. " + prompts[0]["prompt"][len("<|im_start|>user\n"):]}
+        (out,) = assert_engine_matches_reference(llm, [moved], params[:1])
+        assert out.metrics.encoder_cache_hits == 3 and out.metrics.encode_s == 0
+
+
+@pytest.mark.slow
+def test_qwen3_vl_2b_widths_video_equals_transformers(tmp_path):
+    """Qwen3-VL-2B's widths and real vocabulary, depths cut (tests/hf_checkpoints.py): a sampled clip and a picture."""
+    from hf_checkpoints import QWEN3_2B_CUT, make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path / "2b", "qwen3_vl", text=QWEN3_2B_CUT["text"], vision=QWEN3_2B_CUT["vision"],
+                                tie_word_embeddings=True, tokenizer="qwen")
+    oracle = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    frames = VideoInput(tuple(Image.fromarray(f) for f in clip(12, 70, size=64)), 6.0)  # 2 a second: 4 of 12
+    prompt = video_prompt(frames, picture=random_image(64, 96, 71))
+    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+             max_num_batched_tokens=24, block_size=4) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                logprobs=llm.model.config.text.vocab_size)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        prepared = llm.engine.prepare(prompt, params)
+        assert [m.grid_thw for m in whole_media(prepared.images)][0] == (2, 4, 4)
+        assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), "2b widths")
+        assert_no_leaks(llm)

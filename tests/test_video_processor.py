@@ -21,6 +21,7 @@ from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.video import (DEFAULT_FPS, ProcessedVideo, VideoInput, VideoLimits, load_video,
                                  preprocess_video)
+from nanomm.inputs.video_settings import VideoSettings
 from nanomm.tools.hf_files import preprocessor_config
 from nanomm.tools.weights import model_spec
 
@@ -93,11 +94,58 @@ def test_pixel_values_and_grid_equal_transformers(clip):
     expected = expected_pixel_values(clip)
     assert sha256(expected.numpy()) == spec["pixel_values_sha256"]
 
-    video = preprocess_video(load_video(frames), CONFIG, min_pixels=spec["min_pixels"], max_pixels=spec["max_pixels"])
+    if "sampling" in spec:  # do_sample_frames=True: a rate or a count, the clip's own rate in its metadata
+        settings = VideoSettings("qwen2", CONFIG).with_request(spec["sampling"], clip)
+        video = preprocess_video(load_video(frames, fps=spec["fps"]), CONFIG, settings=settings)
+        assert settings.frame_indices(len(frames), spec["fps"], clip) == spec["frames_indices"]
+        assert video.fps == spec["sampled_fps"]  # what Qwen2.5-VL's second_per_grid_ts comes from
+    else:
+        video = preprocess_video(load_video(frames), CONFIG, min_pixels=spec["min_pixels"],
+                                 max_pixels=spec["max_pixels"])
     assert list(video.grid_thw) == spec["video_grid_thw"]
     got = video.pixel_values
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(got, expected), f"max |difference| {(got - expected).abs().max().item()}"
+
+
+QWEN3 = json.loads((DATA / "qwen3_vl_video.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(tmp_path_factory):
+    """A tiny Qwen3-VL checkpoint with the tokenizer the fixtures were tokenised with; only `prepare` is used."""
+    from hf_checkpoints import make_hf_checkpoint
+    from nanomm import LLM
+
+    llm = LLM(str(make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl")), device="cpu",
+              dtype="float32", num_preprocess_workers=0)
+    yield llm.engine
+    llm.close()
+
+
+@pytest.mark.parametrize("clip", list(QWEN3["clips"]))
+def test_qwen3_vl_sampling_timestamps_prompt_and_pixels_equal_transformers(qwen3_engine, clip):
+    """Qwen3-VL's processor as a whole: which frames it keeps (2 a second unless told), the clip's pixel budget,
+    the time of each temporal patch written into the prompt, and the pixel values, against Qwen3VLProcessor's."""
+    from nanomm import SamplingParams
+    from nanomm.reference import whole_media
+
+    spec = QWEN3["clips"][clip]
+    frames = noise_clip(spec["seed"], *spec["frames_thwc"][:3])
+    assert sha256(frames) == spec["frames_sha256"]
+    prompt = {"prompt": QWEN3["prompt"], "multi_modal_data": {"video": VideoInput(
+        tuple(Image.fromarray(f) for f in frames), spec["fps"])}, "mm_processor_kwargs": spec["mm_processor_kwargs"]}
+    prepared = qwen3_engine.prepare(prompt, SamplingParams(max_tokens=1))
+    (video,) = whole_media(prepared.images)
+    assert prepared.token_ids == spec["input_ids"]
+    assert list(video.grid_thw) == spec["video_grid_thw"]
+    assert list(video.timestamps) == spec["timestamps"]
+    assert video.fps == len(spec["frames_indices"]) / spec["frames_thwc"][0] * spec["fps"]  # HF's sampled_fps
+    tensors = load_file(DATA / "qwen3_vl_video.safetensors")
+    channel = torch.arange(3).view(1, -1, 1)
+    expected = tensors[f"{clip}.table"][channel, tensors[f"{clip}.codes"].long()].reshape(video.pixel_values.shape)
+    assert sha256(expected.numpy()) == spec["pixel_values_sha256"]
+    assert torch.equal(video.pixel_values, expected)
 
 
 def test_an_odd_clip_repeats_its_last_frame():
@@ -251,3 +299,23 @@ def test_limits_are_checked_when_made():
     for bad in ({"max_frames": 0}, {"max_bytes": -1}, {"max_fps": math.nan}, {"max_total_pixels": 1.5}):
         with pytest.raises(ValueError):
             VideoLimits(**bad)
+
+
+def test_video_settings_read_a_checkpoint_s_video_preprocessor_config():
+    """Qwen3-VL's shipped video_preprocessor_config.json (its values) gives the family's defaults; a file may turn
+    sampling off, change the rate or the budget; a bad value names the file."""
+    qwen3 = ImageProcessorConfig.from_dict({**TINY, "patch_size": 16})
+    shipped = {"do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "patch_size": 16,
+               "size": {"longest_edge": 25165824, "shortest_edge": 4096}, "image_mean": [0.5] * 3,
+               "image_std": [0.5] * 3, "temporal_patch_size": 2, "merge_size": 2}
+    default = VideoSettings.for_model("qwen3_vl", qwen3)
+    assert VideoSettings.for_model("qwen3_vl", qwen3, shipped) == default
+    assert (default.fps, default.pixels.min_pixels, default.pixels.max_pixels) == (2.0, 4096, 25165824)
+    off = VideoSettings.for_model("qwen3_vl", qwen3, {"do_sample_frames": False})
+    assert not off.samples and off.frame_indices(50, 30.0, "clip") == list(range(50))
+    assert VideoSettings.for_model("qwen3_vl", qwen3, {"do_sample_frames": True, "fps": 1}).fps == 1.0
+    assert not VideoSettings.for_model("qwen2_vl", CONFIG).samples  # Qwen2-VL keeps every frame
+    with pytest.raises(InvalidInputError, match="video_preprocessor_config.json: max_frames"):
+        VideoSettings.for_model("qwen3_vl", qwen3, {"max_frames": "many"})
+    with pytest.raises(InvalidInputError, match="at least 2 frames"):
+        default.resized(1, 64, 64, "clip")

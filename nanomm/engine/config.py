@@ -55,6 +55,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's current name for `speculative`
     limit_mm_per_prompt: dict | None = None  # {"image": k, "video": m}: sets limit_images/videos_per_prompt
     mm_processor_kwargs: dict | None = None  # {"min_pixels": .., "max_pixels": ..}: the engine's pixel cap
+    # {"video": {"fps": .., "num_frames": .., "min_frames": .., "max_frames": .., "video_max_pixels": ..}}: how the
+    # engine samples and caps videos, over the checkpoint's video_preprocessor_config.json (inputs/video_settings.py;
+    # a request's mm_processor_kwargs may change the sampling and lower the caps)
+    media_io_kwargs: dict | None = None
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
@@ -150,6 +154,10 @@ class EngineConfig:
                 if getattr(self, name) is not None and getattr(self, name) != value:
                     raise ValueError(f"{name} is given twice, as {getattr(self, name)} and in mm_processor_kwargs")
                 setattr(self, name, value)
+        if self.media_io_kwargs is not None and (not isinstance(self.media_io_kwargs, dict) or set(
+                self.media_io_kwargs) - {"video"} or not isinstance(self.media_io_kwargs.get("video", {}), dict)):
+            raise ValueError(f"media_io_kwargs must be a dict like {{'video': {{'num_frames': 32}}}}, got "
+                             f"{self.media_io_kwargs!r}")
         self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "

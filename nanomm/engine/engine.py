@@ -45,16 +45,19 @@ from nanomm.transfer import RemoteEncoder
 
 class LLMEngine:
     def __init__(self, model: Qwen2VL, tokenizer: Tokenizer, image_config: ImageProcessorConfig,
-                 config: EngineConfig, draft_model: Qwen2VL | None = None, make_runner=None):
+                 config: EngineConfig, draft_model: Qwen2VL | None = None, make_runner=None,
+                 video_preprocessor: dict | None = None):
         """config: with every None resolved (`LLM` does that): max_model_len, num_kv_blocks, max_num_encoder_tokens.
         make_runner(model, kv_cache, block_size, encoder_cache, trace, remote_encoder): another runner behind the
-        seam (the emulated device's, nanomm/emulate); None: the model's own, `ModelRunner`."""
+        seam (the emulated device's, nanomm/emulate); None: the model's own, `ModelRunner`.
+        video_preprocessor: the checkpoint's video_preprocessor_config.json, if it has one."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         text = model.config.text
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
                                         config.limit_images_per_prompt, config.visual_token_compression,
                                         OldImages(config.old_image_policy, config.keep_last_images),
-                                        config.limit_videos_per_prompt, _no_video_reason(model.config, config))
+                                        config.limit_videos_per_prompt, _no_video_reason(model.config, config),
+                                        _video_settings(model.config, image_config, video_preprocessor, config))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
@@ -515,7 +518,7 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
                          config.encoder_cache_size, shared, config.kv_cache_dtype)
 
 
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # model types whose video path is checked against transformers (lesson 17)
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # video checked against transformers (lesson 17)
 
 
 def _no_video_reason(model_config, config: EngineConfig) -> str | None:
@@ -525,6 +528,21 @@ def _no_video_reason(model_config, config: EngineConfig) -> str | None:
     if config.encoder_url is not None:
         return "videos are encoded by the engine's own vision tower only so far, not by an encoder service"
     return None
+
+
+def _video_settings(model_config, image_config, video_preprocessor: dict | None, config: EngineConfig):
+    """The engine's video settings where the checkpoint or the arguments set any (inputs/video_settings.py);
+    None: the family's, made when the first video comes (a pictures-only engine imports no video code)."""
+    if not video_preprocessor and not config.media_io_kwargs:
+        return None
+    from nanomm.inputs.video_settings import VideoSettings
+
+    try:
+        settings = VideoSettings.for_model(model_config.model_type, image_config, video_preprocessor)
+        return settings.with_request((config.media_io_kwargs or {}).get("video", {}), "media_io_kwargs['video']",
+                                     cap=False)
+    except InvalidInputError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _check_params(params, name: str) -> SamplingParams:

@@ -8,6 +8,7 @@ holds the expanded token ids, the preprocessed images, where each image's tokens
 positions, computed once and sliced by every chunk later.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,9 @@ from nanomm.inputs.tokenizer import Tokenizer
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
 LONG_CHAT_KEYS = {"old_image_policy", "keep_last_images"}  # inputs/old_images.py
-PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"} | LONG_CHAT_KEYS
+# inputs/video_settings.py REQUEST_KEYS: how a request's videos are sampled and capped (checked there, on use)
+VIDEO_KEYS = {"fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels"}
+PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"} | LONG_CHAT_KEYS | VIDEO_KEYS
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ValidatedPrompt:
     compression: CompressionPolicy | None = None  # the request's, else the engine's default
     old_images: OldImages = OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # for downscale and compress
     raw_videos: list = field(default_factory=list)  # clips for nanomm.inputs.video.load_video, in prompt order
+    video_kwargs: dict = field(default_factory=dict)  # the request's VIDEO_KEYS from mm_processor_kwargs
 
 
 class InputProcessor:
@@ -88,12 +92,14 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
                  max_model_len: int, limit_images_per_prompt: int = 16,
                  compression: CompressionPolicy | None = None, old_images: OldImages | None = None,
-                 limit_videos_per_prompt: int = 2, no_video_reason: str | None = None):
-        """no_video_reason: why this engine takes no video (a family not served yet, an encoder service), or None."""
+                 limit_videos_per_prompt: int = 2, no_video_reason: str | None = None, video_settings=None):
+        """no_video_reason: why this engine takes no video (an encoder service), or None. video_settings: the
+        engine's `VideoSettings` (inputs/video_settings.py); None: the family's, made when the first video comes."""
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
         self.compression = compression  # the engine's default visual-token compression (compression.py)
         self.limit_videos_per_prompt, self.no_video_reason = limit_videos_per_prompt, no_video_reason
+        self._video_settings = video_settings
         self.old_images = old_images or OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # old_images.py
         self.placeholder_ids = PlaceholderIds(model_config.image_token_id, model_config.vision_start_token_id,
                                               model_config.vision_end_token_id, tokenizer.encode(DROPPED_MARKER))
@@ -119,7 +125,11 @@ class InputProcessor:
             ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos)
+        video_kwargs = {key: value for key, value in (prompt.get("mm_processor_kwargs") or {}).items()
+                        if key in VIDEO_KEYS}
+        if videos and video_kwargs:  # checked here, before any frame is decoded
+            self.video_settings.with_request(video_kwargs, f"{name}: mm_processor_kwargs")
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos, video_kwargs)
 
     def _check_counts(self, ids: list[int], images: list, videos: list, name: str) -> None:
         """As many pictures and videos as their placeholders, within the limits, and videos only where served."""
@@ -141,21 +151,46 @@ class InputProcessor:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
         name = validated.name
         pictures = [self._preprocess_image(validated, i) for i in range(len(validated.raw_images))]
-        videos = [self._preprocess_video(clip, f"{name}, video {i}") for i, clip in enumerate(validated.raw_videos)]
+        videos = [self._preprocess_video(clip, validated.video_kwargs, f"{name}, video {i}")
+                  for i, clip in enumerate(validated.raw_videos)]
         images, pads = self._in_prompt_order(validated.token_ids, pictures, videos)  # pictures and videos
         try:
             ids = self.tokenizer.expand_visual_placeholders(validated.token_ids,
-                                                            [(pad, im.num_tokens) for pad, im in zip(pads, images)])
+                                                            [(pad, self._expansion(im)) for pad, im in zip(pads, images)])
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
         if len(ids) >= self.max_model_len:
             raise InvalidInputError(f"{name}: the prompt is {len(ids)} tokens (images expanded), which leaves no "
                                     f"room to generate within max_model_len={self.max_model_len}")
+        timestamped = any(getattr(im, "timestamps", None) for im in images)
+        if timestamped:  # Qwen3-VL: each temporal patch sits in the prompt as a picture of its own, after its time
+            images, pads = _temporal_units(images, pads)
         spans = _image_spans(ids, images, pads)
         positions, delta = self._positions(ids, images, bool(videos))
-        if videos:  # from here on, each temporal patch is a unit of its own: encoded and cached as prefill reaches it
-            images, spans = _split_videos(images, spans)
+        if videos and not timestamped:  # from here on, each temporal patch is a unit of its own, encoded and cached
+            images, spans = _split_videos(images, spans)  # as prefill reaches it
         return PreparedPrompt(validated.text, ids, images, spans, positions, delta, time.perf_counter())
+
+    def _expansion(self, item) -> int | list[int]:
+        """What one placeholder pad becomes: as many pads as visual tokens, or for a Qwen3-VL video, per temporal
+        patch, its time as text then its own <|vision_start|> pads <|vision_end|> (inside the placeholder's own)."""
+        if not getattr(item, "timestamps", None):
+            return item.num_tokens
+        from nanomm.inputs.video_settings import timestamp_text
+
+        cfg, pads = self.model_config, [self.model_config.video_token_id] * math.prod(item.token_grid[1:])
+        return [token for seconds in item.timestamps
+                for token in (self.tokenizer.encode(timestamp_text(seconds)) + [cfg.vision_start_token_id] + pads
+                              + [cfg.vision_end_token_id])]
+
+    @property
+    def video_settings(self):
+        """The engine's video settings (inputs/video_settings.py, imported with the first video)."""
+        if self._video_settings is None:
+            from nanomm.inputs.video_settings import VideoSettings
+
+            self._video_settings = VideoSettings.for_model(self.model_config.model_type, self.image_config)
+        return self._video_settings
 
     def _positions(self, ids: list[int], media: list, has_videos: bool) -> tuple[torch.Tensor, int]:
         """The expanded prompt's M-RoPE positions (3, L) and rope delta, from its whole pictures and videos."""
@@ -172,11 +207,13 @@ class InputProcessor:
         pictures_left, videos_left = iter(pictures), iter(videos)
         return [next(pictures_left) if pad == image_pad else next(videos_left) for pad in pads], pads
 
-    def _preprocess_video(self, clip, name: str):
-        """One video's frames, decoded and made into temporal patches (inputs/video.py, imported only for videos)."""
+    def _preprocess_video(self, clip, video_kwargs: dict, name: str):
+        """One video's frames, decoded, sampled and made into temporal patches (inputs/video.py, imported only for
+        videos), under the engine's video settings and what the request changed."""
         from nanomm.inputs.video import load_video, preprocess_video
 
-        return preprocess_video(load_video(clip, name), self.image_config, name=name)
+        settings = self.video_settings.with_request(video_kwargs, name) if video_kwargs else self.video_settings
+        return preprocess_video(load_video(clip, name), self.image_config, settings=settings, name=name)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
         """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
@@ -256,6 +293,16 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
 def _is_frame_list(items, key: str) -> bool:
     """A video given as a list of frames (PIL images) rather than a list of videos."""
     return key == "video" and bool(items) and all(isinstance(x, Image.Image) for x in items)
+
+
+def _temporal_units(items: list, pads: list[int]) -> tuple[list, list[int]]:
+    """Each video -> its temporal patches, each with the video's pad id; pictures pass through."""
+    units, unit_pads = [], []
+    for item, pad in zip(items, pads):
+        parts = item.temporal_groups() if getattr(item, "is_video", False) else [item]
+        units += parts
+        unit_pads += [pad] * len(parts)
+    return units, unit_pads
 
 
 def _split_videos(items: list, spans: list[ImageSpan]) -> tuple[list, list[ImageSpan]]:

@@ -156,9 +156,10 @@ class Tokenizer:
         """Replace the i-th single <|image_pad|> by tokens_per_image[i] copies of it."""
         return self.expand_visual_placeholders(ids, [(self.image_token_id, n) for n in tokens_per_image])
 
-    def expand_visual_placeholders(self, ids: list[int], items: list[tuple[int, int]]) -> list[int]:
+    def expand_visual_placeholders(self, ids: list[int], items: list[tuple[int, int | list[int]]]) -> list[int]:
         """items: (pad id, visual tokens) of each picture or video, in prompt order. The i-th single pad of
-        either kind becomes items[i]'s count of copies of it; it must be of items[i]'s kind."""
+        either kind becomes items[i]'s count of copies of it, or items[i]'s own token list (a Qwen3-VL video: its
+        temporal patches with their times); it must be of items[i]'s kind."""
         pads = {self.image_token_id} | {pad for pad, _ in items}  # a <|video_pad|> with no video is text
         positions = [p for p, t in enumerate(ids) if t in pads]
         if len(positions) != len(items):
@@ -172,12 +173,12 @@ class Tokenizer:
             if not well_formed or ids[p] != pad:
                 raise InvalidInputError(f"placeholder {k} (token {p}) is not {placeholder} with a single pad "
                                         "(is the prompt already expanded?)")
-            if not isinstance(n, int) or n < 1:
-                raise InvalidInputError(f"an image or video must have at least one visual token, got {n!r}")
+            if not (isinstance(n, list) and pad in n) and (not isinstance(n, int) or n < 1):
+                raise InvalidInputError(f"an image or video must have at least one visual token, got {n!r:.80}")
         out, start = [], 0
         for p, (pad, n) in zip(positions, items):
             out += ids[start:p]
-            out += [pad] * n
+            out += n if isinstance(n, list) else [pad] * n
             start = p + 1
         return out + ids[start:]
 

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
-from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, smart_resize, to_rgb
+from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, to_rgb
 from nanomm.inputs.image_io import _data_url_payload, _read_file, _short, decode_errors
+from nanomm.inputs.video_settings import VideoSettings
 
 DEFAULT_FPS = 2.0  # the frame rate of frames given as a list or an array, when the caller does not say
 VIDEO_FORMATS = ("GIF", "WEBP", "PNG")  # Pillow's animated formats (PNG covers APNG)
@@ -57,7 +58,7 @@ VIDEO_FORMATS = ("GIF", "WEBP", "PNG")  # Pillow's animated formats (PNG covers 
 # (which open further files or URLs) ever reads the caller's bytes.
 CONTAINER_DEMUXERS = {"MP4": "mov", "WebM": "matroska"}
 VIDEO_EXTRA = 'pip install "nanomm[video]"'
-HASH_VERSION = "nanomm-video-v1"  # bump when the preprocessing changes, so old cache keys stop matching
+HASH_VERSION = "nanomm-video-v2"  # bump when the preprocessing changes, so old cache keys stop matching
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class ProcessedVideo:
     grid_thw: tuple[int, int, int]  # (grid_t, grid_h, grid_w) in patch units; grid_t = T_padded / temporal_patch
     content_hash: str  # sha256 of the decoded frames and every parameter that changes the tokens or their places
     config: ImageProcessorConfig = field(repr=False)
-    fps: float
+    fps: float  # of the frames kept (transformers' sampled_fps): the clip's own rate unless frames were sampled
+    timestamps: tuple[float, ...] | None = None  # Qwen3-VL: each temporal patch's time in seconds, for the prompt
     compression = None  # class attributes: videos are not compressed (yet), and say what they are
     is_video = True
 
@@ -225,24 +227,30 @@ class VideoGroup:
 
 
 def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
-                     name: str = "video") -> ProcessedVideo:
-    """Resize, pad and hash one clip; min_pixels/max_pixels override the config's per-frame cap for this call."""
+                     name: str = "video", settings: VideoSettings | None = None) -> ProcessedVideo:
+    """Sample, resize, pad and hash one clip. settings: the family's video processor (inputs/video_settings.py);
+    None: Qwen2-VL's, every frame kept, each capped by config's min_pixels / max_pixels (or the ones given here)."""
     frames = _check_video_input(video, name)
-    min_pixels, max_pixels = _pixel_cap(config, min_pixels, max_pixels, name)
+    if settings is None:
+        lo, hi = _pixel_cap(config, min_pixels, max_pixels, name)
+        settings = VideoSettings("qwen2", replace(config, min_pixels=lo, max_pixels=hi))
+    pixels = settings.pixels
+    indices = settings.frame_indices(len(frames), video.fps, name)
     width, height = frames[0].size
-    resized = smart_resize(height, width, config.factor, min_pixels, max_pixels)
-    if resized[0] * resized[1] > config.max_image_pixels:  # a huge min_pixels would upscale every frame
-        raise InvalidInputError(f"{name}: min_pixels={min_pixels} would resize each frame to {resized[1]}x"
-                                f"{resized[0]}, over the pixel limit of {config.max_image_pixels:,} (max_image_pixels)")
-    clip = b"".join(frame.tobytes() for frame in frames)  # (T, H, W, 3) uint8
-    content_hash = _content_hash(clip, len(frames), (height, width), float(video.fps), resized, config,
-                                 min_pixels, max_pixels)
+    resized = settings.resized(len(indices), height, width, name)
+    if resized[0] * resized[1] > pixels.max_image_pixels:  # a huge min_pixels would upscale every frame
+        raise InvalidInputError(f"{name}: min_pixels={pixels.min_pixels} would resize each frame to {resized[1]}x"
+                                f"{resized[0]}, over the pixel limit of {pixels.max_image_pixels:,} (max_image_pixels)")
+    clip = b"".join(frames[i].tobytes() for i in indices)  # (T, H, W, 3) uint8: the kept frames
+    content_hash = _content_hash(clip, indices, len(frames), (height, width), float(video.fps), resized, settings)
     if resized != (height, width):  # torchvision returns a frame already at the size as is
-        clip = _resize_clip(clip, len(frames), (height, width), resized)  # (T, h, w, 3)
-    clip, padded = _pad_clip(clip, len(frames), config.temporal_patch_size)  # (T_padded, h, w, 3)
-    grid_thw = (padded // config.temporal_patch_size, resized[0] // config.patch_size,
-                resized[1] // config.patch_size)
-    return ProcessedVideo(clip, grid_thw, content_hash, config, float(video.fps))
+        clip = _resize_clip(clip, len(indices), (height, width), resized)  # (T, h, w, 3)
+    clip, padded = _pad_clip(clip, len(indices), pixels.temporal_patch_size)  # (T_padded, h, w, 3)
+    grid_thw = (padded // pixels.temporal_patch_size, resized[0] // pixels.patch_size,
+                resized[1] // pixels.patch_size)
+    sampled_fps = len(indices) / len(frames) * float(video.fps)
+    return ProcessedVideo(clip, grid_thw, content_hash, pixels, sampled_fps,
+                          settings.timestamps(indices, float(video.fps)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -634,18 +642,20 @@ def _patchify_video(x: torch.Tensor, config: ImageProcessorConfig) -> torch.Tens
     return x.reshape(grid_t * gh * gw, C * T * P * P)
 
 
-def _content_hash(clip: bytes, num_frames: int, size: tuple[int, int], fps: float, resized: tuple[int, int],
-                  config: ImageProcessorConfig, min_pixels: int, max_pixels: int) -> str:
-    """sha256 of "video:", the parameters as canonical JSON, a NUL, then the decoded (T, H, W, 3) frames in order.
+def _content_hash(clip: bytes, indices: list[int], total: int, size: tuple[int, int], fps: float,
+                  resized: tuple[int, int], settings: VideoSettings) -> str:
+    """sha256 of "video:", the parameters as canonical JSON, a NUL, then the kept (T, H, W, 3) frames in order.
 
-    fps is in it: it changes no pixel, but Qwen2.5-VL spaces the video's M-RoPE time ids by it, so two rates give
-    different KV for the same tokens (the prefix cache keys on this hash)."""
+    fps and which frames were kept are in it: they change no pixel, but Qwen2.5-VL spaces the video's M-RoPE time ids by it and Qwen3-VL writes
+    times into the prompt, so two rates give different KV for the same frames (the prefix cache keys on this hash)."""
+    config = settings.pixels
     params = {
-        "version": HASH_VERSION, "frames_thw": [num_frames, *size], "resized_hw": list(resized), "fps": fps,
-        "resample": "torch-bicubic-antialias-uint8", "min_pixels": min_pixels, "max_pixels": max_pixels,
+        "version": HASH_VERSION, "frames_thw": [total, *size], "kept_frames": indices, "resized_hw": list(resized),
+        "fps": fps,
+        "resample": "torch-bicubic-antialias-uint8", "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
         "patch_size": config.patch_size, "temporal_patch_size": config.temporal_patch_size,
         "merge_size": config.merge_size, "image_mean": list(config.image_mean), "image_std": list(config.image_std),
-        "rescale_factor": config.rescale_factor,
+        "rescale_factor": config.rescale_factor, "sampling": settings.describe(),
     }
     h = hashlib.sha256(b"video:" + json.dumps(params, sort_keys=True).encode() + b"\0")
     h.update(clip)

@@ -4,7 +4,8 @@ tests/test_video_processor.py feeds the same frames to nanomm.inputs.video and c
 video_grid_thw exactly. The processor is loaded the way transformers 5.24 loads it for a Qwen2-VL checkpoint
 that ships no video_preprocessor_config.json: AutoVideoProcessor.from_pretrained on a folder holding the tiny
 random checkpoint's preprocessor_config.json (nanomm.tools.hf_files.preprocessor_config, what make_checkpoint
-writes), whose min_pixels / max_pixels then apply per frame. It is called with its defaults (no frame sampling).
+writes), whose min_pixels / max_pixels then apply per frame. It is called with its defaults (no frame sampling),
+and for the SAMPLED clips with do_sample_frames=True, the clip's rate in video_metadata and a rate or a count.
 
 It needs torchvision, which the main environment must not have (it breaks transformers' Qwen2.5-VL import), so
 it runs in a side environment with torch, torchvision, transformers 5.24, numpy and safetensors:
@@ -45,6 +46,13 @@ CLIPS = {
     "upscale": (75, 2, 75, 100, (3136, 28 * 28 * 16)),  # both sides grow: 75x100 -> 84x112
     "mixed": (40, 3, 40, 130, None),  # one side shrinks, one grows: 40x130 -> 28x140 (torch and PIL differ most)
     "downscale": (70, 2, 70, 90, (3136, 3136)),  # both shrink under the cap: 70x90 -> 28x56
+}
+# Frame sampling, which the processor runs only when asked (do_sample_frames=True): name -> (seed, frames, height,
+# width, the clip's fps, the call's sampling settings)
+SAMPLED = {
+    "rate": (80, 30, 28, 56, 10.0, {"fps": 2}),  # 3 s at 10 fps, 2 a second: 6 frames, every fifth
+    "count": (81, 17, 28, 28, 24.0, {"num_frames": 5}),  # rounded to whole temporal patches: 4 frames
+    "min_frames": (82, 9, 28, 28, 30.0, {"fps": 2}),  # 0.3 s: min_frames (4) wins over the rate
 }
 
 
@@ -104,6 +112,23 @@ def main() -> None:
                        "pixel_values_shape": list(pixel_values.shape),
                        "pixel_values_sha256": sha256(pixel_values.numpy())}
         print(f"{name}: {video.shape} -> grid {grid[0].tolist()}, pixel_values {tuple(pixel_values.shape)}")
+
+    for name, (seed, frames, height, width, fps, sampling) in SAMPLED.items():
+        video = noise_frames(seed, frames, height, width)
+        out = processor(videos=[video], video_metadata=[{"fps": fps, "total_num_frames": frames}],
+                        do_sample_frames=True, return_metadata=True, return_tensors="pt", **sampling)
+        pixel_values, grid = out["pixel_values_videos"], out["video_grid_thw"]
+        table, codes = encode(pixel_values, channels=3)
+        assert torch.equal(decode(table, codes), pixel_values)
+        tensors[f"{name}.table"], tensors[f"{name}.codes"] = table, codes
+        indices = [int(i) for i in out["video_metadata"][0].frames_indices]
+        clips[name] = {"seed": seed, "frames_thwc": list(video.shape), "frames_sha256": sha256(video), "fps": fps,
+                       "sampling": sampling, "frames_indices": indices,
+                       "sampled_fps": out["video_metadata"][0].sampled_fps, "min_pixels": config["min_pixels"],
+                       "max_pixels": config["max_pixels"], "video_grid_thw": grid[0].tolist(),
+                       "pixel_values_shape": list(pixel_values.shape),
+                       "pixel_values_sha256": sha256(pixel_values.numpy())}
+        print(f"{name}: {video.shape} @ {fps} fps {sampling} -> frames {indices}, grid {grid[0].tolist()}")
 
     from safetensors.torch import save_file
     OUT.mkdir(parents=True, exist_ok=True)
