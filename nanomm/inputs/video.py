@@ -1,4 +1,4 @@
-"""Videos in, Qwen2-VL pixel patches out: load the frames safely, resize each one, pair them up, patchify.
+"""Videos in, pixel patches out: load the frames safely, keep some, resize each one, pair them up, patchify.
 
 A video is a stack of frames, and Qwen2-VL's vision tower already eats time: every patch row is
 C x T x P x P = 3 x 2 x 14 x 14 values, two frames deep. A still image fills the two slots with the same
@@ -13,12 +13,13 @@ Two stages, as for images:
      the header, before any pixel is decoded, and every problem is an `InvalidInputError` that names the input.
      Pillow decodes the animations; MP4 and WebM need the `video` extra (PyAV, FFmpeg's libraries, imported only
      when such a file arrives: scripts/bench_video_decoders.py measured it against the other decoders).
-  2. `preprocess_video` reproduces transformers 5.24's `Qwen2VLVideoProcessor` (Qwen2-VL and Qwen2.5-VL) as it
-     runs with its defaults on a checkpoint that ships only preprocessor_config.json, bit for bit
-     (tests/test_video_processor.py checks it against fixtures that transformers itself wrote):
-       - every frame is kept (the processor's do_sample_frames is False: choosing frames is the caller's job);
-       - smart_resize per frame, with the image processor's min_pixels / max_pixels (a per-frame cap, not a
-         per-clip one);
+  2. `preprocess_video` reproduces transformers 5.24's video processors bit for bit: `Qwen2VLVideoProcessor`
+     (Qwen2-VL, Qwen2.5-VL) and `Qwen3VLVideoProcessor` (tests/test_video_processor.py checks both against
+     fixtures that transformers itself wrote). Which frames are kept, the pixel cap and Qwen3-VL's timestamps are
+     the family's rules (inputs/video_settings.py); the rest is shared:
+       - the kept frames: every one for Qwen2-VL unless a rate or a count is asked for, 2 a second for Qwen3-VL;
+       - smart_resize, with the cap of each frame (Qwen2-VL: the image processor's min_pixels / max_pixels) or of
+         the whole clip (Qwen3-VL);
        - torch's antialiased bicubic resize of the uint8 frames, which is what torchvision runs on the CPU.
          It is not PIL's resize (the image path): along one axis the two agree to +-1, but where one side
          shrinks and the other grows they differ by up to about 20 levels;
