@@ -81,17 +81,27 @@ PREPROCESSING_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "image_
 
 
 def encode_request(images: list) -> bytes:
-    """The body of POST /v1/encode for these preprocessed images (`ProcessedImage`)."""
-    tensors = {f"rgb.{i}": torch.frombuffer(bytearray(im.resized_rgb), dtype=torch.uint8)
+    """The body of POST /v1/encode for these preprocessed images (`ProcessedImage`) and videos' temporal patches
+    (`VideoGroup`: its frames, "video": true, and the videos' own preprocessing constants, which may differ)."""
+    tensors = {f"rgb.{i}": torch.frombuffer(bytearray(_resized_rgb(im)), dtype=torch.uint8)
                for i, im in enumerate(images)}
     message = {
         "images": [{"grid_thw": list(im.grid_thw), "content_hash": im.content_hash,
                     "compression": None if im.compression is None else
                     {"method": im.compression.method, "keep_ratio": im.compression.keep_ratio}}
+                   | ({"video": True} if getattr(im, "is_video", False) else {})
                    for im in images],
-        "preprocessing": {key: getattr(images[0].config, key) for key in PREPROCESSING_KEYS},
     }
+    for kind, items in (("preprocessing", [im for im in images if not getattr(im, "is_video", False)]),
+                        ("video_preprocessing", [im for im in images if getattr(im, "is_video", False)])):
+        if items:
+            message[kind] = {key: getattr(items[0].config, key) for key in PREPROCESSING_KEYS}
     return pack(tensors, message)
+
+
+def _resized_rgb(item) -> bytes:
+    """A picture's resized pixels, or a temporal patch's frames: what the visual tokens are computed from."""
+    return item.frames_rgb if getattr(item, "is_video", False) else item.resized_rgb
 
 
 def read_encode_response(body: bytes, images: list, hidden_size: int, dtype: torch.dtype, peer: str,

@@ -221,17 +221,15 @@ def test_a_clip_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen2_vl):
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-5)
 
 
-def test_families_and_roles_without_a_checked_video_path_refuse_videos_by_name():
+def test_a_text_only_model_refuses_videos_by_name():
     from types import SimpleNamespace
 
     from nanomm.engine.config import EngineConfig
     from nanomm.engine.engine import _no_video_reason
 
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        assert _no_video_reason(SimpleNamespace(model_type=family), EngineConfig()) is None
-    assert "qwen2" in _no_video_reason(SimpleNamespace(model_type="qwen2"), EngineConfig())  # a text-only draft
-    assert "encoder service" in _no_video_reason(SimpleNamespace(model_type="qwen2_vl"),
-                                                 EngineConfig(encoder_url="http://127.0.0.1:9"))
+        assert _no_video_reason(SimpleNamespace(model_type=family)) is None
+    assert "qwen2" in _no_video_reason(SimpleNamespace(model_type="qwen2"))  # a text-only draft
     assert EngineConfig(limit_mm_per_prompt={"video": 0}).limit_videos_per_prompt == 0
 
 
@@ -458,3 +456,61 @@ def test_qwen3_vl_2b_widths_video_equals_transformers(tmp_path):
         assert [m.grid_thw for m in whole_media(prepared.images)][0] == (2, 4, 4)
         assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), "2b widths")
         assert_no_leaks(llm)
+
+
+# -- the encoder service encodes videos: a temporal patch at a time, cached by its own hash ----------------------
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_an_engine_with_an_encoder_service_answers_videos_as_one_with_its_own_tower(ckpt, qwen3_vl, family):
+    """Each temporal patch's two frames travel (uint8) with its hash; the service normalises them as videos are
+    normalised (inputs/video.py), runs its tower, and caches each patch: the same tokens and logprobs as an engine
+    with its own tower, DeepStack levels included, and a repeated clip is not encoded twice."""
+    import httpx
+
+    from nanomm.serve.app import BackgroundServer
+    from nanomm.serve.encoder_server import EncoderServer, load_encoder
+
+    folder = str(ckpt) if family == "qwen2_vl" else str(qwen3_vl[2])
+    prompts = [video_prompt(clip(6, 80, size=64), text="one"),
+               video_prompt(clip(4, 81, size=64), picture=random_image(64, 96, 82), text="two"),
+               video_prompt(clip(6, 80, size=64), text="the first clip again")]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    with BackgroundServer(EncoderServer(load_encoder(folder), "m")) as url, \
+            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0, encoder_url=url) as remote, \
+            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0) as local:
+        assert remote.model.visual is None
+        for mine, theirs in zip(remote.generate(prompts, params, use_tqdm=False),
+                                local.generate(prompts, params, use_tqdm=False)):
+            assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+            for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        metrics = httpx.get(url + "/metrics").text
+        encoded = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("nanomm_encoder_visual_tokens_total")]
+        assert encoded == [local.stats()["visual_tokens_encoded"]]  # the third prompt's clip: cache hits
+        assert_no_leaks(remote)
+
+
+def test_the_encoder_service_checks_a_video_patch_before_encoding(ckpt):
+    """A patch's frames must be whole, uncompressed, and preprocessed with this model's video constants."""
+    import httpx
+
+    from nanomm.serve.app import BackgroundServer
+    from nanomm.serve.encoder_server import EncoderServer, load_encoder
+    from nanomm.transfer import encode_request, unpack, pack
+
+    with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0) as llm:
+        group = llm.engine.prepare(video_prompt(clip(2, 90)), None).images[0]
+    tensors, message = unpack(encode_request([group]), "test")
+    assert message["images"][0]["video"] is True and tensors["rgb.0"].numel() == 2 * 56 * 56 * 3
+    bad = {"half the frames": ({"rgb.0": tensors["rgb.0"][: 56 * 56 * 3]}, message),
+           "compressed": (tensors, {**message, "images": [{**message["images"][0],
+                                                          "compression": {"method": "pool", "keep_ratio": 0.25}}]}),
+           "other constants": (tensors, {**message, "video_preprocessing": {**message["video_preprocessing"],
+                                                                            "image_mean": [0.5, 0.5, 0.5]}}),
+           "video: false": (tensors, {**message, "images": [{**message["images"][0], "video": False}]})}
+    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as url:
+        for what, (t, m) in bad.items():
+            answer = httpx.post(url + "/v1/encode", content=pack(t, m))
+            assert answer.status_code == 400, what
+        assert httpx.post(url + "/v1/encode", content=pack(tensors, message)).status_code == 200

@@ -56,7 +56,7 @@ class LLMEngine:
         self.processor = InputProcessor(tokenizer, model.config, image_config, config.max_model_len,
                                         config.limit_images_per_prompt, config.visual_token_compression,
                                         OldImages(config.old_image_policy, config.keep_last_images),
-                                        config.limit_videos_per_prompt, _no_video_reason(model.config, config),
+                                        config.limit_videos_per_prompt, _no_video_reason(model.config),
                                         _video_settings(model.config, image_config, video_preprocessor, config))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
@@ -521,12 +521,10 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # video checked against transformers (lesson 17)
 
 
-def _no_video_reason(model_config, config: EngineConfig) -> str | None:
-    """Why this engine takes no video, or None: videos go through this instance's own Qwen2-VL tower for now."""
+def _no_video_reason(model_config) -> str | None:
+    """Why this engine takes no video (a text-only model), or None."""
     if model_config.model_type not in VIDEO_FAMILIES:
-        return f"videos are served for {', '.join(VIDEO_FAMILIES)} models only so far, not {model_config.model_type}"
-    if config.encoder_url is not None:
-        return "videos are encoded by the engine's own vision tower only so far, not by an encoder service"
+        return f"videos are served for {', '.join(VIDEO_FAMILIES)} models, not {model_config.model_type}"
     return None
 
 

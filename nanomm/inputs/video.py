@@ -206,6 +206,17 @@ class VideoGroup:
     def content_hash(self) -> str:
         return hashlib.sha256(f"{self.video.content_hash}\0temporal patch {self.index}".encode()).hexdigest()
 
+    @property
+    def frames_rgb(self) -> bytes:
+        """(temporal_patch_size, H, W, 3) uint8: this patch's frames, resized (what an encoder service is sent)."""
+        frame_bytes = len(self.video.frames_rgb) // (self.video.grid_thw[0] * self.config.temporal_patch_size)
+        per_patch = frame_bytes * self.config.temporal_patch_size
+        return self.video.frames_rgb[self.index * per_patch:(self.index + 1) * per_patch]
+
+    @property
+    def config(self):
+        return self.video.config
+
     @cached_property
     def pixel_values(self) -> torch.Tensor:
         """(grid_h*grid_w, C*T*P*P) float32: this temporal patch's rows of the clip's pixel values."""

@@ -7,7 +7,9 @@ Lesson: lessons/13-three-topologies.md.
 
 POST /v1/encode takes the body transfer.py builds (each image's resized RGB bytes, patch grid,
 content hash and compression policy, and the preprocessing constants) and answers with each image's visual
-tokens (and a compressed image's kept coordinates), one safetensors body each way. The service keeps its own
+tokens (and a compressed image's kept coordinates), one safetensors body each way. A video comes a temporal
+patch at a time, as the engine's prefill reaches it (lesson 17): the patch's frames, marked "video", normalised
+with the videos' own constants (which the body carries too, and which are checked the same way). The service keeps its own
 encoder cache (engine/encoder_cache.py), keyed exactly as an engine's: sha256(image content hash, model
 identity). So a picture that many engines ask about is encoded once, and the cache can be as large as this
 instance's memory allows, apart from the KV pools.
@@ -52,10 +54,11 @@ class EncoderService:
     """The vision tower, its cache and its counters; `encode(body) -> body`, one call at a time."""
 
     def __init__(self, model, image_config: ImageProcessorConfig, cache_tokens: int = 65536, tower=None,
-                 counted_bytes=None):
+                 counted_bytes=None, video_config: ImageProcessorConfig | None = None):
         """tower(images) -> visual tokens, and counted_bytes(answer, images) -> what /metrics counts as sent: the
-        model's own tower and the answer's length unless given (the emulated device gives both: nanomm/emulate)."""
-        self.model, self.image_config = model, image_config
+        model's own tower and the answer's length unless given (the emulated device gives both: nanomm/emulate).
+        video_config: how videos are normalised and patched (inputs/video_settings.py); None: the family's."""
+        self.model, self.image_config, self._video_config = model, image_config, video_config
         self.tower = tower or (lambda images: encode_visual_tokens(self.model, images))
         self.counted_bytes = counted_bytes or (lambda answer, images: len(answer))
         self.model_identity = f"{model.name_or_path}:{model.dtype}"  # as the engine names it (engine.py)
@@ -105,22 +108,36 @@ class EncoderService:
             tensors, message = unpack(body, "the client")
         except PeerError as exc:
             raise InvalidInputError(str(exc)) from None
-        given = message.get("preprocessing") if isinstance(message, dict) else None
-        ours = {key: getattr(self.image_config, key) for key in PREPROCESSING_KEYS}
-        if not isinstance(given, dict) or {k: _tuple(given.get(k)) for k in ours} != {k: _tuple(v) for k, v in ours.items()}:
-            raise InvalidInputError(f"the images were preprocessed with {given!r:.200}; this encoder's model "
-                                    f"takes {ours}")
-        entries = message.get("images")
+        entries = message.get("images") if isinstance(message, dict) else None
         if not isinstance(entries, list) or not entries or len(tensors) != len(entries):
             raise InvalidInputError("the body must list at least one image, with one 'rgb.i' tensor each")
+        videos = sum(isinstance(entry, dict) and entry.get("video") is True for entry in entries)
+        if videos < len(entries) or "preprocessing" in message:
+            _check_preprocessing(message.get("preprocessing"), self.image_config, "images")
+        if videos or "video_preprocessing" in message:
+            _check_preprocessing(message.get("video_preprocessing"), self.video_config, "videos")
         return [self._image(i, entry, tensors.get(f"rgb.{i}")) for i, entry in enumerate(entries)]
 
-    def _image(self, i: int, entry, rgb: torch.Tensor | None) -> ProcessedImage:
+    @property
+    def video_config(self) -> ImageProcessorConfig:
+        """How this model's videos are normalised: the family's (imported with the first video)."""
+        if self._video_config is None:
+            from nanomm.inputs.video_settings import VideoSettings
+
+            self._video_config = VideoSettings.for_model(self.model.config.model_type, self.image_config).pixels
+        return self._video_config
+
+    def _image(self, i: int, entry, rgb: torch.Tensor | None):
+        """A picture (`ProcessedImage`), or a video's temporal patch: a one-patch `ProcessedVideo`."""
         name = f"image {i}"
-        if not isinstance(entry, dict) or set(entry) != {"grid_thw", "content_hash", "compression"}:
-            raise InvalidInputError(f"{name}: needs exactly grid_thw, content_hash and compression")
+        keys = {"grid_thw", "content_hash", "compression"}
+        if not isinstance(entry, dict) or set(entry) - {"video"} != keys or entry.get("video", True) is not True:
+            raise InvalidInputError(f"{name}: needs exactly grid_thw, content_hash and compression (and "
+                                    "'video': true for a video's temporal patch)")
+        video = entry.get("video", False)
         grid, content_hash = entry["grid_thw"], entry["content_hash"]
-        cfg, merge = self.image_config, self.image_config.merge_size
+        cfg = self.video_config if video else self.image_config
+        merge = cfg.merge_size
         if not (isinstance(grid, list) and len(grid) == 3 and all(type(g) is int and g > 0 for g in grid)
                 and grid[0] == 1 and grid[1] % merge == 0 and grid[2] % merge == 0):
             raise InvalidInputError(f"{name}: grid_thw must be [1, h, w] with h and w multiples of {merge}, "
@@ -128,12 +145,26 @@ class EncoderService:
         pixels = grid[1] * grid[2] * cfg.patch_size ** 2
         if pixels > cfg.max_image_pixels:
             raise InvalidInputError(f"{name}: {pixels:,} pixels, over this encoder's limit of {cfg.max_image_pixels:,}")
-        if rgb is None or rgb.dtype != torch.uint8 or tuple(rgb.shape) != (pixels * 3,):
-            raise InvalidInputError(f"{name}: 'rgb.{i}' must be {pixels * 3} uint8 values for grid {grid}")
+        frames = cfg.temporal_patch_size if video else 1
+        if rgb is None or rgb.dtype != torch.uint8 or tuple(rgb.shape) != (frames * pixels * 3,):
+            raise InvalidInputError(f"{name}: 'rgb.{i}' must be {frames * pixels * 3} uint8 values for grid {grid}")
         if not (isinstance(content_hash, str) and HEX64.fullmatch(content_hash)):
             raise InvalidInputError(f"{name}: content_hash must be 64 lowercase hex digits")
         policy = parse_policy(entry["compression"], f"{name}: compression")
+        if video:
+            if policy is not None:
+                raise InvalidInputError(f"{name}: a video's tokens are not compressed")
+            from nanomm.inputs.video import ProcessedVideo
+
+            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0)
         return ProcessedImage(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy)
+
+
+def _check_preprocessing(given, config: ImageProcessorConfig, what: str) -> None:
+    """The constants the engine preprocessed with must be this model's: other ones give tokens that mean nothing."""
+    ours = {key: getattr(config, key) for key in PREPROCESSING_KEYS}
+    if not isinstance(given, dict) or {k: _tuple(given.get(k)) for k in ours} != {k: _tuple(v) for k, v in ours.items()}:
+        raise InvalidInputError(f"the {what} were preprocessed with {given!r:.200}; this encoder's model takes {ours}")
 
 
 def _tuple(value):
@@ -188,6 +219,7 @@ def load_encoder(folder: str, device: str | None = None, dtype: str | None = Non
     """The model's vision tower, on cuda in bfloat16 when there is one (as `LLM` chooses), without its decoder."""
     from dataclasses import replace
 
+    from nanomm.model.config import read_checkpoint_json
     from nanomm.model.loader import load_model, resolve_checkpoint
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -198,4 +230,10 @@ def load_encoder(folder: str, device: str | None = None, dtype: str | None = Non
     image_config = ImageProcessorConfig.from_pretrained(path)
     if max_pixels is not None:
         image_config = replace(image_config, max_pixels=max_pixels)
-    return EncoderService(model, image_config)
+    video_file = read_checkpoint_json(path / "video_preprocessor_config.json", required=False)
+    video_config = None
+    if video_file:  # else the family's, when the first video comes
+        from nanomm.inputs.video_settings import VideoSettings
+
+        video_config = VideoSettings.for_model(model.config.model_type, image_config, video_file).pixels
+    return EncoderService(model, image_config, video_config=video_config)
