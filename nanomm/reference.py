@@ -89,11 +89,13 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     visual_ids = {cfg.image_token_id} | ({cfg.video_token_id} if videos else set())  # prompt pads = its media
     if cfg.has_vision:
         placed, compressed = placed_media(images, compressed or [None] * len(images))
+        intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in placed]
+        compressed = [m.pruned_layout(interval) if getattr(m, "kept_rows", None) is not None else packed
+                      for m, interval, packed in zip(placed, intervals, compressed)]  # pruned: where they sat
         positions, delta = mrope_positions(prompt_ids, [tuple(m.grid_thw) for m in placed], cfg.image_token_id,
                                            cfg.vision.spatial_merge_size, compressed,
                                            video_token_id=cfg.video_token_id if videos else None,
-                                           time_intervals=[video_time_interval(m, cfg.vision.tokens_per_second)
-                                                           for m in placed])
+                                           time_intervals=intervals)
     else:  # a text-only Qwen2 model: every token is text
         positions, delta = text_positions(len(prompt_ids)), 0
     kv_cache = ContiguousKVCache(cfg.text.num_hidden_layers, kv_cache_dtype)

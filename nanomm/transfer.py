@@ -90,6 +90,7 @@ def encode_request(images: list) -> bytes:
                     "compression": None if im.compression is None else
                     {"method": im.compression.method, "keep_ratio": im.compression.keep_ratio}}
                    | ({"video": True} if getattr(im, "is_video", False) else {})
+                   | ({"kept": im.kept_rows.tolist()} if getattr(im, "kept_rows", None) is not None else {})
                    for im in images],
     }
     for kind, items in (("preprocessing", [im for im in images if not getattr(im, "is_video", False)]),

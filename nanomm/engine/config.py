@@ -59,6 +59,8 @@ class EngineConfig:
     # engine samples and caps videos, over the checkpoint's video_preprocessor_config.json (inputs/video_settings.py;
     # a request's mm_processor_kwargs may change the sampling and lower the caps)
     media_io_kwargs: dict | None = None
+    video_pruning_rate: float = 0.0  # vLLM's name: drop this share of each later temporal patch's least-changed
+    #                                  tokens (inputs/video_pruning.py); a request's mm_processor_kwargs may set it
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)

@@ -531,14 +531,15 @@ def _no_video_reason(model_config) -> str | None:
 def _video_settings(model_config, image_config, video_preprocessor: dict | None, config: EngineConfig):
     """The engine's video settings where the checkpoint or the arguments set any (inputs/video_settings.py);
     None: the family's, made when the first video comes (a pictures-only engine imports no video code)."""
-    if not video_preprocessor and not config.media_io_kwargs:
+    if not video_preprocessor and not config.media_io_kwargs and not config.video_pruning_rate:
         return None
     from nanomm.inputs.video_settings import VideoSettings
 
     try:
         settings = VideoSettings.for_model(model_config.model_type, image_config, video_preprocessor)
-        return settings.with_request((config.media_io_kwargs or {}).get("video", {}), "media_io_kwargs['video']",
-                                     cap=False)
+        settings = settings.with_request((config.media_io_kwargs or {}).get("video", {}), "media_io_kwargs['video']",
+                                         cap=False)
+        return settings.with_request({"video_pruning_rate": config.video_pruning_rate}, "engine", cap=False)
     except InvalidInputError as exc:
         raise ValueError(str(exc)) from None
 

@@ -162,8 +162,15 @@ def encode_visual_tokens(model, images: list) -> list[VisualTokens]:
         embeds, attention = model.encode_images(pixels, grids, received_attention=True)
     else:
         embeds, attention = model.encode_images(pixels, grids), [None] * len(images)
-    return [compress(e, im.token_grid, im.compression, seed_of(im.content_hash), a)
+    return [compress(_pruned(e, im), im.token_grid, im.compression, seed_of(im.content_hash), a)
             for e, im, a in zip(embeds, images, attention)]
+
+
+def _pruned(embeds: torch.Tensor, item) -> torch.Tensor:
+    """A pruned video's kept tokens (inputs/video_pruning.py: chosen from its pixels, before the tower ran), at
+    every DeepStack level; anything else whole."""
+    rows = getattr(item, "kept_rows", None)
+    return embeds if rows is None else embeds.index_select(-2, rows.to(embeds.device))
 
 
 def _pool(embeds: torch.Tensor, grid: tuple[int, int, int], window: tuple[int, int]) -> VisualTokens:

@@ -8,7 +8,6 @@ holds the expanded token ids, the preprocessed images, where each image's tokens
 positions, computed once and sliced by every chunk later.
 """
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +27,8 @@ PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_k
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
 LONG_CHAT_KEYS = {"old_image_policy", "keep_last_images"}  # inputs/old_images.py
 # inputs/video_settings.py REQUEST_KEYS: how a request's videos are sampled and capped (checked there, on use)
-VIDEO_KEYS = {"fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels"}
+VIDEO_KEYS = {"fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels",
+              "video_pruning_rate"}
 PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"} | LONG_CHAT_KEYS | VIDEO_KEYS
 
 
@@ -178,10 +178,10 @@ class InputProcessor:
             return item.num_tokens
         from nanomm.inputs.video_settings import timestamp_text
 
-        cfg, pads = self.model_config, [self.model_config.video_token_id] * math.prod(item.token_grid[1:])
-        return [token for seconds in item.timestamps
-                for token in (self.tokenizer.encode(timestamp_text(seconds)) + [cfg.vision_start_token_id] + pads
-                              + [cfg.vision_end_token_id])]
+        cfg = self.model_config
+        return [token for seconds, patch in zip(item.timestamps, item.temporal_groups())
+                for token in (self.tokenizer.encode(timestamp_text(seconds)) + [cfg.vision_start_token_id]
+                              + [cfg.video_token_id] * patch.num_tokens + [cfg.vision_end_token_id])]
 
     @property
     def video_settings(self):
@@ -193,12 +193,15 @@ class InputProcessor:
         return self._video_settings
 
     def _positions(self, ids: list[int], media: list, has_videos: bool) -> tuple[torch.Tensor, int]:
-        """The expanded prompt's M-RoPE positions (3, L) and rope delta, from its whole pictures and videos."""
+        """The expanded prompt's M-RoPE positions (3, L) and rope delta, from its whole pictures and videos. A pruned
+        video's kept tokens keep the positions they had unpruned (inputs/video_pruning.py)."""
         cfg = self.model_config
+        intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in media]
+        placed = [m.pruned_layout(interval) if getattr(m, "kept_rows", None) is not None else origin
+                  for m, interval, origin in zip(media, intervals, _compressed_image_origins(media))]
         return mrope_positions(ids, [m.grid_thw for m in media], cfg.image_token_id, cfg.vision.spatial_merge_size,
-                               _compressed_image_origins(media),
-                               video_token_id=cfg.video_token_id if has_videos else None,
-                               time_intervals=[video_time_interval(m, cfg.vision.tokens_per_second) for m in media])
+                               placed, video_token_id=cfg.video_token_id if has_videos else None,
+                               time_intervals=intervals)
 
     def _in_prompt_order(self, ids: list[int], pictures: list, videos: list) -> tuple[list, list[int]]:
         """The pictures and videos in the order their placeholders appear, and each one's pad token id."""

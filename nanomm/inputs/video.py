@@ -50,7 +50,9 @@ from PIL import Image
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
 from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, to_rgb
 from nanomm.inputs.image_io import _data_url_payload, _read_file, _short, decode_errors
+from nanomm.inputs.video_pruning import kept_per_patch
 from nanomm.inputs.video_settings import VideoSettings
+from nanomm.model.rope import spaced_in_time
 
 DEFAULT_FPS = 2.0  # the frame rate of frames given as a list or an array, when the caller does not say
 VIDEO_FORMATS = ("GIF", "WEBP", "PNG")  # Pillow's animated formats (PNG covers APNG)
@@ -134,6 +136,7 @@ class ProcessedVideo:
     config: ImageProcessorConfig = field(repr=False)
     fps: float  # of the frames kept (transformers' sampled_fps): the clip's own rate unless frames were sampled
     timestamps: tuple[float, ...] | None = None  # Qwen3-VL: each temporal patch's time in seconds, for the prompt
+    kept: tuple[torch.Tensor, ...] | None = None  # per temporal patch, the tokens pruning keeps (video_pruning.py)
     compression = None  # class attributes: videos are not compressed (yet), and say what they are
     is_video = True
 
@@ -167,8 +170,24 @@ class ProcessedVideo:
 
     @property
     def num_tokens(self) -> int:
-        """The number of <|video_pad|> tokens: every encoded token (videos are not compressed)."""
-        return self.num_encoded_tokens
+        """The number of <|video_pad|> tokens: every encoded token, or those pruning keeps."""
+        return self.num_encoded_tokens if self.kept is None else sum(len(k) for k in self.kept)
+
+    @property
+    def kept_rows(self) -> torch.Tensor | None:
+        """Which of the clip's encoded tokens (t-major) the language model gets; None: all of them."""
+        if self.kept is None:
+            return None
+        per_patch = math.prod(self.token_grid[1:])
+        return torch.cat([g * per_patch + k for g, k in enumerate(self.kept)])
+
+    def pruned_layout(self, interval: float | None):
+        """(extent, (3, kept tokens) coordinates) of a pruned clip's tokens, each where it sat unpruned (the
+        time axis spaced by `interval`, as M-RoPE places it); None if nothing was pruned."""
+        if self.kept is None:
+            return None
+        extent, coords = spaced_in_time(self.token_grid, interval)
+        return extent, coords[:, self.kept_rows]
 
     @property
     def position_extent(self) -> int:
@@ -235,7 +254,20 @@ class VideoGroup:
     def num_encoded_tokens(self) -> int:
         return math.prod(self.token_grid)
 
-    num_tokens = num_encoded_tokens
+    @property
+    def kept_rows(self) -> torch.Tensor | None:
+        return None if self.video.kept is None else self.video.kept[self.index]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_encoded_tokens if self.kept_rows is None else len(self.kept_rows)
+
+    def pruned_layout(self, interval: float | None = None):
+        """A Qwen3-VL patch placed as a picture of its own: (extent, coordinates of its kept tokens), or None."""
+        if self.kept_rows is None:
+            return None
+        extent, coords = spaced_in_time(self.token_grid, None)
+        return extent, coords[:, self.kept_rows]
 
 
 def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,
@@ -261,8 +293,12 @@ def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pix
     grid_thw = (padded // pixels.temporal_patch_size, resized[0] // pixels.patch_size,
                 resized[1] // pixels.patch_size)
     sampled_fps = len(indices) / len(frames) * float(video.fps)
+    kept = None
+    if settings.pruning_rate:
+        frames_thwc = torch.frombuffer(bytearray(clip), dtype=torch.uint8).view(padded, *resized, 3)
+        kept = tuple(kept_per_patch(frames_thwc, pixels.factor, pixels.temporal_patch_size, settings.pruning_rate))
     return ProcessedVideo(clip, grid_thw, content_hash, pixels, sampled_fps,
-                          settings.timestamps(indices, float(video.fps)))
+                          settings.timestamps(indices, float(video.fps)), kept)
 
 
 # ---------------------------------------------------------------------------------------------------------------

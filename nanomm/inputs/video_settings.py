@@ -30,7 +30,7 @@ QWEN3_MEAN_STD = (0.5, 0.5, 0.5)
 # The keys a request's mm_processor_kwargs (or the engine's media_io_kwargs["video"]) may set for its videos.
 SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
 PIXEL_KEYS = ("video_min_pixels", "video_max_pixels")
-REQUEST_KEYS = SAMPLING_KEYS + PIXEL_KEYS
+REQUEST_KEYS = SAMPLING_KEYS + PIXEL_KEYS + ("video_pruning_rate",)  # the last: inputs/video_pruning.py
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class VideoSettings:
     """rules: "qwen2" (Qwen2-VL, Qwen2.5-VL) or "qwen3" (Qwen3-VL): which of transformers' processors to follow.
     pixels: the patch geometry and normalisation, with min_pixels/max_pixels the cap per frame ("qwen2") or per
     clip ("qwen3"). fps / num_frames: sample that many frames a second, or that many in all (at most one of the
-    two); neither: keep every frame. Sampling keeps between min_frames and max_frames."""
+    two); neither: keep every frame. Sampling keeps between min_frames and max_frames. pruning_rate: the share of
+    each later temporal patch's tokens dropped where they barely change (inputs/video_pruning.py)."""
 
     rules: str
     pixels: ImageProcessorConfig
@@ -46,6 +47,7 @@ class VideoSettings:
     num_frames: int | None = None
     min_frames: int = 4
     max_frames: int = 768
+    pruning_rate: float = 0.0
 
     @classmethod
     def for_model(cls, model_type: str, image_config: ImageProcessorConfig,
@@ -80,7 +82,7 @@ class VideoSettings:
         unknown = set(kwargs) - set(REQUEST_KEYS)
         if unknown:
             raise InvalidInputError(f"{name}: unknown video settings {sorted(unknown)}; allowed: {list(REQUEST_KEYS)}")
-        new = {}
+        new, changes = {}, {}
         for key in ("num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels"):
             if kwargs.get(key) is not None:
                 new[key] = check_int(kwargs[key], f"{name}: {key}", error=InvalidInputError)
@@ -88,18 +90,22 @@ class VideoSettings:
             if not is_finite_number(kwargs["fps"]) or kwargs["fps"] <= 0:
                 raise InvalidInputError(f"{name}: fps must be a positive number, got {kwargs['fps']!r}")
             new["fps"] = float(kwargs["fps"])
+        if kwargs.get("video_pruning_rate") is not None:
+            from nanomm.inputs.video_pruning import check_pruning_rate
+
+            changes["pruning_rate"] = check_pruning_rate(kwargs["video_pruning_rate"], f"{name}: video_pruning_rate")
         if "fps" in new and "num_frames" in new:
             raise InvalidInputError(f"{name}: give fps or num_frames, not both")
         if cap:
             self._check_caps(new, name)
-        sampling = {key: new[key] for key in ("min_frames", "max_frames") if key in new}
+        changes.update({key: new[key] for key in ("min_frames", "max_frames") if key in new})
         if "fps" in new or "num_frames" in new:  # one replaces the other
-            sampling.update(fps=new.get("fps"), num_frames=new.get("num_frames"))
+            changes.update(fps=new.get("fps"), num_frames=new.get("num_frames"))
         lo, hi = new.get("video_min_pixels"), new.get("video_max_pixels", self.pixels.max_pixels)
         lo = min(self.pixels.min_pixels, hi) if lo is None else lo  # a lower cap takes the floor down with it
         if lo > hi:
             raise InvalidInputError(f"{name}: video_min_pixels ({lo}) is over video_max_pixels ({hi})")
-        settings = replace(self, pixels=replace(self.pixels, min_pixels=lo, max_pixels=hi), **sampling)
+        settings = replace(self, pixels=replace(self.pixels, min_pixels=lo, max_pixels=hi), **changes)
         if settings.min_frames > settings.max_frames:
             raise InvalidInputError(f"{name}: min_frames ({settings.min_frames}) is over max_frames "
                                     f"({settings.max_frames})")
@@ -149,7 +155,7 @@ class VideoSettings:
     def describe(self) -> dict:
         """The settings that change a clip's tokens, for its content hash."""
         return {"rules": self.rules, "fps": self.fps, "num_frames": self.num_frames, "min_frames": self.min_frames,
-                "max_frames": self.max_frames}
+                "max_frames": self.max_frames, "pruning_rate": self.pruning_rate}
 
 
 def timestamp_text(seconds: float) -> str:

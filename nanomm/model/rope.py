@@ -63,7 +63,7 @@ def mrope_positions(input_ids: list[int], image_grids: list[tuple[int, int, int]
                 raise ValueError(f"prompt has more than {k} image spans but {len(image_grids)} images were given")
             t, h, w = image_grids[k]
             grid = (t, h // spatial_merge_size, w // spatial_merge_size)
-            extent, coords = compressed[k] or _spaced_in_time(grid, time_intervals[k])
+            extent, coords = compressed[k] or spaced_in_time(grid, time_intervals[k])
             blocks.append(coords + start)  # (3, tokens)
             start += extent
             i += coords.shape[1]
@@ -88,7 +88,7 @@ def video_time_interval(item, tokens_per_second: float) -> float | None:
     return (torch.tensor(item.second_per_grid, dtype=torch.float32) * tokens_per_second).item()
 
 
-def _spaced_in_time(grid: tuple[int, int, int], interval: float | None) -> tuple[int, torch.Tensor]:
+def spaced_in_time(grid: tuple[int, int, int], interval: float | None) -> tuple[int, torch.Tensor]:
     """(extent, (3, t*h*w) coordinates) of a merged grid whose temporal patches are `interval` time ids apart
     (None: 1 apart). The extent is one past the largest coordinate."""
     coords = grid_positions(*grid)

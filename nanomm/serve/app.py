@@ -422,6 +422,8 @@ def parse_args(argv=None):
     p.add_argument("--media-io-kwargs", type=_json_object, metavar="JSON",
                    help='how videos are sampled and capped, as in vLLM: \'{"video": {"num_frames": 32}}\' (keys: fps, '
                         "num_frames, min_frames, max_frames, video_min_pixels, video_max_pixels)")
+    p.add_argument("--video-pruning-rate", type=float, default=0.0,
+                   help="drop this share of each later temporal patch's least-changed tokens (EVS, lesson 17)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level ('info' logs every request)")
     return p.parse_args(argv)
@@ -495,7 +497,8 @@ def main(argv=None) -> int:
               max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
               encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
               kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,
-              emulate_cost_file=args.emulate_cost_file, media_io_kwargs=args.media_io_kwargs, **_long_chat_args(args))
+              emulate_cost_file=args.emulate_cost_file, media_io_kwargs=args.media_io_kwargs,
+              video_pruning_rate=args.video_pruning_rate, **_long_chat_args(args))
     config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
                           args.allowed_local_media_path, role=args.role, encoder_urls=tuple(args.encoder_url),
                           kv_pull_timeout_s=args.peer_timeout, gpu_hourly_price=args.gpu_hourly_price)

@@ -131,9 +131,10 @@ class EncoderService:
         """A picture (`ProcessedImage`), or a video's temporal patch: a one-patch `ProcessedVideo`."""
         name = f"image {i}"
         keys = {"grid_thw", "content_hash", "compression"}
-        if not isinstance(entry, dict) or set(entry) - {"video"} != keys or entry.get("video", True) is not True:
+        if (not isinstance(entry, dict) or set(entry) - {"video", "kept"} != keys or entry.get("video", True) is not True
+                or ("kept" in entry and "video" not in entry)):
             raise InvalidInputError(f"{name}: needs exactly grid_thw, content_hash and compression (and "
-                                    "'video': true for a video's temporal patch)")
+                                    "'video': true for a video's temporal patch, with 'kept' if it was pruned)")
         video = entry.get("video", False)
         grid, content_hash = entry["grid_thw"], entry["content_hash"]
         cfg = self.video_config if video else self.image_config
@@ -155,8 +156,11 @@ class EncoderService:
             if policy is not None:
                 raise InvalidInputError(f"{name}: a video's tokens are not compressed")
             from nanomm.inputs.video import ProcessedVideo
+            from nanomm.inputs.video_pruning import check_kept
 
-            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0)
+            kept = None if "kept" not in entry else (
+                check_kept(entry["kept"], grid[1] * grid[2] // merge ** 2, f"{name}: kept"),)
+            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0, kept=kept)
         return ProcessedImage(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy)
 
 
