@@ -1,7 +1,8 @@
-"""Videos through the engine (lesson 17): Qwen2-VL's greedy tokens and logits equal transformers' on clips fed as
-pixel_values_videos, and the engine equals its dense reference when chunks cut temporal groups, blocks are small,
-the prefix cache serves a second pass and the encoder cache a repeated clip. The video processor itself is checked
-against transformers' in tests/test_video_processor.py."""
+"""Videos through the engine (lesson 17): Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's greedy tokens and logits equal
+transformers' on clips fed as pixel_values_videos, at tiny and real widths, and the engine equals its dense reference
+when chunks cut temporal groups, blocks are small, the prefix cache serves a second pass, the encoder cache a
+repeated clip, and an encoder service the tower. The video processors themselves are checked against transformers'
+in tests/test_video_processor.py; pruning in tests/test_video_pruning.py."""
 
 import numpy as np
 from PIL import Image
@@ -41,7 +42,8 @@ def video_prompt(*videos, text: str = "what happens?", picture=None) -> dict:
 
 
 def hf_video_inputs(llm, prepared) -> dict:
-    """transformers' inputs for an expanded prompt whose media are videos (and pictures), in prompt order."""
+    """transformers' inputs for an expanded prompt whose media are videos (and pictures), in prompt order (and
+    Qwen2.5-VL's seconds per temporal patch)."""
     cfg = llm.model.config
     ids = torch.tensor([prepared.token_ids])
     media = whole_media(prepared.images)
@@ -52,6 +54,8 @@ def hf_video_inputs(llm, prepared) -> dict:
     if videos:
         inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
         inputs["video_grid_thw"] = torch.tensor([list(v.grid_thw) for v in videos])
+        if cfg.model_type == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in videos], dtype=torch.float32)
     if pictures:
         inputs["pixel_values"] = torch.cat([p.pixel_values for p in pictures])
         inputs["image_grid_thw"] = torch.tensor([list(p.grid_thw) for p in pictures])
@@ -320,9 +324,7 @@ def test_qwen2_5_vl_spaces_temporal_patches_by_seconds_as_transformers_does(qwen
     interval = float(torch.tensor(2 / fps, dtype=torch.float32) * 2)
     expected = [first + int(torch.tensor(g, dtype=torch.float32) * torch.tensor(interval)) for g in range(4)]
     assert prepared.positions[0, first:first + 4 * 64:64].tolist() == expected
-    inputs = hf_video_inputs(llm, prepared)
-    inputs["second_per_grid_ts"] = torch.tensor([video.second_per_grid], dtype=torch.float32)
-    assert_answer_is_transformers(out, oracle, inputs, fps)
+    assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), fps)
     assert_no_leaks(llm)
 
 
@@ -436,28 +438,6 @@ def test_qwen3_vl_videos_through_the_engine_equal_the_dense_reference(qwen3_vl, 
         assert out.metrics.encoder_cache_hits == 3 and out.metrics.encode_s == 0
 
 
-@pytest.mark.slow
-def test_qwen3_vl_2b_widths_video_equals_transformers(tmp_path):
-    """Qwen3-VL-2B's widths and real vocabulary, depths cut (tests/hf_checkpoints.py): a sampled clip and a picture."""
-    from hf_checkpoints import QWEN3_2B_CUT, make_hf_checkpoint
-
-    folder = make_hf_checkpoint(tmp_path / "2b", "qwen3_vl", text=QWEN3_2B_CUT["text"], vision=QWEN3_2B_CUT["vision"],
-                                tie_word_embeddings=True, tokenizer="qwen")
-    oracle = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager").eval()
-    frames = VideoInput(tuple(Image.fromarray(f) for f in clip(12, 70, size=64)), 6.0)  # 2 a second: 4 of 12
-    prompt = video_prompt(frames, picture=random_image(64, 96, 71))
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             max_num_batched_tokens=24, block_size=4) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                logprobs=llm.model.config.text.vocab_size)
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        prepared = llm.engine.prepare(prompt, params)
-        assert [m.grid_thw for m in whole_media(prepared.images)][0] == (2, 4, 4)
-        assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), "2b widths")
-        assert_no_leaks(llm)
-
-
 # -- the encoder service encodes videos: a temporal patch at a time, cached by its own hash ----------------------
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
@@ -514,3 +494,53 @@ def test_the_encoder_service_checks_a_video_patch_before_encoding(ckpt):
             answer = httpx.post(url + "/v1/encode", content=pack(t, m))
             assert answer.status_code == 400, what
         assert httpx.post(url + "/v1/encode", content=pack(tensors, message)).status_code == 200
+
+
+# -- the four clips of every family, at tiny and real widths ------------------------------------------------------
+
+def four_clips(factor: int, fps: float) -> dict:
+    """16 frames, an odd count, two videos, a video with a picture: frames of whole tokens (factor pixels), each
+    clip with no more temporal patches than rows of tokens (where transformers 5.24's position rule agrees)."""
+    def video(num_frames, seed, tokens):
+        return VideoInput(tuple(Image.fromarray(f) for f in clip(num_frames, seed, size=factor * tokens)), fps)
+    return {"16 frames": video_prompt(video(16, 101, 8)), "an odd frame count": video_prompt(video(5, 102, 3)),
+            "two videos": video_prompt(video(4, 103, 2), video(6, 104, 3)),
+            "a video and a picture": video_prompt(video(4, 105, 2), picture=random_image(3 * factor, 2 * factor, 106))}
+
+
+def assert_four_clips_equal_transformers(llm, oracle, fps: float) -> None:
+    factor = llm.image_config.factor
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
+    for name, prompt in four_clips(factor, fps).items():
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        prepared = llm.engine.prepare(prompt, params)
+        assert_answer_is_transformers(out, oracle, hf_video_inputs(llm, prepared), name)
+    assert_no_leaks(llm)
+
+
+def test_qwen2_5_vl_four_clips_equal_transformers(qwen2_5_vl):
+    """At 4 frames a second a temporal patch spans half a second: one time id apart (tokens_per_second 2)."""
+    llm, oracle = qwen2_5_vl
+    assert_four_clips_equal_transformers(llm, oracle, 4.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_real_widths_four_clips_equal_transformers(tmp_path, family):
+    """Qwen2-VL-2B's, Qwen2.5-VL-3B's and Qwen3-VL-2B's widths and the real vocabulary, depths cut
+    (tests/hf_checkpoints.py); DeepStack levels, window attention and chunks that cut temporal patches included."""
+    from hf_checkpoints import QWEN2_5_3B_CUT, QWEN3_2B_CUT, make_hf_checkpoint
+    from nanomm.tools.random_checkpoint import make_checkpoint
+
+    if family == "qwen2_vl":
+        folder, oracle_class = make_checkpoint(tmp_path / "2b", preset="2b-shaped"), transformers.Qwen2VLForConditionalGeneration
+    else:
+        cut, oracle_class = ((QWEN2_5_3B_CUT, transformers.Qwen2_5_VLForConditionalGeneration) if family == "qwen2_5_vl"
+                             else (QWEN3_2B_CUT, transformers.Qwen3VLForConditionalGeneration))
+        folder = make_hf_checkpoint(tmp_path / family, family, text=cut["text"], vision=cut["vision"],
+                                    tie_word_embeddings=True, tokenizer="qwen")
+    oracle = oracle_class.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    with LLM(str(folder), device="cpu", dtype="float32", num_preprocess_workers=0, max_pixels=MAX_PIXELS,
+             max_num_batched_tokens=40, block_size=8) as llm:  # chunks end inside temporal patches
+        assert llm.model.config.text.hidden_size >= 1536
+        assert_four_clips_equal_transformers(llm, oracle, 4.0 if family == "qwen2_5_vl" else 2.0)
