@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanomm.inputs.compression import encode_visual_tokens
+from nanomm.inputs.prompt import placed_units
 from nanomm.model.attention import causal_attention
 from nanomm.model.fp8 import fp8_round_trip
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -56,18 +57,6 @@ def whole_media(units: list) -> list:
     return media
 
 
-def placed_media(media: list, compressed: list) -> tuple[list, list]:
-    """The runs of visual tokens that M-RoPE places one after another, with each one's compression: a picture or a
-    video is one run, except a Qwen3-VL video, whose temporal patches each sit in the prompt as a picture of its
-    own after its time in text (inputs/video_settings.py), as transformers' get_rope_index splits its grid."""
-    placed, placed_compressed = [], []
-    for item, packed in zip(media, compressed):
-        parts = item.temporal_groups() if getattr(item, "timestamps", None) else [item]
-        placed += parts
-        placed_compressed += [packed] * len(parts)
-    return placed, placed_compressed
-
-
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
@@ -88,7 +77,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     videos = any(getattr(im, "is_video", False) for im in images)
     visual_ids = {cfg.image_token_id} | ({cfg.video_token_id} if videos else set())  # prompt pads = its media
     if cfg.has_vision:
-        placed, compressed = placed_media(images, compressed or [None] * len(images))
+        placed, compressed = placed_units(images, compressed or [None] * len(images))  # Qwen3-VL: patch by patch
         intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in placed]
         compressed = [m.pruned_layout(interval) if getattr(m, "kept_rows", None) is not None else packed
                       for m, interval, packed in zip(placed, intervals, compressed)]  # pruned: where they sat

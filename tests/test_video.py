@@ -139,10 +139,16 @@ def test_text_after_a_long_clip_resumes_past_its_last_temporal_patch(qwen2_vl):
     dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
 ], ids=["chunks-cut-groups", "preemption", "ngram"])
 def test_the_engine_equals_the_dense_reference_on_videos(ckpt, settings):
-    with LLM(str(ckpt), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
+    assert_videos_equal_the_reference(str(ckpt), settings, size=56)
+
+
+def assert_videos_equal_the_reference(folder: str, settings: dict, size: int) -> None:
+    """Three clips and a clip with a picture, sampled and greedy, twice (the prefix cache), then the first clip
+    after other text (the encoder cache): the engine's tokens are the dense reference's every time."""
+    with LLM(folder, device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
              **settings) as llm:
-        prompts = [video_prompt(clip(6, 10 + i), text=f"clip {i}") for i in range(3)] + [
-            video_prompt(clip(4, 20), picture=random_image(56, 56, 21))]
+        prompts = [video_prompt(clip(6, 10 + i, size=size), text=f"clip {i}") for i in range(3)] + [
+            video_prompt(clip(4, 20, size=size), picture=random_image(size, size, 21))]
         params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True)
                   for i in range(len(prompts))]
         assert_engine_matches_reference(llm, prompts, params)
@@ -420,80 +426,7 @@ def test_qwen3_vl_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen3_vl)
     dict(speculative={"method": "ngram", "num_speculative_tokens": 3}),
 ], ids=["chunks-cut-groups", "preemption", "ngram"])
 def test_qwen3_vl_videos_through_the_engine_equal_the_dense_reference(qwen3_vl, settings):
-    _, _, folder = qwen3_vl
-    with LLM(str(folder), device="cpu", dtype="float32", max_pixels=MAX_PIXELS, num_preprocess_workers=0,
-             **settings) as llm:
-        prompts = [video_prompt(clip(6, 50 + i, size=64), text=f"clip {i}") for i in range(3)] + [
-            video_prompt(clip(4, 60, size=64), picture=random_image(64, 64, 61))]
-        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True)
-                  for i in range(len(prompts))]
-        assert_engine_matches_reference(llm, prompts, params)
-        again = assert_engine_matches_reference(llm, prompts, params)  # a second pass
-        if "num_kv_blocks" in settings:
-            assert llm.stats()["preemptions"] > 0
-        else:
-            assert all(out.metrics.num_cached_tokens > 0 for out in again)
-        moved = {**prompts[0], "prompt": "<|im_start|>user\nfirst this. " + prompts[0]["prompt"][len("<|im_start|>user\n"):]}
-        (out,) = assert_engine_matches_reference(llm, [moved], params[:1])
-        assert out.metrics.encoder_cache_hits == 3 and out.metrics.encode_s == 0
-
-
-# -- the encoder service encodes videos: a temporal patch at a time, cached by its own hash ----------------------
-
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
-def test_an_engine_with_an_encoder_service_answers_videos_as_one_with_its_own_tower(ckpt, qwen3_vl, family):
-    """Each temporal patch's two frames travel (uint8) with its hash; the service normalises them as videos are
-    normalised (inputs/video.py), runs its tower, and caches each patch: the same tokens and logprobs as an engine
-    with its own tower, DeepStack levels included, and a repeated clip is not encoded twice."""
-    import httpx
-
-    from nanomm.serve.app import BackgroundServer
-    from nanomm.serve.encoder_server import EncoderServer, load_encoder
-
-    folder = str(ckpt) if family == "qwen2_vl" else str(qwen3_vl[2])
-    prompts = [video_prompt(clip(6, 80, size=64), text="one"),
-               video_prompt(clip(4, 81, size=64), picture=random_image(64, 96, 82), text="two"),
-               video_prompt(clip(6, 80, size=64), text="the first clip again")]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
-    with BackgroundServer(EncoderServer(load_encoder(folder), "m")) as url, \
-            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0, encoder_url=url) as remote, \
-            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0) as local:
-        assert remote.model.visual is None
-        for mine, theirs in zip(remote.generate(prompts, params, use_tqdm=False),
-                                local.generate(prompts, params, use_tqdm=False)):
-            assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
-            for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs):
-                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
-        metrics = httpx.get(url + "/metrics").text
-        encoded = [float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("nanomm_encoder_visual_tokens_total")]
-        assert encoded == [local.stats()["visual_tokens_encoded"]]  # the third prompt's clip: cache hits
-        assert_no_leaks(remote)
-
-
-def test_the_encoder_service_checks_a_video_patch_before_encoding(ckpt):
-    """A patch's frames must be whole, uncompressed, and preprocessed with this model's video constants."""
-    import httpx
-
-    from nanomm.serve.app import BackgroundServer
-    from nanomm.serve.encoder_server import EncoderServer, load_encoder
-    from nanomm.transfer import encode_request, unpack, pack
-
-    with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0) as llm:
-        group = llm.engine.prepare(video_prompt(clip(2, 90)), None).images[0]
-    tensors, message = unpack(encode_request([group]), "test")
-    assert message["images"][0]["video"] is True and tensors["rgb.0"].numel() == 2 * 56 * 56 * 3
-    bad = {"half the frames": ({"rgb.0": tensors["rgb.0"][: 56 * 56 * 3]}, message),
-           "compressed": (tensors, {**message, "images": [{**message["images"][0],
-                                                          "compression": {"method": "pool", "keep_ratio": 0.25}}]}),
-           "other constants": (tensors, {**message, "video_preprocessing": {**message["video_preprocessing"],
-                                                                            "image_mean": [0.5, 0.5, 0.5]}}),
-           "video: false": (tensors, {**message, "images": [{**message["images"][0], "video": False}]})}
-    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as url:
-        for what, (t, m) in bad.items():
-            answer = httpx.post(url + "/v1/encode", content=pack(t, m))
-            assert answer.status_code == 400, what
-        assert httpx.post(url + "/v1/encode", content=pack(tensors, message)).status_code == 200
+    assert_videos_equal_the_reference(str(qwen3_vl[2]), settings, size=64)
 
 
 # -- the four clips of every family, at tiny and real widths ------------------------------------------------------

@@ -164,7 +164,7 @@ class InputProcessor:
                                     f"room to generate within max_model_len={self.max_model_len}")
         timestamped = any(getattr(im, "timestamps", None) for im in images)
         if timestamped:  # Qwen3-VL: each temporal patch sits in the prompt as a picture of its own, after its time
-            images, pads = _temporal_units(images, pads)
+            images, pads = placed_units(images, pads)
         spans = _image_spans(ids, images, pads)
         positions, delta = self._positions(ids, images, bool(videos))
         if videos and not timestamped:  # from here on, each temporal patch is a unit of its own, encoded and cached
@@ -298,14 +298,16 @@ def _is_frame_list(items, key: str) -> bool:
     return key == "video" and bool(items) and all(isinstance(x, Image.Image) for x in items)
 
 
-def _temporal_units(items: list, pads: list[int]) -> tuple[list, list[int]]:
-    """Each video -> its temporal patches, each with the video's pad id; pictures pass through."""
-    units, unit_pads = [], []
-    for item, pad in zip(items, pads):
-        parts = item.temporal_groups() if getattr(item, "is_video", False) else [item]
+def placed_units(items: list, tags: list) -> tuple[list, list]:
+    """The runs of visual tokens that M-RoPE places one after another, each with its item's tag (a pad id, a
+    compression): a picture or a video is one run, except a Qwen3-VL video, whose temporal patches each sit in the
+    prompt as a picture of its own after its time in text, as transformers' get_rope_index splits its grid."""
+    units, unit_tags = [], []
+    for item, tag in zip(items, tags):
+        parts = item.temporal_groups() if getattr(item, "timestamps", None) else [item]
         units += parts
-        unit_pads += [pad] * len(parts)
-    return units, unit_pads
+        unit_tags += [tag] * len(parts)
+    return units, unit_tags
 
 
 def _split_videos(items: list, spans: list[ImageSpan]) -> tuple[list, list[ImageSpan]]:
