@@ -16,12 +16,10 @@ must not have, so it runs in a side environment with torch, torchvision, transfo
 """
 
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +27,7 @@ OUT = ROOT / "tests" / "data" / "video"
 sys.path.insert(0, str(ROOT))  # nanomm from the checkout: the tiny tokenizer; the fixtures' packing
 sys.path.insert(0, str(Path(__file__).parent))
 
-from make_video_fixtures import decode, encode, noise_frames, sha256  # noqa: E402
+from make_video_fixtures import decode, encode, noise_frames, sha256, versions  # noqa: E402
 from nanomm.tools.tokenizers import write_tiny_tokenizer  # noqa: E402
 
 VIDEO_CONFIG = {"fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
@@ -61,9 +59,6 @@ def hf_kwargs(settings: dict) -> dict:
 
 
 def main() -> None:
-    import PIL
-    import torchvision
-    import transformers
     from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     with tempfile.TemporaryDirectory() as folder:
@@ -105,10 +100,7 @@ def main() -> None:
                      "video_metadata=[{fps, total_num_frames}], return_tensors='pt', videos_kwargs={return_metadata: "
                      "True, cap_pixels_per_frame: False, plus the clip's settings})",
         "frames": "numpy.random.default_rng(seed).integers(0, 256, frames_thwc, dtype=numpy.uint8)",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "torchvision": torchvision.__version__, "transformers": transformers.__version__,
-                     "pillow": PIL.__version__, "numpy": np.__version__,
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "versions": versions(),
         "video_config": VIDEO_CONFIG, "prompt": PROMPT, "clips": clips,
     }
     (OUT / "qwen3_vl_video.json").write_text(json.dumps(meta, indent=2) + "\n")

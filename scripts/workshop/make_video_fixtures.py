@@ -83,10 +83,18 @@ def decode(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return table[channel, codes.long()].reshape(codes.shape[0], -1)  # (rows, C*K)
 
 
-def main() -> None:
+def versions() -> dict:
+    """The versions that made a fixture (the side environment's)."""
     import PIL
     import torchvision
     import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "transformers": transformers.__version__, "pillow": PIL.__version__, "numpy": np.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def main() -> None:
     from transformers import AutoVideoProcessor
 
     config = preprocessor_config(model_spec("tiny"), "old")
@@ -139,10 +147,7 @@ def main() -> None:
                      "only preprocessor_config.json), called as processor(videos=[frames], return_tensors='pt') "
                      "plus size={shortest_edge, longest_edge} where a clip has its own pixel cap",
         "frames": "numpy.random.default_rng(seed).integers(0, 256, frames_thwc, dtype=numpy.uint8)",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "torchvision": torchvision.__version__, "transformers": transformers.__version__,
-                     "pillow": PIL.__version__, "numpy": np.__version__,
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "versions": versions(),
         "preprocessor_config": config,
         "processor_size": dict(processor.size),
         "clips": clips,
