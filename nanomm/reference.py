@@ -57,6 +57,20 @@ def whole_media(units: list) -> list:
     return media
 
 
+def _placed_layout(unit, interval: float | None, packed):
+    """mrope_positions' `compressed` entry for one placed run, from its item's encoded coordinates: a pruned clip's
+    kept tokens where they sat unpruned; a compressed clip's at each patch's time (inputs/video.py); a Qwen3-VL
+    patch of a compressed clip, its own share of the clip's coordinates; a picture's as compression gave them."""
+    if getattr(unit, "kept_rows", None) is not None:
+        return unit.pruned_layout(interval)
+    if packed is None or not getattr(unit, "is_video", False):
+        return packed
+    coords = packed[1]
+    if getattr(unit, "video", None) is not None:  # a temporal patch of a Qwen3-VL clip
+        return unit.position_extent, coords[:, unit.index * unit.num_tokens:(unit.index + 1) * unit.num_tokens]
+    return unit.compressed_layout(interval, coords)
+
+
 @torch.inference_mode()
 def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingParams | None = None,
              eos_token_ids=(), keep_logits: bool = False, kv_cache_dtype: str = "auto") -> ReferenceOutput:
@@ -79,8 +93,7 @@ def generate(model: Qwen2VL, prompt_ids: list[int], images=(), params: SamplingP
     if cfg.has_vision:
         placed, compressed = placed_units(images, compressed or [None] * len(images))  # Qwen3-VL: patch by patch
         intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in placed]
-        compressed = [m.pruned_layout(interval) if getattr(m, "kept_rows", None) is not None else packed
-                      for m, interval, packed in zip(placed, intervals, compressed)]  # pruned: where they sat
+        compressed = [_placed_layout(m, interval, packed) for m, interval, packed in zip(placed, intervals, compressed)]
         positions, delta = mrope_positions(prompt_ids, [tuple(m.grid_thw) for m in placed], cfg.image_token_id,
                                            cfg.vision.spatial_merge_size, compressed,
                                            video_token_id=cfg.video_token_id if videos else None,

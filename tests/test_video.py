@@ -429,6 +429,69 @@ def test_qwen3_vl_videos_through_the_engine_equal_the_dense_reference(qwen3_vl, 
     assert_videos_equal_the_reference(str(qwen3_vl[2]), settings, size=64)
 
 
+# -- the encoder service encodes videos: a temporal patch at a time, cached by its own hash ----------------------
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_an_engine_with_an_encoder_service_answers_videos_as_one_with_its_own_tower(ckpt, qwen3_vl, family):
+    """Each temporal patch's two frames travel (uint8) with its hash; the service normalises them as videos are
+    normalised (inputs/video.py), runs its tower, and caches each patch: the same tokens and logprobs as an engine
+    with its own tower, DeepStack levels included, and a repeated clip is not encoded twice."""
+    import httpx
+
+    from nanomm.serve.app import BackgroundServer
+    from nanomm.serve.encoder_server import EncoderServer, load_encoder
+
+    folder = str(ckpt) if family == "qwen2_vl" else str(qwen3_vl[2])
+    prompts = [video_prompt(clip(6, 80, size=64), text="one"),
+               video_prompt(clip(4, 81, size=64), picture=random_image(64, 96, 82), text="two"),
+               video_prompt(clip(6, 80, size=64), text="the first clip again"),
+               {**video_prompt(clip(4, 83, size=112), text="pruned"),  # compressed patch by patch, by the service
+                "mm_processor_kwargs": {"visual_token_compression": {"method": "prune", "keep_ratio": 0.5}}}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    with BackgroundServer(EncoderServer(load_encoder(folder), "m")) as url, \
+            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0, encoder_url=url) as remote, \
+            LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0) as local:
+        assert remote.model.visual is None
+        for mine, theirs in zip(remote.generate(prompts, params, use_tqdm=False),
+                                local.generate(prompts, params, use_tqdm=False)):
+            assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+            for a, b in zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        metrics = httpx.get(url + "/metrics").text
+        encoded = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("nanomm_encoder_visual_tokens_total")]
+        assert encoded == [local.stats()["visual_tokens_encoded"]]  # the third prompt's clip: cache hits
+        assert_no_leaks(remote)
+
+
+def test_the_encoder_service_checks_a_video_patch_before_encoding(ckpt):
+    """A patch's frames must be whole, its kept tokens (if pruned) in its grid, pruned or compressed but not both,
+    and preprocessed with this model's video constants."""
+    import httpx
+
+    from nanomm.serve.app import BackgroundServer
+    from nanomm.serve.encoder_server import EncoderServer, load_encoder
+    from nanomm.transfer import encode_request, unpack, pack
+
+    with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0) as llm:
+        group = llm.engine.prepare(video_prompt(clip(2, 90)), None).images[0]
+    tensors, message = unpack(encode_request([group]), "test")
+    assert message["images"][0]["video"] is True and tensors["rgb.0"].numel() == 2 * 56 * 56 * 3
+    bad = {"half the frames": ({"rgb.0": tensors["rgb.0"][: 56 * 56 * 3]}, message),
+           "pruned and compressed": (tensors, {**message, "images": [{**message["images"][0], "kept": [0, 1],
+                                                                     "compression": {"method": "pool",
+                                                                                     "keep_ratio": 0.25}}]}),
+           "kept out of range": (tensors, {**message, "images": [{**message["images"][0], "kept": [0, 4]}]}),
+           "other constants": (tensors, {**message, "video_preprocessing": {**message["video_preprocessing"],
+                                                                            "image_mean": [0.5, 0.5, 0.5]}}),
+           "video: false": (tensors, {**message, "images": [{**message["images"][0], "video": False}]})}
+    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as url:
+        for what, (t, m) in bad.items():
+            answer = httpx.post(url + "/v1/encode", content=pack(t, m))
+            assert answer.status_code == 400, what
+        assert httpx.post(url + "/v1/encode", content=pack(tensors, message)).status_code == 200
+
+
 # -- the four clips of every family, at tiny and real widths ------------------------------------------------------
 
 def four_clips(factor: int, fps: float) -> dict:

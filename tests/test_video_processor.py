@@ -157,8 +157,11 @@ def test_an_odd_clip_repeats_its_last_frame():
     assert video.num_encoded_tokens == video.num_tokens == 12 and video.position_extent == 3
     assert video.second_per_grid == 0.2 and video.fps == 10.0 and video.merge_size == 2
     assert video.is_video and video.compression is None and video.with_compression(None) is video
-    with pytest.raises(InvalidInputError, match="compression of videos is not supported"):
-        video.with_compression(object())
+    from nanomm.inputs.compression import CompressionPolicy
+
+    pooled = video.with_compression(CompressionPolicy("pool", 0.25))  # each patch's 2x2 tokens pooled to 1
+    assert pooled.num_tokens == 3 and pooled.content_hash != video.content_hash and video.num_tokens == 12
+    assert [g.num_tokens for g in pooled.temporal_groups()] == [1, 1, 1]
 
 
 # --- loading ---------------------------------------------------------------------------------------------------

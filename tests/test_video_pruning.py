@@ -125,3 +125,33 @@ def test_pruning_keeps_each_family_s_time_layout(tmp_path, family):
             for mine, theirs in zip(remote.generate(prompts, params, use_tqdm=False), local):
                 assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
             assert_no_leaks(remote)
+
+
+# -- lesson 10's compression, temporal patch by temporal patch ---------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_compressed_videos_equal_the_reference_that_compresses_each_patch(ckpt, tmp_path, family):
+    """A request's visual_token_compression applies to its videos too, each temporal patch as a picture: the
+    engine (patch by patch, positions completed by the runner) equals the dense reference (the clip whole, cut into
+    patches after the tower) for each method, in every family's time layout; a pruned clip is not compressed too."""
+    from hf_checkpoints import make_hf_checkpoint
+
+    folder = str(ckpt) if family == "qwen2_vl" else str(make_hf_checkpoint(tmp_path / family, family))
+    fps = 3.0 if family == "qwen2_5_vl" else 2.0
+    video = VideoInput(tuple(Image.fromarray(f) for f in clip(6, 77, size=112 if family != "qwen3_vl" else 128)), fps)
+    methods = [{"method": m, "keep_ratio": r} for m, r in (("pool", 0.25), ("random", 0.5), ("prune", 0.3),
+                                                           ("attention", 0.5))]
+    prompts = [{**video_prompt(video, text=f"q{i}"), "mm_processor_kwargs": {"visual_token_compression": m}}
+               for i, m in enumerate(methods)]
+    prompts.append({**video_prompt(video, picture=moving_square(2).frames[0], text="both"),
+                    "mm_processor_kwargs": {"visual_token_compression": methods[0]}})
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * len(prompts)
+    with LLM(folder, device="cpu", dtype="float32", num_preprocess_workers=0, max_pixels=MAX_PIXELS,
+             max_num_batched_tokens=7, block_size=4) as llm:
+        assert_engine_matches_reference(llm, prompts, params)
+        (pooled,) = whole_media(llm.engine.prepare(prompts[0], None).images)
+        assert pooled.num_tokens == 3 * pooled.num_encoded_tokens // 3 // 4 and pooled.compression.method == "pool"
+        both = {**prompts[1], "mm_processor_kwargs": {"visual_token_compression": methods[1],
+                                                      "video_pruning_rate": 0.5}}
+        (pruned,) = whole_media(llm.engine.prepare(both, None).images)
+        assert pruned.compression is None and pruned.kept is not None

@@ -71,8 +71,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3 with scales (engine/kv_fp8.py)
     quantization: str | None = None  # None, "int8" or "int4": weight-only, the language model (accel/quant.py)
     quantization_group_size: int = 128  # int4: input columns per scale and zero
-    # {"method": "pool" | "random" | "prune" | "attention", "keep_ratio": r}: every image's default (a request's
-    # mm_processor_kwargs may override it); None: keep every visual token (inputs/compression.py)
+    # {"method": "pool" | "random" | "prune" | "attention", "keep_ratio": r}: every image's and video patch's default
+    # (a request's mm_processor_kwargs may override it); None: keep every visual token (inputs/compression.py)
     visual_token_compression: CompressionPolicy | dict | None = None
     # Long chats (inputs/old_images.py): what a prompt's pictures older than its last keep_last_images become:
     # "keep", "drop", "downscale:<max_pixels>" or "compress:<method>:<ratio>" (a request's mm_processor_kwargs

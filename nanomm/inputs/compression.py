@@ -32,6 +32,10 @@ would have without compression, at the grid's largest extent. Pruning *inside* t
 tokens after layer K by the attention they get) is left out: its KV rows would differ per layer, which breaks one
 uniform paged KV layout and prefix caching across requests. The lesson says more.
 
+A video is compressed temporal patch by temporal patch, each as a picture (lesson 17): the engine encodes a patch
+at a time, and the dense reference, which encodes a clip whole, cuts its tokens into patches first
+(`_compress_item`).
+
 The policy is part of an image's identity (`ProcessedImage.with_compression`): the encoder cache key and the
 prefix-cache block hash both change with the method and ratio, so two policies never share visual tokens.
 """
@@ -162,8 +166,21 @@ def encode_visual_tokens(model, images: list) -> list[VisualTokens]:
         embeds, attention = model.encode_images(pixels, grids, received_attention=True)
     else:
         embeds, attention = model.encode_images(pixels, grids), [None] * len(images)
-    return [compress(_pruned(e, im), im.token_grid, im.compression, seed_of(im.content_hash), a)
-            for e, im, a in zip(embeds, images, attention)]
+    return [_compress_item(_pruned(e, im), im, a) for e, im, a in zip(embeds, images, attention)]
+
+
+def _compress_item(embeds: torch.Tensor, item, attention) -> VisualTokens:
+    """One item's tokens under its policy. A whole clip (the dense reference encodes clips whole) is compressed
+    temporal patch by temporal patch, each as the engine compresses it alone: its own grid (1, h, w) and seed."""
+    t, h, w = item.token_grid
+    if item.compression is None or t == 1 or not getattr(item, "is_video", False):
+        return compress(embeds, item.token_grid, item.compression, seed_of(item.content_hash), attention)
+    n, parts = h * w, []
+    for g, patch in enumerate(item.temporal_groups()):
+        rows = slice(g * n, (g + 1) * n)
+        parts.append(compress(embeds[..., rows, :], (1, h, w), item.compression, seed_of(patch.content_hash),
+                              None if attention is None else attention[rows]))
+    return VisualTokens(torch.cat([p.embeds for p in parts], dim=-2), torch.cat([p.coords for p in parts], dim=1))
 
 
 def _pruned(embeds: torch.Tensor, item) -> torch.Tensor:

@@ -151,7 +151,7 @@ class InputProcessor:
         """Decode and resize the images, expand the placeholders, compute the M-RoPE positions."""
         name = validated.name
         pictures = [self._preprocess_image(validated, i) for i in range(len(validated.raw_images))]
-        videos = [self._preprocess_video(clip, validated.video_kwargs, f"{name}, video {i}")
+        videos = [self._preprocess_video(clip, validated, f"{name}, video {i}")
                   for i, clip in enumerate(validated.raw_videos)]
         images, pads = self._in_prompt_order(validated.token_ids, pictures, videos)  # pictures and videos
         try:
@@ -197,7 +197,7 @@ class InputProcessor:
         video's kept tokens keep the positions they had unpruned (inputs/video_pruning.py)."""
         cfg = self.model_config
         intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in media]
-        placed = [m.pruned_layout(interval) if getattr(m, "kept_rows", None) is not None else origin
+        placed = [_video_layout(m, interval) or origin
                   for m, interval, origin in zip(media, intervals, _compressed_image_origins(media))]
         return mrope_positions(ids, [m.grid_thw for m in media], cfg.image_token_id, cfg.vision.spatial_merge_size,
                                placed, video_token_id=cfg.video_token_id if has_videos else None,
@@ -210,13 +210,16 @@ class InputProcessor:
         pictures_left, videos_left = iter(pictures), iter(videos)
         return [next(pictures_left) if pad == image_pad else next(videos_left) for pad in pads], pads
 
-    def _preprocess_video(self, clip, video_kwargs: dict, name: str):
+    def _preprocess_video(self, clip, validated: ValidatedPrompt, name: str):
         """One video's frames, decoded, sampled and made into temporal patches (inputs/video.py, imported only for
-        videos), under the engine's video settings and what the request changed."""
+        videos), under the engine's video settings and what the request changed, and compressed as its pictures
+        are, patch by patch (unless pruned)."""
         from nanomm.inputs.video import load_video, preprocess_video
 
-        settings = self.video_settings.with_request(video_kwargs, name) if video_kwargs else self.video_settings
-        return preprocess_video(load_video(clip, name), self.image_config, settings=settings, name=name)
+        kwargs = validated.video_kwargs
+        settings = self.video_settings.with_request(kwargs, name) if kwargs else self.video_settings
+        video = preprocess_video(load_video(clip, name), self.image_config, settings=settings, name=name)
+        return video.with_compression(validated.compression)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
         """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
@@ -291,6 +294,17 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
     return [None if im.compression is None else
             (im.position_extent, torch.zeros(3, im.num_tokens, dtype=torch.long))
             for im in images]
+
+
+def _video_layout(item, interval: float | None):
+    """(extent, positions) of a whole clip's tokens when they are not one per cell of its grid: a pruned clip's
+    kept tokens where they sat; a compressed clip's at each patch's time, the rest added by the model runner as
+    for a compressed picture. None otherwise (a Qwen3-VL patch with compression is placed as a picture)."""
+    if getattr(item, "kept_rows", None) is not None:
+        return item.pruned_layout(interval)
+    if item.compression is not None and hasattr(item, "compressed_layout"):
+        return item.compressed_layout(interval, torch.zeros(3, item.num_tokens, dtype=torch.long))
+    return None
 
 
 def _is_frame_list(items, key: str) -> bool:

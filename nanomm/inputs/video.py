@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
+from nanomm.inputs.compression import CompressionPolicy, kept_layout
 from nanomm.inputs.image import ImageProcessorConfig, _pixel_cap, to_rgb
 from nanomm.inputs.image_io import _data_url_payload, _read_file, _short, decode_errors
 from nanomm.inputs.video_pruning import kept_per_patch
@@ -137,13 +138,17 @@ class ProcessedVideo:
     fps: float  # of the frames kept (transformers' sampled_fps): the clip's own rate unless frames were sampled
     timestamps: tuple[float, ...] | None = None  # Qwen3-VL: each temporal patch's time in seconds, for the prompt
     kept: tuple[torch.Tensor, ...] | None = None  # per temporal patch, the tokens pruning keeps (video_pruning.py)
-    compression = None  # class attributes: videos are not compressed (yet), and say what they are
-    is_video = True
+    # lesson 10's compression, applied to each temporal patch as to a picture (inputs/compression.py)
+    compression: CompressionPolicy | None = None
+    is_video = True  # a class attribute: says what it is
 
-    def with_compression(self, policy) -> "ProcessedVideo":
-        if policy is None:
+    def with_compression(self, policy: CompressionPolicy | None) -> "ProcessedVideo":
+        """This clip with each temporal patch's tokens compressed by `policy`, which joins its hash. A pruned clip
+        (video_pruning.py) is already cut down: it stays as it is."""
+        if policy is None or self.kept is not None:
             return self
-        raise InvalidInputError("visual-token compression of videos is not supported")
+        content_hash = hashlib.sha256(f"{self.content_hash}\0{policy.key}".encode()).hexdigest()
+        return replace(self, content_hash=content_hash, compression=policy)
 
     @cached_property
     def pixel_values(self) -> torch.Tensor:
@@ -170,8 +175,22 @@ class ProcessedVideo:
 
     @property
     def num_tokens(self) -> int:
-        """The number of <|video_pad|> tokens: every encoded token, or those pruning keeps."""
-        return self.num_encoded_tokens if self.kept is None else sum(len(k) for k in self.kept)
+        """The number of <|video_pad|> tokens: every encoded token, or those pruning or compression keeps."""
+        if self.kept is not None:
+            return sum(len(k) for k in self.kept)
+        return self.token_grid[0] * kept_layout((1, *self.token_grid[1:]), self.compression)[0]
+
+    def compressed_layout(self, interval: float | None, coords: torch.Tensor):
+        """(extent, (3, tokens) positions relative to the clip's start) of a clip whose patches were compressed:
+        each token at its own patch's time id plus its place in the patch (coords, (3, tokens) with t = 0, from
+        the encoder; zeros while unknown). The text after resumes past the latest time and the largest (pooled)
+        row or column."""
+        t, h, w = self.token_grid
+        times = spaced_in_time((t, 1, 1), interval)[1][0]  # (t,): each patch's time id
+        per_patch, patch_extent = kept_layout((1, h, w), self.compression)
+        origins = torch.zeros(3, t * per_patch, dtype=torch.long)
+        origins[0] = times.repeat_interleave(per_patch)
+        return max(int(times[-1]) + 1, patch_extent), origins + coords
 
     @property
     def kept_rows(self) -> torch.Tensor | None:
@@ -214,7 +233,6 @@ class VideoGroup:
     from the whole clip before it is split, inputs/prompt.py)."""
     video: ProcessedVideo
     index: int
-    compression = None
     is_video = True
 
     @property
@@ -259,8 +277,19 @@ class VideoGroup:
         return None if self.video.kept is None else self.video.kept[self.index]
 
     @property
+    def compression(self) -> CompressionPolicy | None:
+        return self.video.compression
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_encoded_tokens if self.kept_rows is None else len(self.kept_rows)
+        if self.kept_rows is not None:
+            return len(self.kept_rows)
+        return kept_layout(self.token_grid, self.compression)[0]
+
+    @property
+    def position_extent(self) -> int:
+        """As a picture's (a Qwen3-VL patch is placed as one): how far past its start the text resumes."""
+        return kept_layout(self.token_grid, self.compression)[1]
 
     def pruned_layout(self, interval: float | None = None):
         """A Qwen3-VL patch placed as a picture of its own: (extent, coordinates of its kept tokens), or None."""

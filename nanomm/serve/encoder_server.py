@@ -153,14 +153,15 @@ class EncoderService:
             raise InvalidInputError(f"{name}: content_hash must be 64 lowercase hex digits")
         policy = parse_policy(entry["compression"], f"{name}: compression")
         if video:
-            if policy is not None:
-                raise InvalidInputError(f"{name}: a video's tokens are not compressed")
+            if policy is not None and "kept" in entry:
+                raise InvalidInputError(f"{name}: a pruned video patch is not compressed too")
             from nanomm.inputs.video import ProcessedVideo
             from nanomm.inputs.video_pruning import check_kept
 
             kept = None if "kept" not in entry else (
                 check_kept(entry["kept"], grid[1] * grid[2] // merge ** 2, f"{name}: kept"),)
-            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0, kept=kept)
+            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0, kept=kept,
+                                  compression=policy)
         return ProcessedImage(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy)
 
 
