@@ -13,7 +13,7 @@ The arithmetic, in the order a request meets it:
    below 28 pixels, so at a small cap a 200:1 strip gets more tokens than the cap's area allows.
    **Visual tokens per video** (lesson 17): a clip of S seconds at F frames a second has round(S x F) frames
    (at least one), padded to an even count; each pair is a temporal patch with the tokens of one picture of
-   the frame's size under the same cap (a per-frame cap: inputs/video.py), never compressed. A 20 s clip at
+   the frame's size under the same cap (a per-frame cap: inputs/video.py), compressed as one. A 20 s clip at
    2 fps of 448x448 frames: 40 frames, 20 temporal patches x 16 x 16 = 5,120 tokens. Qwen3-VL samples the clip
    at 2 frames a second, bounds the whole clip's pixels, and adds each patch's time as text
    (inputs/video_settings.py).
@@ -48,7 +48,7 @@ from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES
 from nanomm.engine.sizing import (ELEMENT_BYTES, GiB, estimated_reserve, image_tokens, kv_bytes_per_token,
                                   kv_pool_blocks, kv_pool_budget, worst_case_image)
 from nanomm.errors import InvalidInputError, check_int, is_finite_number
-from nanomm.inputs.compression import CompressionPolicy, parse_policy, policy_argument
+from nanomm.inputs.compression import CompressionPolicy, kept_layout, parse_policy, policy_argument
 from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import DTYPES
@@ -113,7 +113,7 @@ class Plan:
     visual_tokens_typical: int
     video_temporal_patches: int  # per video: frames padded to whole temporal patches, over temporal_patch_size
     worst_video_frame: tuple[int, int]  # (width, height) of a frame that reaches the most tokens a patch
-    video_frame_tokens_worst: int  # per temporal patch of a worst-case frame (uncompressed)
+    video_frame_tokens_worst: int  # per temporal patch of a worst-case frame (compressed as a picture, if a policy)
     video_frame_tokens_typical: int  # per temporal patch at workload.video_size (the worst without one)
     video_tokens_worst: int  # per video: temporal patches x frame tokens; 0 without videos
     video_tokens_typical: int
@@ -155,25 +155,15 @@ def video_frames(seconds: float, fps: float) -> int:
     return max(1, math.floor(seconds * fps + 0.5))
 
 
-def video_temporal_patches(num_frames: int, config: ImageProcessorConfig) -> int:
-    """Temporal patches of a clip of num_frames: an odd count is padded by repeating the last frame
-    (inputs/video.py, as transformers' Qwen2VLVideoProcessor)."""
-    return -(-num_frames // config.temporal_patch_size)
-
-
-def video_tokens(num_frames: int, width: int, height: int, config: ImageProcessorConfig) -> int:
-    """The visual tokens of a clip of num_frames frames of width x height under config's (per-frame) cap: each
-    temporal patch has the tokens of one picture of that size; videos are never compressed."""
-    return video_temporal_patches(num_frames, config) * image_tokens(width, height, config)
-
-
 def video_token_counts(config: ModelConfig, image_config: ImageProcessorConfig,
-                       workload: Workload, settings=None) -> tuple[int, tuple[int, int], int, int, int]:
+                       workload: Workload, settings=None,
+                       compression: CompressionPolicy | None = None) -> tuple[int, tuple[int, int], int, int, int]:
     """Per video: (temporal patches, the (width, height) of a frame that reaches the most tokens, visual tokens per
     patch at that size, at workload.video_size, and the text tokens the family adds inside the placeholder). Qwen2-VL and Qwen2.5-VL keep every frame and cap each
     one like a picture; Qwen3-VL samples 2 frames a second, caps the whole clip, and writes each patch's time
     ("<12.5 seconds>": a token per digit, "<", ".", " seconds", ">") between its own two markers.
-    settings: the engine's video settings (None: the family's); a per-frame cap is the plan's image cap."""
+    settings: the engine's video settings (None: the family's); a per-frame cap is the plan's image cap.
+    compression: the engine's policy, which compresses each temporal patch as a picture (inputs/compression.py)."""
     if not workload.videos_per_request:
         return 0, (0, 0), 0, 0, 0
     from nanomm.inputs.video_settings import VideoSettings
@@ -185,12 +175,13 @@ def video_token_counts(config: ModelConfig, image_config: ImageProcessorConfig,
     kept = settings.frame_indices(workload.video_frames, fps, "the planned video")
     patches = -(-len(kept) // T)
     if settings.rules == "qwen2":
-        worst_frame, worst = worst_case_image(image_config)  # uncompressed: videos are never compressed
-        typical = image_tokens(*workload.video_size, image_config) if workload.video_size else worst
+        worst_frame, worst = worst_case_image(image_config, compression)
+        typical = image_tokens(*workload.video_size, image_config, compression) if workload.video_size else worst
         return patches, worst_frame, worst, typical, 0
 
     def frame_tokens(width: int, height: int) -> int:
-        return math.prod(settings.resized(len(kept), height, width, "the planned video")) // settings.pixels.factor ** 2
+        h_bar, w_bar = settings.resized(len(kept), height, width, "the planned video")
+        return kept_layout((1, h_bar // settings.pixels.factor, w_bar // settings.pixels.factor), compression)[0]
 
     worst, worst_frame = max((frame_tokens(w, h), (w, h)) for w, h in clip_frame_candidates(settings, len(kept)))
     typical = frame_tokens(*workload.video_size) if workload.video_size else worst
@@ -286,7 +277,7 @@ def make_plan(config: ModelConfig, image_config: ImageProcessorConfig, *, model:
     per_token = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, text.head_dim,
                                    KV_DTYPES[kv_dtype], "fp8" if kv_dtype == "fp8" else "auto")
     patches, worst_frame, frame_worst, frame_typical, video_text = video_token_counts(config, image_config, workload,
-                                                                                      video_settings)
+                                                                                      video_settings, compression)
     video_worst, video_typical = patches * frame_worst, patches * frame_typical
     kv_worst = request_kv_tokens(worst, workload, video_worst + video_text)
     kv_typical = request_kv_tokens(typical, workload, video_typical + video_text)

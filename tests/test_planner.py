@@ -350,6 +350,14 @@ def test_a_video_request_s_length_is_the_engine_s(ckpt):
         pads = prepared.token_ids.count(llm.model.config.video_token_id)
     assert pads == plan.video_tokens_typical == 3 * 2 * 3  # 3 temporal patches of 2 x 3 tokens
     assert plan.kv_tokens_typical == len(prepared.token_ids) + 8 - 1
+    # Under the engine's compression each temporal patch is compressed as a picture: 2 x 3 pooled 2x2 -> 1 x 2.
+    prompt["multi_modal_data"]["video"] = np.zeros((frames, 112, 168, 3), dtype=np.uint8)  # 4 x 6 tokens a patch
+    with LLM(ckpt, max_pixels=64 * 784, block_size=4, num_preprocess_workers=0,
+             visual_token_compression={"method": "pool", "keep_ratio": 0.25}) as llm:
+        pads = llm.engine.prepare(prompt, None).token_ids.count(llm.model.config.video_token_id)
+        plan = llm.plan(images_per_request=0, videos_per_request=1, video_seconds=2.5, video_fps=2,
+                        video_size=(168, 112))
+    assert pads == plan.video_tokens_typical == 3 * 2 * 3 and plan.video_frame_tokens_worst < 64
 
 
 def test_video_options_on_the_command_line(capsys):
