@@ -91,6 +91,10 @@ def test_the_readme_s_serve_run_line_answers_as_the_integrated_server(cluster, t
             proc.communicate(timeout=60)  # `serve run` deletes its application, and Serve, as it ends
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.communicate()
+        # A `serve run` killed before it cleaned up leaves its application on "/", where the next tests deploy.
+        serve.start(http_options={"host": "127.0.0.1", "port": cluster["port"]})
+        serve.delete("default")
 
 
 def _healthy(url: str) -> bool:
