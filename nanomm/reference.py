@@ -58,17 +58,15 @@ def whole_media(units: list) -> list:
 
 
 def _placed_layout(unit, interval: float | None, packed):
-    """mrope_positions' `compressed` entry for one placed run, from its item's encoded coordinates: a pruned clip's
-    kept tokens where they sat unpruned; a compressed clip's at each patch's time (inputs/video.py); a Qwen3-VL
-    patch of a compressed clip, its own share of the clip's coordinates; a picture's as compression gave them."""
-    if getattr(unit, "kept_rows", None) is not None:
-        return unit.pruned_layout(interval)
-    if packed is None or not getattr(unit, "is_video", False):
+    """mrope_positions' `compressed` entry for one placed run, from its item's encoded coordinates: a picture's as
+    compression gave them; a clip's or a Qwen3-VL patch's from its own `layout` (inputs/video.py), the patch with
+    its own share of its clip's coordinates."""
+    if not getattr(unit, "is_video", False):
         return packed
-    coords = packed[1]
-    if getattr(unit, "video", None) is not None:  # a temporal patch of a Qwen3-VL clip
-        return unit.position_extent, coords[:, unit.index * unit.num_tokens:(unit.index + 1) * unit.num_tokens]
-    return unit.compressed_layout(interval, coords)
+    coords = None if packed is None else packed[1]
+    if coords is not None and getattr(unit, "video", None) is not None:  # a temporal patch of a Qwen3-VL clip
+        coords = coords[:, unit.index * unit.num_tokens:(unit.index + 1) * unit.num_tokens]
+    return unit.layout(interval, coords)
 
 
 @torch.inference_mode()

@@ -81,7 +81,7 @@ class ValidatedPrompt:
     compression: CompressionPolicy | None = None  # the request's, else the engine's default
     old_images: OldImages = OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # for downscale and compress
     raw_videos: list = field(default_factory=list)  # clips for nanomm.inputs.video.load_video, in prompt order
-    video_kwargs: dict = field(default_factory=dict)  # the request's VIDEO_KEYS from mm_processor_kwargs
+    video_settings: object = None  # with videos: the engine's VideoSettings with the request's VIDEO_KEYS applied
 
 
 class InputProcessor:
@@ -93,7 +93,7 @@ class InputProcessor:
                  max_model_len: int, limit_images_per_prompt: int = 16,
                  compression: CompressionPolicy | None = None, old_images: OldImages | None = None,
                  limit_videos_per_prompt: int = 2, no_video_reason: str | None = None, video_settings=None):
-        """no_video_reason: why this engine takes no video (an encoder service), or None. video_settings: the
+        """no_video_reason: why this engine takes no video (a text-only model), or None. video_settings: the
         engine's `VideoSettings` (inputs/video_settings.py); None: the family's, made when the first video comes."""
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
@@ -125,11 +125,15 @@ class InputProcessor:
             ids, images = old_images.drop(ids, images, self.placeholder_ids)  # dropped pictures are never decoded
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
-        video_kwargs = {key: value for key, value in (prompt.get("mm_processor_kwargs") or {}).items()
-                        if key in VIDEO_KEYS}
-        if videos and video_kwargs:  # checked here, before any frame is decoded
-            self.video_settings.with_request(video_kwargs, f"{name}: mm_processor_kwargs")
-        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos, video_kwargs)
+        video_settings = self._request_video_settings(prompt.get("mm_processor_kwargs"), name) if videos else None
+        return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos, video_settings)
+
+    def _request_video_settings(self, kwargs, name: str):
+        """The engine's video settings with the request's VIDEO_KEYS applied, checked before any frame is decoded."""
+        video_kwargs = {key: value for key, value in (kwargs or {}).items() if key in VIDEO_KEYS}
+        if not video_kwargs:
+            return self.video_settings
+        return self.video_settings.with_request(video_kwargs, f"{name}: mm_processor_kwargs")
 
     def _check_counts(self, ids: list[int], images: list, videos: list, name: str) -> None:
         """As many pictures and videos as their placeholders, within the limits, and videos only where served."""
@@ -194,10 +198,12 @@ class InputProcessor:
 
     def _positions(self, ids: list[int], media: list, has_videos: bool) -> tuple[torch.Tensor, int]:
         """The expanded prompt's M-RoPE positions (3, L) and rope delta, from its whole pictures and videos. A pruned
-        video's kept tokens keep the positions they had unpruned (inputs/video_pruning.py)."""
+        video's kept tokens keep the positions they had unpruned (inputs/video_pruning.py); a compressed one's
+        rows hold their origins, which the model runner completes, as for a compressed picture."""
         cfg = self.model_config
         intervals = [video_time_interval(m, cfg.vision.tokens_per_second) for m in media]
-        placed = [_video_layout(m, interval) or origin
+        placed = [m.layout(interval, torch.zeros(3, m.num_tokens, dtype=torch.long))  # its rows: origins, for now
+                  if getattr(m, "is_video", False) else origin
                   for m, interval, origin in zip(media, intervals, _compressed_image_origins(media))]
         return mrope_positions(ids, [m.grid_thw for m in media], cfg.image_token_id, cfg.vision.spatial_merge_size,
                                placed, video_token_id=cfg.video_token_id if has_videos else None,
@@ -216,9 +222,8 @@ class InputProcessor:
         are, patch by patch (unless pruned)."""
         from nanomm.inputs.video import load_video, preprocess_video
 
-        kwargs = validated.video_kwargs
-        settings = self.video_settings.with_request(kwargs, name) if kwargs else self.video_settings
-        video = preprocess_video(load_video(clip, name), self.image_config, settings=settings, name=name)
+        video = preprocess_video(load_video(clip, name), self.image_config, settings=validated.video_settings,
+                                 name=name)
         return video.with_compression(validated.compression)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
@@ -294,17 +299,6 @@ def _compressed_image_origins(images: list[ProcessedImage]) -> list:
     return [None if im.compression is None else
             (im.position_extent, torch.zeros(3, im.num_tokens, dtype=torch.long))
             for im in images]
-
-
-def _video_layout(item, interval: float | None):
-    """(extent, positions) of a whole clip's tokens when they are not one per cell of its grid: a pruned clip's
-    kept tokens where they sat; a compressed clip's at each patch's time, the rest added by the model runner as
-    for a compressed picture. None otherwise (a Qwen3-VL patch with compression is placed as a picture)."""
-    if getattr(item, "kept_rows", None) is not None:
-        return item.pruned_layout(interval)
-    if item.compression is not None and hasattr(item, "compressed_layout"):
-        return item.compressed_layout(interval, torch.zeros(3, item.num_tokens, dtype=torch.long))
-    return None
 
 
 def _is_frame_list(items, key: str) -> bool:

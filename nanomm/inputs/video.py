@@ -180,11 +180,19 @@ class ProcessedVideo:
             return sum(len(k) for k in self.kept)
         return self.token_grid[0] * kept_layout((1, *self.token_grid[1:]), self.compression)[0]
 
-    def compressed_layout(self, interval: float | None, coords: torch.Tensor):
-        """(extent, (3, tokens) positions relative to the clip's start) of a clip whose patches were compressed:
-        each token at its own patch's time id plus its place in the patch (coords, (3, tokens) with t = 0, from
-        the encoder; zeros while unknown). The text after resumes past the latest time and the largest (pooled)
-        row or column."""
+    def layout(self, interval: float | None, coords: torch.Tensor | None):
+        """mrope_positions' `compressed` entry, (extent, (3, tokens) positions relative to the clip's start), for
+        a clip whose tokens are not one per cell of its grid; None for one whose are. The time axis is spaced by
+        `interval`, as M-RoPE places the clip.
+          - pruned: each kept token where it sat unpruned;
+          - compressed: each token at its own patch's time id plus its place in the patch (coords, (3, tokens)
+            with t = 0, from the encoder; zeros while unknown). The text after resumes past the latest time and
+            the largest (pooled) row or column."""
+        if self.kept is not None:
+            extent, cells = spaced_in_time(self.token_grid, interval)
+            return extent, cells[:, self.kept_rows]
+        if self.compression is None:
+            return None
         t, h, w = self.token_grid
         times = spaced_in_time((t, 1, 1), interval)[1][0]  # (t,): each patch's time id
         per_patch, patch_extent = kept_layout((1, h, w), self.compression)
@@ -199,14 +207,6 @@ class ProcessedVideo:
             return None
         per_patch = math.prod(self.token_grid[1:])
         return torch.cat([g * per_patch + k for g, k in enumerate(self.kept)])
-
-    def pruned_layout(self, interval: float | None):
-        """(extent, (3, kept tokens) coordinates) of a pruned clip's tokens, each where it sat unpruned (the
-        time axis spaced by `interval`, as M-RoPE places it); None if nothing was pruned."""
-        if self.kept is None:
-            return None
-        extent, coords = spaced_in_time(self.token_grid, interval)
-        return extent, coords[:, self.kept_rows]
 
     @property
     def position_extent(self) -> int:
@@ -291,12 +291,13 @@ class VideoGroup:
         """As a picture's (a Qwen3-VL patch is placed as one): how far past its start the text resumes."""
         return kept_layout(self.token_grid, self.compression)[1]
 
-    def pruned_layout(self, interval: float | None = None):
-        """A Qwen3-VL patch placed as a picture of its own: (extent, coordinates of its kept tokens), or None."""
-        if self.kept_rows is None:
-            return None
-        extent, coords = spaced_in_time(self.token_grid, None)
-        return extent, coords[:, self.kept_rows]
+    def layout(self, interval: float | None, coords: torch.Tensor | None):
+        """A Qwen3-VL patch, placed as a picture of its own: as `ProcessedVideo.layout`, with no time axis to space
+        (interval is unused) and coords this patch's own."""
+        if self.kept_rows is not None:
+            extent, cells = spaced_in_time(self.token_grid, None)
+            return extent, cells[:, self.kept_rows]
+        return None if self.compression is None else (self.position_extent, coords)
 
 
 def preprocess_video(video: VideoInput, config: ImageProcessorConfig, *, min_pixels=None, max_pixels=None,

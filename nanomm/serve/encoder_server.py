@@ -153,16 +153,22 @@ class EncoderService:
             raise InvalidInputError(f"{name}: content_hash must be 64 lowercase hex digits")
         policy = parse_policy(entry["compression"], f"{name}: compression")
         if video:
-            if policy is not None and "kept" in entry:
-                raise InvalidInputError(f"{name}: a pruned video patch is not compressed too")
-            from nanomm.inputs.video import ProcessedVideo
-            from nanomm.inputs.video_pruning import check_kept
-
-            kept = None if "kept" not in entry else (
-                check_kept(entry["kept"], grid[1] * grid[2] // merge ** 2, f"{name}: kept"),)
-            return ProcessedVideo(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, fps=1.0, kept=kept,
-                                  compression=policy)
+            return _video_patch(entry, rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy, name)
         return ProcessedImage(rgb.numpy().tobytes(), tuple(grid), content_hash, cfg, policy)
+
+
+def _video_patch(entry: dict, frames: bytes, grid: tuple, content_hash: str, config: ImageProcessorConfig, policy,
+                 name: str):
+    """A video's temporal patch (checked as a picture is) as a one-patch `ProcessedVideo`: pruned, with the kept
+    tokens the engine chose, or compressed, not both."""
+    from nanomm.inputs.video import ProcessedVideo
+    from nanomm.inputs.video_pruning import check_kept
+
+    if policy is not None and "kept" in entry:
+        raise InvalidInputError(f"{name}: a pruned video patch is not compressed too")
+    kept = None if "kept" not in entry else (
+        check_kept(entry["kept"], grid[1] * grid[2] // config.merge_size ** 2, f"{name}: kept"),)
+    return ProcessedVideo(frames, grid, content_hash, config, fps=1.0, kept=kept, compression=policy)
 
 
 def _check_preprocessing(given, config: ImageProcessorConfig, what: str) -> None:
