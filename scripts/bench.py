@@ -23,330 +23,24 @@ run it on a quiet machine. Results go in BENCHMARKS.md. Benchmarks are not tests
 
 import argparse
 import json
-import math
-import os
-import platform
-import random
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 
-try:
-    import resource  # page faults and system time of a run (Unix)
-except ImportError:
-    resource = None
-
-try:
-    import nanomm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
-from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from nanomm import LLM, SamplingParams
-from nanomm.tools.random_checkpoint import make_checkpoint
-from workshop.op_count import decode_step_ops
-from nanomm.tools.weights import PRESETS
-from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
-from nanomm.accel.packed_linear import PackedLinear, packed_linear_available
-from nanomm.model.qwen2_vl import Qwen2VL
+from nanomm import LLM
 from nanomm.accel import fused_layers
-
-WORDS = ("the a cat dog sat on mat and looked at picture of red blue green house tree sky river boat "
-         "mountain city street window small large old new bright dark quickly slowly under over").split()
-
-
-# -----------------------------------------------------------------------------------------------------------
-# Workloads
-
-
-def random_image(width: int, height: int, seed: int) -> Image.Image:
-    """Uniform noise: every patch is different, so nothing about the image is cheaper than a real photo."""
-    g = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=g)
-    return Image.frombytes("RGB", (width, height), pixels.numpy().tobytes())
-
-
-def chat_prompt(text: str, images=(), mm_kwargs=None):
-    """A Qwen2-VL user turn with the images first, as the chat template renders it."""
-    body = IMAGE_PLACEHOLDER * len(images) + text
-    prompt = (f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n"
-              f"<|im_start|>assistant\n")
-    if not images:
-        return prompt
-    out = {"prompt": prompt, "multi_modal_data": {"image": list(images)}}
-    if mm_kwargs:
-        out["mm_processor_kwargs"] = dict(mm_kwargs)
-    return out
-
-
-def make_workload(seed: int, num: int, images: tuple[int, int], size: tuple[int, int], words: tuple[int, int],
-                  alternate: bool = False, mm_kwargs=None) -> list:
-    """`num` prompts; image count in [images] (alternating 0/1 when `alternate`), side lengths in [size],
-    text of [words] words. Everything is drawn from one seeded RNG, so a workload is the same on every run."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num):
-        n_images = i % 2 if alternate else rng.randint(*images)
-        imgs = [random_image(rng.randint(*size), rng.randint(*size), seed * 100_003 + i * 10 + j)
-                for j in range(n_images)]
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))
-        prompts.append(chat_prompt(text, imgs, mm_kwargs))
-    return prompts
-
-
-def workloads(args) -> dict[str, dict]:
-    out = {}
-    if args.workload in ("decode", "both"):
-        out["decode"] = dict(
-            prompts=make_workload(args.seed, args.num_requests, (0, 1), (56, 224), args.decode_words, alternate=True,
-                                  mm_kwargs={"max_pixels": args.max_pixels}),
-            max_tokens=args.max_tokens)
-    if args.workload in ("prefill", "both"):
-        out["prefill"] = dict(
-            prompts=make_workload(args.seed + 1, args.prefill_num_requests, args.prefill_images, (224, 448),
-                                  args.prefill_words, mm_kwargs={"max_pixels": args.prefill_max_pixels}),
-            max_tokens=args.prefill_max_tokens)
-    if args.workload == "burst":
-        side = args.burst_image_side
-        out["burst"] = dict(prompts=[chat_prompt(f"Describe picture {i} in one line.", [random_image(side, side, i)],
-                                                 {"max_pixels": side * side}) for i in range(args.burst_num_requests)],
-                            max_tokens=args.prefill_max_tokens)
-    return out
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+from nanomm.bench.machine import add_device_args, machine_info, measure_roofline
+from nanomm.bench.probes import decode_probe, decode_roofline, model_cost, run_nanomm
+from nanomm.bench.requests import add_workload_args, greedy, load_checkpoint, shape_workloads, warm_up, workloads
 
 
 # -----------------------------------------------------------------------------------------------------------
-# The machine and its roofline
-
-
-def cpu_name() -> str:
-    """The processor's model name (/proc/cpuinfo on Linux), which every benchmark figure is recorded with."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict:
-    cpu = cpu_name()
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        mem_gib = None
-    import transformers
-    return dict(cpu=cpu, logical_cores=os.cpu_count(),
-                usable_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                memory_gib=round(mem_gib, 1) if mem_gib else None, load_avg=list(os.getloadavg()),
-                python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
-                cuda=torch.cuda.is_available(),
-                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device: on a GPU, work is queued and a timer around a launch measures only the launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_time(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
-    fn()  # warm-up: page faults, thread pool start
-    synchronize(device)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_roofline(bw_mib: int, matmul_n: int, repeats: int, device: torch.device = torch.device("cpu"),
-                     dtype: torch.dtype = torch.float32) -> dict:
-    """Memory bandwidth and matmul rate with torch and the same thread count as the engines.
-
-    Read bandwidth: x.sum() over a tensor much larger than the caches reads every byte once and does one add
-    per 4 bytes, far below the vector units' rate, so it is limited by DRAM; decode reads weights the same way.
-    Copy bandwidth (read + write) is reported too, for reference. Matmul: an n x n @ n x n float32 product,
-    2 n^3 FLOPs, timed with torch.mm (MKL) and, on CPU, with the oneDNN packed kernel nanomm's linear layers
-    use (nanomm/accel/packed_linear.py); the machine's rate is the faster of the two, so neither engine is measured
-    against a roof its own library could beat. On a GPU the same, in the run's dtype (cuBLAS only)."""
-    n = bw_mib * 2**20 // 4
-    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
-    read_s = best_time(lambda: x.sum(), repeats, device)
-    copy_s = best_time(lambda: y.copy_(x), repeats, device)
-    a, b, c = (torch.randn(matmul_n, matmul_n, device=device, dtype=dtype) for _ in range(3))
-    mm_s = best_time(lambda: torch.mm(a, b, out=c), repeats, device)
-    packed_s = math.inf
-    if packed_linear_available(device, dtype):
-        layer = torch.nn.Linear(matmul_n, matmul_n, bias=False)
-        layer.weight.data = b
-        packed = PackedLinear(layer, batch_size_hint=matmul_n)
-        packed_s = best_time(lambda: packed(a), repeats)
-    del x, y, a, b, c
-    return dict(read_gbps=n * 4 / read_s / 1e9, copy_gbps=2 * n * 4 / copy_s / 1e9,
-                matmul_gflops=2 * matmul_n**3 / min(mm_s, packed_s) / 1e9,
-                mkl_matmul_gflops=2 * matmul_n**3 / mm_s / 1e9,
-                onednn_matmul_gflops=2 * matmul_n**3 / packed_s / 1e9 if packed_s < math.inf else None,
-                bw_tensor_mib=bw_mib, matmul_n=matmul_n, repeats=repeats)
-
-
-def model_cost(llm: LLM) -> dict:
-    """What one decode step of one token must touch, from the loaded model.
-
-    Weights: every decoder layer, the final norm and the LM head are read once per step whatever the batch
-    size (the embedding table is only gathered, B rows; with tied embeddings it *is* the head, counted once).
-    The vision tower does not run in decode. FLOPs per token: 2 per weight of every matrix (decoder + head)."""
-    t = llm.model.config.text
-    with torch.device("meta"):  # the engine's own copy may hold packed (oneDNN) weights: count a plain one
-        model = Qwen2VL(llm.model.config)
-    lm = model.language_model
-    head = model.lm_head.weight
-    decoder = list(lm.layers.parameters()) + list(lm.norm.parameters())
-    return dict(
-        element_bytes=torch.empty(0, dtype=llm.model.dtype).element_size(),
-        weight_bytes_per_step=(sum(p.numel() for p in decoder) + head.numel())
-        * torch.empty(0, dtype=llm.model.dtype).element_size(),
-        matmul_params_per_token=sum(p.numel() for p in lm.layers.parameters() if p.dim() == 2) + head.numel(),
-        total_params=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        kv_bytes_per_token=llm.stats()["kv_bytes_per_token"],
-        attn_flops_per_context_token=4 * t.num_hidden_layers * t.num_attention_heads * t.head_dim,  # QK^T + PV
-    )
-
-
-def decode_roofline(cost: dict, roof: dict, probe: dict) -> dict | None:
-    """Per measured decode step: bytes = weights + the KV of every running sequence (K and V, all layers);
-    FLOPs = 2 * matmul params * batch + attention over the contexts. Roofline step time = max(bytes / read
-    bandwidth, FLOPs / matmul rate); activations, the KV write and the sampler are left out (small)."""
-    if not probe["step_s"]:
-        return None
-    roof_s = []
-    for batch, context in zip(probe["batch"], probe["context_tokens"]):
-        nbytes = cost["weight_bytes_per_step"] + context * cost["kv_bytes_per_token"]
-        flops = 2 * cost["matmul_params_per_token"] * batch + cost["attn_flops_per_context_token"] * context
-        roof_s.append(max(nbytes / (roof["read_gbps"] * 1e9), flops / (roof["matmul_gflops"] * 1e9)))
-    steps = len(roof_s)
-    mean_batch = sum(probe["batch"]) / steps
-    mean_ctx = sum(probe["context_tokens"]) / steps
-    bytes_mean = cost["weight_bytes_per_step"] + mean_ctx * cost["kv_bytes_per_token"]
-    flops_mean = 2 * cost["matmul_params_per_token"] * mean_batch + cost["attn_flops_per_context_token"] * mean_ctx
-    return dict(steps=steps, mean_batch=mean_batch, mean_context_tokens=mean_ctx,
-                bytes_per_step=bytes_mean, flops_per_step=flops_mean,
-                bound="memory" if bytes_mean / roof["read_gbps"] >= flops_mean / roof["matmul_gflops"] else "compute",
-                measured_step_s_mean=sum(probe["step_s"]) / steps, measured_step_s_median=statistics.median(probe["step_s"]),
-                roofline_step_s_mean=sum(roof_s) / steps,
-                fraction_of_roofline=sum(roof_s) / sum(probe["step_s"]),
-                achieved_read_gbps=bytes_mean * steps / sum(probe["step_s"]) / 1e9)
-
-
-# -----------------------------------------------------------------------------------------------------------
-# nanomm
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-COUNTERS = ("steps", "generated_tokens", "computed_tokens", "visual_tokens_encoded", "encode_s",
-            "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions")
-
-
-def process_usage() -> dict:
-    """Minor page faults and CPU seconds (user, system) of this whole process so far; NaNs where there is no
-    `resource` (not Unix)."""
-    if resource is None:
-        return dict(page_faults=math.nan, user_s=math.nan, system_s=math.nan)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return dict(page_faults=usage.ru_minflt, user_s=usage.ru_utime, system_s=usage.ru_stime)
-
-
-def usage_since(before: dict) -> dict:
-    """process_usage() now, less `before`."""
-    return {key: value - before[key] for key, value in process_usage().items()}
-
-
-def run_nanomm(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    before, usage_before = llm.stats(), process_usage()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, greedy(max_tokens))
-    wall = time.perf_counter() - start
-    usage = usage_since(usage_before)
-    after = llm.stats()
-    delta = {k: after[k] - before[k] for k in COUNTERS}  # this run only, without the warm-up
-    m = [o.metrics for o in outs]
-    ttft = [x.ttft_s for x in m]
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(
-        wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall,
-        prompt_tokens=sum(x.num_prompt_tokens for x in m), visual_tokens=sum(x.num_visual_tokens for x in m),
-        prompt_tokens_per_s=sum(x.num_prompt_tokens for x in m) / wall,
-        ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99),
-        mean_queue_s=statistics.mean(x.queue_s for x in m), mean_preprocess_s=statistics.mean(x.preprocess_s for x in m),
-        mean_encode_s=statistics.mean(x.encode_s for x in m), mean_prefill_s=statistics.mean(x.prefill_s for x in m),
-        mean_tpot_s=statistics.mean([x.tpot_s for x in m if x.tpot_s is not None] or [0.0]),
-        page_faults=usage["page_faults"], system_s=usage["system_s"],
-        run_counters=delta, stats=after, token_ids=[o.outputs[0].token_ids for o in outs])
-
-
-def add_all(engine, prompts: list, sampling: SamplingParams, prefix: str) -> list[str]:
-    """Prepare every prompt, then add them all (admitted at once, as in generate); their request ids."""
-    prepared = engine.prepare_all(prompts, [sampling] * len(prompts))
-    return [engine.add_request(p, sampling, request_id=f"{prefix}-{i}", prepared=pp)
-            for i, (p, pp) in enumerate(zip(prompts, prepared))]
-
-
-def abort_all(engine, request_ids: list[str]) -> None:
-    """Abort the requests and step until the engine has given everything back."""
-    for request_id in request_ids:
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
-def warm_up(llm: LLM) -> list:
-    """A tiny generate first (first-call allocations, thread pools); returns its prompts, for transformers'."""
-    prompts = make_workload(12345, 2, (0, 1), (56, 84), (4, 8), alternate=True)
-    llm.generate(prompts, greedy(4))
-    return prompts
-
-
-def decode_probe(llm: LLM, prompts: list, max_tokens: int, max_steps: int, count_ops: bool = True) -> dict:
-    """Time pure decode steps at the workload's batch size: add every request, step until none is waiting or
-    prefilling, then time up to `max_steps` steps in which every running request decodes one token; abort the
-    rest. The scheduler is only read here, never driven from outside."""
-    engine, sched = llm.engine, llm.engine.scheduler
-    ids = add_all(engine, prompts, greedy(max_tokens), "decode-probe")
-    while sched.waiting or any(r.num_remaining > 1 for r in sched.running):
-        engine.step()
-    probe = dict(step_s=[], batch=[], context_tokens=[])
-    for _ in range(max_steps):
-        running = list(sched.running)
-        if not running or sched.waiting or any(r.num_remaining != 1 for r in running):
-            break
-        start = time.perf_counter()
-        engine.step()  # it ends by reading the sampled tokens back to the host: the device work is done
-        probe["step_s"].append(time.perf_counter() - start)
-        probe["batch"].append(len(running))
-        probe["context_tokens"].append(sum(r.num_tokens for r in running))  # KV rows attended this step
-    if count_ops and sched.running and not sched.waiting and all(r.num_remaining == 1 for r in sched.running):
-        probe["ops"] = decode_step_ops(engine)  # one more decode step, its ATen operations counted (not timed)
-    abort_all(engine, ids)
-    return probe
+# Workloads (the pictures, words and probes are nanomm/bench's: requests.py, machine.py, probes.py)
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -421,32 +115,10 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 # Main
 
 
-def add_device_args(parser) -> None:
-    """--device and --dtype, the same in every bench script: where the engines run, and in what."""
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines run")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="weights and activations")
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    src = p.add_argument_group("checkpoint")
-    src.add_argument("--checkpoint", help="a local Qwen2-VL folder (HF layout); overrides --preset")
-    src.add_argument("--preset", choices=list(PRESETS), default="small", help="random checkpoint to generate")
-    src.add_argument("--cache-dir", default="checkpoints/bench-small", help="where the preset is generated once")
-    w = p.add_argument_group("workloads")
-    w.add_argument("--workload", choices=["decode", "prefill", "both", "burst"], default="both")
-    w.add_argument("--num-requests", type=int, default=32, help="decode workload: requests")
-    w.add_argument("--max-tokens", type=int, default=128, help="decode workload: output tokens per request")
-    w.add_argument("--max-pixels", type=int, default=28 * 28 * 64, help="decode workload: per-prompt pixel cap")
-    w.add_argument("--prefill-num-requests", type=int, default=32)
-    w.add_argument("--prefill-max-tokens", type=int, default=8)
-    w.add_argument("--prefill-max-pixels", type=int, default=28 * 28 * 256,
-                   help="prefill workload: per-prompt pixel cap (mm_processor_kwargs), larger images")
-    w.add_argument("--burst-num-requests", type=int, default=32, help="burst workload: requests arriving at once")
-    w.add_argument("--burst-image-side", type=int, default=896, help="burst workload: each picture's side, px")
-    w.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     e = p.add_argument_group("engines")
     e.add_argument("--max-num-seqs", type=int, help="nanomm LLM max_num_seqs (default: the LLM default)")
     e.add_argument("--max-num-batched-tokens", type=int, help="nanomm LLM max_num_batched_tokens (default: LLM's)")
@@ -466,32 +138,13 @@ def parse_args(argv=None):
     r.add_argument("--matmul-n", type=int, default=2048)
     r.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="write every number to this file")
-    p.add_argument("--quick", action="store_true", help="smoke run: few requests, few tokens, small sizes")
-    args = p.parse_args(argv)
-    args.decode_words, args.prefill_words, args.prefill_images = (8, 64), (200, 500), (1, 3)
+    args = shape_workloads(p, p.parse_args(argv))
     if args.quick:  # smaller defaults; flags given explicitly still win
-        args.prefill_words, args.prefill_images = (40, 80), (1, 2)
-        quick = dict(num_requests=4, max_tokens=8, prefill_num_requests=4, prefill_max_tokens=2, burst_num_requests=4,
-                     burst_image_side=112,
-                     hf_batch_sizes="1,4", decode_probe_steps=4, bw_mib=128, repeats=3)
-        for key, value in quick.items():
+        for key, value in dict(hf_batch_sizes="1,4", decode_probe_steps=4, bw_mib=128, repeats=3).items():
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
     args.hf_batch_sizes = sorted({int(b) for b in args.hf_batch_sizes.split(",") if b.strip()})
     return args
-
-
-def load_checkpoint(args, log) -> Path:
-    if args.checkpoint:
-        return Path(args.checkpoint)
-    folder = Path(args.cache_dir)
-    marker = folder / "bench_checkpoint.json"  # written last: a folder without it is incomplete
-    want = {"preset": args.preset, "seed": 0}
-    if not marker.exists() or json.loads(marker.read_text()) != want:
-        log(f"generating the random '{args.preset}' checkpoint in {folder} ...")
-        make_checkpoint(folder, preset=args.preset)
-        marker.write_text(json.dumps(want))
-    return folder
 
 
 def main(argv=None) -> dict:

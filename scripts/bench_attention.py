@@ -7,20 +7,19 @@ Both ways run the same engine on the same requests (nanomm/accel/batched_attenti
 decodes, `causal_attention` per sequence as the definition); the engine's runner is switched between them, and
 the runs alternate so that a machine whose speed drifts affects both. Each run is bench.py's decode probe:
 it prefills `--batch` text requests, then times their pure decode steps. Kernels are counted with
-scripts/workshop/op_count.py. Timings are wall-clock on whatever else runs: nothing asserts them.
+nanomm/workshop/op_count.py. Timings are wall-clock on whatever else runs: nothing asserts them.
 """
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name and decode_probe
 
-from bench import add_device_args, cpu_name, decode_probe  # noqa: E402
-from nanomm import LLM  # noqa: E402
-from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
+from nanomm.bench.machine import add_device_args, cpu_name
+from nanomm.bench.probes import decode_probe
+from nanomm import LLM
+from nanomm.tools.random_checkpoint import make_checkpoint
 
 
 def decode_run(llm, batch: int, max_tokens: int) -> tuple[float, dict]:

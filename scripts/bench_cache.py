@@ -24,13 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
-from bench import add_device_args, chat_prompt, load_checkpoint, machine_info, random_image  # noqa: E402
-from rich.console import Console  # noqa: E402
+from nanomm.bench.machine import add_device_args, machine_info
+from nanomm.bench.requests import chat_prompt, load_checkpoint, random_image
+from rich.console import Console
 
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER  # noqa: E402
+from nanomm import LLM, SamplingParams
+from nanomm.inputs.tokenizer import IMAGE_PLACEHOLDER
 
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

@@ -15,12 +15,7 @@ import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
-try:
-    import nanomm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F

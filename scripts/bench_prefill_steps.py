@@ -13,22 +13,21 @@ are shared with nothing else, and one process per setting (a process's memory hi
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
-
-import bench  # noqa: E402
-from nanomm import LLM  # noqa: E402
-from nanomm.accel import fused_layers  # noqa: E402
+from nanomm import LLM
+from nanomm.accel import fused_layers
+from nanomm.bench import machine
+from nanomm.bench import requests as bench
+from nanomm.tools.weights import PRESETS
 
 
 def timed_step(engine) -> dict:
-    before, start = bench.process_usage(), time.perf_counter()
+    before, start = machine.process_usage(), time.perf_counter()
     engine.step()
     wall = time.perf_counter() - start
-    return dict(wall_s=wall, **bench.usage_since(before))
+    return dict(wall_s=wall, **machine.usage_since(before))
 
 
 def prefill_wave(llm: LLM, args, seed: int) -> dict:
@@ -44,13 +43,13 @@ def prefill_wave(llm: LLM, args, seed: int) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=list(bench.PRESETS), default="small")
+    p.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--cache-dir", default="checkpoints/bench-small")
     p.add_argument("--checkpoint", help="a local Qwen2-VL folder; overrides --preset")
     p.add_argument("--mlp-pass-bytes", type=int, help="fused_layers.MLP_PASS_BYTES for this run (default 16 MiB)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
-    workload = bench.parse_args(["--workload", "decode"])  # bench.py's decode workload and its pixel caps
+    workload = bench.workload_args(["--workload", "decode"])  # bench.py's decode workload and its pixel caps
     workload.max_tokens = 8
     if args.mlp_pass_bytes:
         fused_layers.MLP_PASS_BYTES = args.mlp_pass_bytes
@@ -59,7 +58,7 @@ def main(argv=None) -> dict:
     llm = LLM(str(folder), device="cpu", dtype="float32", max_pixels=workload.max_pixels)
     bench.warm_up(llm)
     waves = {"first": prefill_wave(llm, workload, seed=0), "second": prefill_wave(llm, workload, seed=1)}
-    results = dict(machine=bench.machine_info(), checkpoint=str(folder), mlp_pass_bytes=fused_layers.MLP_PASS_BYTES, **waves)
+    results = dict(machine=machine.machine_info(), checkpoint=str(folder), mlp_pass_bytes=fused_layers.MLP_PASS_BYTES, **waves)
     for name, w in waves.items():
         print(f"{name} prefill step ({w['tokens']} prompt tokens, the first {llm.engine.config.max_num_batched_tokens} "
               f"in this step): {w['wall_s']:.2f} s wall, {w['user_s']:.2f} s user, {w['system_s']:.2f} s system, "

@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
 
-from bench import cpu_name, measure_roofline, model_cost  # noqa: E402
+from nanomm.bench.machine import cpu_name, measure_roofline
+from nanomm.bench.probes import model_cost
 
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.model.loader import load_model  # noqa: E402
-from nanomm.accel.quant import quantize_language_model, weight_bytes  # noqa: E402
-from nanomm.model.rope import text_positions  # noqa: E402
-from nanomm.reference import ContiguousKVCache  # noqa: E402
-from nanomm.tools.random_checkpoint import make_checkpoint  # noqa: E402
+from nanomm import LLM, SamplingParams
+from nanomm.model.loader import load_model
+from nanomm.accel.quant import quantize_language_model, weight_bytes
+from nanomm.model.rope import text_positions
+from nanomm.reference import ContiguousKVCache
+from nanomm.tools.random_checkpoint import make_checkpoint
 
 PROMPT = ("<|im_start|>user\nWrite a short story about a small dog who looks at the dark window of a large "
           "house.<|im_end|>\n<|im_start|>assistant\n")
@@ -188,7 +188,7 @@ def _logits(model, ids: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def kernels(args) -> dict:
-    from bench import best_time
+    from nanomm.bench.machine import best_time
     from torch import nn
 
     from nanomm.accel.packed_linear import PackedLinear

@@ -30,16 +30,15 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
+from nanomm.bench.machine import add_device_args, machine_info, measure_roofline
+from nanomm.bench.probes import model_cost
+from nanomm.bench.requests import chat_prompt, load_checkpoint
 
-from bench import (add_device_args, chat_prompt, load_checkpoint, machine_info, measure_roofline,  # noqa: E402
-                   model_cost)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
+from nanomm import LLM, SamplingParams
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
 
 SEED_TEXT = "Describe the old river boat that sails slowly under the bright city bridge every morning."
 FRESH_TEXT = "Write a short story about a small dog who looks at the dark window of a large house."

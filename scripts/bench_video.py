@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 BUDGETS = {"whole": None, "streamed": 512}  # tokens per step (and visual tokens encoded per step); None: the clip
 
@@ -70,7 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint"), p.add_argument("--json")
     p.add_argument("--one", nargs=2, metavar=("FRAMES", "MODE"), help=argparse.SUPPRESS)  # a child process's run
     args = p.parse_args(argv)
-    from bench import load_checkpoint, machine_info
+    from nanomm.bench.machine import machine_info
+    from nanomm.bench.requests import load_checkpoint
 
     checkpoint = str(load_checkpoint(args, print))
     if args.one:

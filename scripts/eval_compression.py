@@ -19,22 +19,20 @@ configuration. TTFT: the median of one-at-a-time requests on pictures no cache h
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
-from bench import cpu_name  # noqa: E402
-import nanomm  # noqa: E402
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.demo.evaluation import EvalItem, accuracy, conversation, held_out_items, median_ttft  # noqa: E402
-from workshop.other_renderer import TASKS as EXTERNAL_TASKS  # noqa: E402
-from workshop.other_renderer import external_items  # noqa: E402
-from nanomm.demo.tasks import QA, TASKS  # noqa: E402
-from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
+from nanomm.bench.machine import cpu_name
+import nanomm
+from nanomm import LLM, SamplingParams
+from nanomm.demo.evaluation import EvalItem, accuracy, conversation, held_out_items, median_ttft
+from nanomm.workshop.other_renderer import TASKS as EXTERNAL_TASKS
+from nanomm.workshop.other_renderer import external_items
+from nanomm.demo.tasks import QA, TASKS
+from nanomm.inputs.image import ImageProcessorConfig
 
 METHODS = ("pool", "random", "prune", "attention")
 RATIOS = (0.5, 0.25, 0.1)
@@ -192,7 +190,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tasks", nargs="*", default=list(TASKS), choices=TASKS)
     parser.add_argument("--per-task", type=int, default=500)
     parser.add_argument("--external", action="store_true", help="accuracy on pictures drawn by independent code "
-                        "(scripts/workshop/other_renderer.py), into NAME.external.json")
+                        "(nanomm/workshop/other_renderer.py), into NAME.external.json")
     parser.add_argument("--timing-only", action="store_true", help="TTFT and throughput only, into NAME.timing.json "
                         "(which --report prefers), after one discarded warm-up: run it alone on a quiet machine")
     parser.add_argument("--ttft-repeats", type=int, default=12, help="requests in each TTFT median")

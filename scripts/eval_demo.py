@@ -8,7 +8,7 @@
     python scripts/eval_demo.py --model runs/demo --caps --no-external --number-by-size --seed 9  # why numbers fail
 
 Prints markdown tables: accuracy by task x cap on the held-out set (nanomm/demo/evaluation.py), accuracy at the
-default cap on pictures from scripts/workshop/other_renderer.py, with --draft, speculative decoding at batch 1, and
+default cap on pictures from nanomm/workshop/other_renderer.py, with --draft, speculative decoding at batch 1, and
 with --number-by-size, number reading by digit height and number length, and its mistakes by kind.
 Greedy decoding through nanomm.LLM on the CPU; TTFT is the median of one-at-a-time requests.
 """
@@ -17,7 +17,6 @@ import argparse
 import bisect
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -25,16 +24,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
-from bench import cpu_name  # noqa: E402
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.demo.evaluation import (CAPS, MISREADINGS, EvalItem, accuracy, answer_items,  # noqa: E402
+from nanomm.bench.machine import cpu_name
+from nanomm import LLM, SamplingParams
+from nanomm.demo.evaluation import (CAPS, MISREADINGS, EvalItem, accuracy, answer_items,
                                     conversation, digit_height, held_out_items, median_ttft, misreading,
                                     tasks_with_follow_up)
-from nanomm.demo.tasks import QA, grade  # noqa: E402
-from nanomm.engine.trace import ENGINE_PID  # noqa: E402
-from nanomm.inputs.image import ImageProcessorConfig  # noqa: E402
+from nanomm.demo.tasks import QA, grade
+from nanomm.engine.trace import ENGINE_PID
+from nanomm.inputs.image import ImageProcessorConfig
 
 
 def main(argv=None) -> None:
@@ -96,8 +94,8 @@ def held_out_table(model: str, args) -> dict:
 
 
 def external_table(model: str, args) -> dict:
-    from workshop.other_renderer import TASKS as EXTERNAL_TASKS
-    from workshop.other_renderer import external_items
+    from nanomm.workshop.other_renderer import TASKS as EXTERNAL_TASKS
+    from nanomm.workshop.other_renderer import external_items
 
     table = {}
     with LLM(model, **args.engine) as llm:
@@ -105,7 +103,7 @@ def external_table(model: str, args) -> dict:
             items = [EvalItem(e.task, e.images, (QA(e.task, e.question, e.answer),))
                      for e in external_items(task, args.per_task, args.seed)]
             table[task] = accuracy(llm, items)[:2]
-    print(f"\npictures drawn by scripts/workshop/other_renderer.py, {args.per_task} per task, default cap\n")
+    print(f"\npictures drawn by nanomm/workshop/other_renderer.py, {args.per_task} per task, default cap\n")
     print("| task | accuracy |\n|---|---|")
     for task, (right, total) in table.items():
         print(f"| {task} | {_percent(right, total)} |")

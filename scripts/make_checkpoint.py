@@ -16,14 +16,8 @@ nanomm.tools.draft_checkpoint.make_draft_checkpoint; this is their command line.
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-try:
-    import nanomm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanomm.tools.draft_checkpoint import make_draft_checkpoint
 from nanomm.tools.random_checkpoint import make_checkpoint

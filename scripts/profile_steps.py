@@ -16,7 +16,7 @@ batch-32 TTFT was 2.7 s and a demo training step 0.46 s, far from what the GPU's
 - decode kernels: torch.profiler over one eager decode step of the same 32 requests (no CUDA graph: a replay
   would launch one): the kernels it launched, and per decoder layer (the embedding's, LM head's and sampling's
   counted in). On a CPU nothing is launched: both counts are 0.
-- training: the demo model's training step (scripts/workshop/training.py) on the batches of the one-session recipe:
+- training: the demo model's training step (nanomm/workshop/training.py) on the batches of the one-session recipe:
   drawing one batch (on one CPU core), then forward, backward and the optimizer, each timed after a device sync.
 
 gpu_check.sh runs it as its `profile` stage. The phase spans are host times: on a GPU, work launched in one phase
@@ -28,25 +28,22 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's workload and machine
-
-from bench import (abort_all, add_all, greedy, load_checkpoint, machine_info, make_workload,  # noqa: E402
-                   synchronize, warm_up, workloads)
-from bench import parse_args as bench_args  # noqa: E402
-from nanomm import LLM, demo_checkpoint  # noqa: E402
-from nanomm.demo.tasks import TASKS  # noqa: E402
-from workshop.op_count import eager_steps  # noqa: E402
-from workshop.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap  # noqa: E402
-from workshop.training import TrainConfig, batch_loss, make_batch  # noqa: E402
-from nanomm.engine.trace import ENGINE_PID, STEP_LANE  # noqa: E402
-from nanomm.model.loader import load_model  # noqa: E402
+from nanomm.bench.machine import machine_info, synchronize
+from nanomm.bench.requests import (abort_all, add_all, greedy, load_checkpoint, make_workload, warm_up, workload_args,
+                                   workloads)
+from nanomm import LLM, demo_checkpoint
+from nanomm.demo.tasks import TASKS
+from nanomm.workshop.op_count import eager_steps
+from nanomm.workshop.trainer import TINY_SPEC, _processors, new_heads, new_run, set_picture_cap
+from nanomm.workshop.training import TrainConfig, batch_loss, make_batch
+from nanomm.engine.trace import ENGINE_PID, STEP_LANE
+from nanomm.model.loader import load_model
 
 PHASES = ("schedule", "encode", "forward", "sample", "commit")  # a step's spans ("propose" lies inside schedule)
 # Profiler events where the host waits for the device (or reads a value back from it).
@@ -118,13 +115,13 @@ def activities(device: torch.device) -> list:
 
 def profile_serving(args, device: torch.device) -> dict:
     """The decode workload's steps by kind, then the profiler over one batch of prefills."""
-    options = ["--workload", "decode", "--preset", args.preset, "--cache-dir", args.cache_dir, "--no-hf"]
+    options = ["--workload", "decode", "--preset", args.preset, "--cache-dir", args.cache_dir]
     options += ["--quick"] if args.quick else []
-    workload_args = bench_args(options)
-    folder = load_checkpoint(workload_args, print)
+    bench_options = workload_args(options)
+    folder = load_checkpoint(bench_options, print)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
-    workload = workloads(workload_args)["decode"]
-    with LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=workload_args.max_pixels,
+    workload = workloads(bench_options)["decode"]
+    with LLM(str(folder), device=args.device, dtype=args.dtype, max_pixels=bench_options.max_pixels,
              trace_path=str(trace)) as llm:
         warm_up(llm)
         first_step = llm.engine.num_steps
@@ -132,9 +129,9 @@ def profile_serving(args, device: torch.device) -> dict:
         outputs = llm.generate(workload["prompts"], greedy(workload["max_tokens"]), use_tqdm=False)
         wall_s = time.perf_counter() - began
         timed_steps = range(first_step, llm.engine.num_steps)  # not the warm-up's, nor the profiled ones below
-        fresh = make_workload(workload_args.seed + 7, len(workload["prompts"]), (0, 1), (56, 224),
-                              workload_args.decode_words, alternate=True,
-                              mm_kwargs={"max_pixels": workload_args.max_pixels})  # new prompts: no prefix hits
+        fresh = make_workload(bench_options.seed + 7, len(workload["prompts"]), (0, 1), (56, 224),
+                              bench_options.decode_words, alternate=True,
+                              mm_kwargs={"max_pixels": bench_options.max_pixels})  # new prompts: no prefix hits
         steps_before = llm.engine.num_steps
         with torch.profiler.profile(activities=activities(device)) as profile:
             llm.generate(fresh, greedy(1), use_tqdm=False)

@@ -28,7 +28,7 @@ of the printed number (`token_hints`), so the same command today trains a slight
 shipped now is that 6ad4f33 model after 6,750 more steps of stage 3 from its weights: BENCHMARKS.md ("How the demo
 model was made") has the eight commands and what else was tried, appendix A2 section 5 the story.
 
-The recipe is in scripts/workshop/training.py (data, loss, the vision hints) and scripts/workshop/trainer.py (the loop).
+The recipe is in nanomm/workshop/training.py (data, loss, the vision hints) and nanomm/workshop/trainer.py (the loop).
 Stage 1 (--vision-steps) trains the vision tower alone on the hints; stage 2 trains the whole model on the
 answers, with the hints and the position loss beside them; stage 3 (--focus phases, from --focus-start) trains
 it on pictures with several shapes, a few tasks at a time, each asked about several shapes in a chat.
@@ -49,20 +49,18 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's cpu_name
 
-from bench import cpu_name  # noqa: E402
-from workshop.trainer import STATE_FILE, TINY_SPEC, export, new_run, set_picture_cap, train  # noqa: E402
-from nanomm.demo.scenes import FONT_FILE_SUFFIXES  # noqa: E402
-from nanomm.demo.tasks import TASKS  # noqa: E402
-from workshop.training import TrainConfig  # noqa: E402
-from nanomm.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
+from nanomm.bench.machine import cpu_name
+from nanomm.workshop.trainer import STATE_FILE, TINY_SPEC, export, new_run, set_picture_cap, train
+from nanomm.demo.scenes import FONT_FILE_SUFFIXES
+from nanomm.demo.tasks import TASKS
+from nanomm.workshop.training import TrainConfig
+from nanomm.tools.draft_checkpoint import make_draft_checkpoint
 
 
 def focus_phase(text: str) -> tuple[int, tuple[str, ...]]:

@@ -23,13 +23,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from nanomm import LLM, SamplingParams, demo_checkpoint  # noqa: E402
-from nanomm.demo.evaluation import held_out_items  # noqa: E402
-from nanomm.demo.scenes import render  # noqa: E402
-from nanomm.demo.tasks import grade  # noqa: E402
-from nanomm.inputs.video import VideoInput  # noqa: E402
+from nanomm import LLM, SamplingParams, demo_checkpoint
+from nanomm.demo.evaluation import held_out_items
+from nanomm.demo.scenes import render
+from nanomm.demo.tasks import grade
+from nanomm.inputs.video import VideoInput
 
 TASKS = ("colour", "shape", "count", "number")  # answers that motion does not change
 RATES = (0.0, 0.25, 0.5, 0.75, 0.9)

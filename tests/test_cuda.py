@@ -124,8 +124,8 @@ def test_compressed_visual_tokens_on_cuda_match_the_dense_reference(ckpt, method
 def test_the_demo_model_trains_on_cuda_as_on_the_cpu(tmp_path):
     """scripts/train_demo.py --device cuda: the same batches give the same losses as on the CPU (float32, TF32
     convolutions apart), with batches drawn by two workers, and the exported weights load on the CPU."""
-    from workshop.trainer import TINY_SPEC, export, new_run, train
-    from workshop.training import TrainConfig
+    from nanomm.workshop.trainer import TINY_SPEC, export, new_run, train
+    from nanomm.workshop.training import TrainConfig
     from nanomm.model.loader import load_model
     losses = {}
     for device in ("cpu", "cuda"):

@@ -10,7 +10,7 @@ from nanomm.engine import attention
 from nanomm.accel.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_forward
 from nanomm.engine.sizing import batch_bucket, context_bucket, graph_context, largest_bucket
 from nanomm.accel.memory_profile import decode_step
-from workshop.op_count import HostSyncError, NoHostSync
+from nanomm.workshop.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS
 
 
@@ -236,7 +236,7 @@ def test_a_graph_replay_gives_what_eager_decoding_gives_on_cuda(family_ckpt, dty
 def test_the_op_count_runs_the_step_eagerly_and_puts_the_graphs_back(ckpt):
     """A graph replay would hide every kernel from the op count (bench.py's kernels-per-layer line on CUDA): the
     counted step goes around the decode graphs, which are in place again afterwards."""
-    from workshop.op_count import decode_step_ops
+    from nanomm.workshop.op_count import decode_step_ops
     llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     graphs, scratch = with_static_decode(llm)
     for i in range(3):

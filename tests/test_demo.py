@@ -16,9 +16,9 @@ from PIL import Image, ImageChops
 
 from nanomm.demo.scenes import COLOURS, PALETTE, SHAPES, Scene, Shape, other_font, random_scene, render
 from nanomm.demo.tasks import QA, compare_questions, describe, grade, scene_questions
-from workshop import trainer
-from workshop.trainer import TINY_SPEC, new_run, set_picture_cap, train
-from workshop.training import (IGNORE, TrainConfig, batch_loss, counting_chat, encode_chat, image_token_places,
+from nanomm.workshop import trainer
+from nanomm.workshop.trainer import TINY_SPEC, new_run, set_picture_cap, train
+from nanomm.workshop.training import (IGNORE, TrainConfig, batch_loss, counting_chat, encode_chat, image_token_places,
                                   learning_rate, make_batch, number_close_up, number_hints, pick_contrasting,
                                   stage, token_hints)
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image

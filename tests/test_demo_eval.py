@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from nanomm import LLM
-from workshop import other_renderer
+from nanomm.workshop import other_renderer
 from nanomm.demo.evaluation import (FOLLOW_UP, MISREADINGS, EvalItem, accuracy, conversation, digit_height,
                                     held_out_items, misreading, tasks_with_follow_up)
 from nanomm.demo.tasks import TASKS, QA, grade

@@ -20,7 +20,7 @@ import torch
 import nanomm
 from nanomm import LLM, SamplingParams
 from nanomm.demo.evaluation import EvalItem, accuracy, conversation, held_out_items
-from workshop.other_renderer import external_items
+from nanomm.workshop.other_renderer import external_items
 from nanomm.demo.tasks import QA
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer

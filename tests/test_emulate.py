@@ -179,17 +179,17 @@ def test_the_image_path_never_imports_the_emulated_device():
 
 
 def test_the_load_generator_drives_an_emulated_server(tmp_path):
-    """scripts/load.py --emulate starts nanomm-serve --emulate and measures it: every request answered, each
+    """`nanomm-bench load --emulate` starts nanomm-serve --emulate and measures it: every request answered, each
     picture qwen2-vl-2b's 256 visual tokens (448x448), the JSON complete. A bad value stops it before it starts."""
     out = tmp_path / "twin.json"
-    done = subprocess.run([sys.executable, "scripts/load.py", "--emulate", TWIN, "--mix", "1x448x448:1,0x0x0:1",
+    done = subprocess.run([sys.executable, "-m", "nanomm.bench", "load", "--emulate", TWIN, "--mix", "1x448x448:1,0x0x0:1",
                            "--rate", "20", "--num-requests", "8", "--max-tokens", "4", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     (result,) = json.loads(out.read_text())["results"]
     assert result["errors"] == 0 and len(result["records"]) == 8
     assert {r["visual_tokens"] for r in result["records"]} <= {0, 256}
-    bad = subprocess.run([sys.executable, "scripts/load.py", "--emulate", "h200:nope"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "nanomm.bench", "load", "--emulate", "h200:nope"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "qwen2-vl-2b" in bad.stderr
 

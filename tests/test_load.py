@@ -1,34 +1,31 @@
-"""scripts/load.py, the load generator: its arithmetic against hand-worked numbers and numpy, its Poisson
+"""nanomm/bench/load.py, the load generator (`nanomm-bench load`): its arithmetic against hand-worked numbers and numpy, its Poisson
 schedule, its mixes, and one small open-loop run against a server started here (every request answered, the
 visual tokens each picture size must give, the client's TTFT no shorter than the server's own); the multi-turn
 chat sessions (--sessions: the conversation each turn sends, and a run whose prefix-cache hits and KV figures are
-checked by hand); and the soak's memory summary (scripts/soak_serve.py) on a hand-made curve."""
+checked by hand); and the soak's memory summary (nanomm/bench/soak.py) on a hand-made curve."""
 
 import asyncio
 import json
 import random
-import sys
-from pathlib import Path
 
 import numpy
 import pytest
 
 from nanomm import LLM
+from nanomm.bench import cli, load, soak
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import load  # noqa: E402  (scripts/load.py)
+from nanomm.sim.stats import percentile
 
 
-def test_percentile_interpolates_like_numpy():
-    assert load.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert load.percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # rank 2.85: 3 + 0.85
-    assert load.percentile([7.0], 99) == 7.0 and load.percentile([], 50) is None
+def test_the_one_percentile_interpolates_like_numpy():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # rank 2.85: 3 + 0.85
+    assert percentile([7.0], 99) == 7.0 and percentile([], 50) is None
     rng = random.Random(0)
     for n in (2, 5, 17, 100):
         values = [rng.expovariate(1.0) for _ in range(n)]
         for q in (0, 37, 50, 95, 99, 100):
-            assert load.percentile(values, q) == pytest.approx(numpy.percentile(values, q), rel=1e-12)
+            assert percentile(values, q) == pytest.approx(numpy.percentile(values, q), rel=1e-12)
 
 
 def test_poisson_arrivals_have_the_rate_s_mean_gap_and_scale_with_it():
@@ -104,10 +101,8 @@ def test_an_open_loop_run_against_a_server(ckpt):
 
 
 def test_the_soak_s_memory_summary_from_a_hand_made_curve():
-    import soak_serve  # scripts/soak_serve.py
-
     curve = [(0.0, 100.0), (1.0, 150.0), (2.5, 160.0), (3.0, 170.0), (4.0, 176.0)]
-    summary = soak_serve.memory_summary(curve, seconds=4.0)
+    summary = soak.memory_summary(curve, seconds=4.0)
     assert summary["rss_mib_start"] == 100.0
     assert summary["rss_mib_peak_by_quarter"] == [150.0, 150.0, 170.0, 176.0]  # [0, 1], [1, 2], [2, 3], [3, 4]
     assert summary["rss_growth_second_half_pct"] == pytest.approx(100 * (176 - 150) / 150, abs=0.01)
@@ -120,7 +115,7 @@ def test_a_trace_run_against_a_server_sends_each_phase_s_mix_and_answer_length(c
     monkeypatch.setitem(load.TRACES, "tiny", tiny)
     llm = LLM(str(ckpt), device="cpu", dtype="float32")
     with BackgroundServer(Server(llm, ServerConfig("load"))) as base:
-        args = load.parse_args(["--url", base, "--trace", "tiny", "--seed", "2", "--slo-ttft", "60"])
+        args = cli.parse(load, ["--url", base, "--trace", "tiny", "--seed", "2", "--slo-ttft", "60"])
         results = load.run_trace(base, args, lambda line: None)
     assert [r["phase"] for r in results] == ["text", "pictures"]
     expected = load.trace_schedule(tiny, seed=2)
@@ -154,13 +149,13 @@ def test_a_conversation_body_carries_every_earlier_turn_and_its_answer():
 
 
 def test_session_options_pictures_and_think_times_are_seeded():
-    args = load.parse_args(["--sessions", "3", "--turns", "5", "--images-per-turn", "2", "--image-size", "56x84",
+    args = cli.parse(load, ["--sessions", "3", "--turns", "5", "--images-per-turn", "2", "--image-size", "56x84",
                             "--think-time", "2", "--seed", "4", "--old-image-policy", "downscale:50176",
                             "--keep-last-images", "2"])
     plan = load.session_plan(args)
     assert (plan.sessions, plan.turns, plan.images_per_turn, plan.image_size) == (3, 5, 2, (56, 84))
     assert plan.mm_processor_kwargs == {"old_image_policy": "downscale:50176", "keep_last_images": 2}
-    assert load.session_plan(load.parse_args(["--sessions", "1"])).mm_processor_kwargs is None
+    assert load.session_plan(cli.parse(load, ["--sessions", "1"])).mm_processor_kwargs is None
     turn = load.user_turn(plan, 1, 2)
     assert turn == load.user_turn(plan, 1, 2) and len(turn.images) == 2 and len(set(turn.images)) == 2
     assert turn.images[0] not in load.user_turn(plan, 0, 2).images + load.user_turn(plan, 1, 3).images
@@ -173,7 +168,7 @@ def test_session_options_pictures_and_think_times_are_seeded():
     for bad in (["--sessions", "1", "--old-image-policy", "shrink"], ["--sessions", "1", "--keep-last-images", "0"],
                 ["--keep-last-images", "2"], ["--sessions", "1", "--image-size", "448"]):
         with pytest.raises(SystemExit):
-            load.parse_args(bad)
+            cli.parse(load, bad)
 
 
 async def encoder_cache_probe(base: str, picture: dict, record) -> None:
@@ -204,7 +199,7 @@ def test_chat_sessions_against_a_server_send_the_conversation_and_hit_the_prefix
     assert per_token == stats["kv_bytes_per_token"]  # the script's figure is the engine's
     out = tmp_path / "chat.json"
     with BackgroundServer(Server(llm, ServerConfig("load"))) as base:
-        assert load.main(["--url", base, "--sessions", "2", "--turns", "3", "--images-per-turn", "1",
+        assert cli.run(load, ["--url", base, "--sessions", "2", "--turns", "3", "--images-per-turn", "1",
                           "--think-time", "0", "--max-tokens", "6", "--kv-bytes-per-token", str(per_token),
                           "--json", str(out)]) == 0
         # The first picture again, after other text: no prefix-cache hit, but the encoder cache holds its tokens.

@@ -2,8 +2,6 @@
 cache reused up to the first changed picture, every answer exact against the dense reference, bad settings a 400."""
 
 import io
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +12,7 @@ from nanomm.engine.config import EngineConfig
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.old_images import DROPPED_MARKER, OldImagePolicy, parse_old_image_policy
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig, parse_args, _long_chat_args
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from long_chats import chat_turns, run_chat, user_turn  # noqa: E402
+from nanomm.bench.long_chats import chat_turns, run_chat, user_turn
 
 TOKENS_PER_PICTURE = 144  # a 448x448 picture under the demo model's cap (168x168, 12x12 merged tokens)
 POOLED = 36  # compress:pool:0.25 pools 2x2 windows: 6x6

@@ -1,13 +1,13 @@
 """A step's operations barely grow with the requests in it: a prefill of 8 pictured requests, a decode of 32. A
 decode step's kernels per layer do not grow with the batch, the decoder layers never sync with the host, and in
-bf16 the forms a GPU takes make no dtype copies (scripts/workshop/op_count.py counts them)."""
+bf16 the forms a GPU takes make no dtype copies (nanomm/workshop/op_count.py counts them)."""
 
 import pytest
 import torch
 
 from helpers import assert_mixed_steps_never_sync, llm_with_norms
 from nanomm import LLM, SamplingParams, demo_checkpoint
-from workshop.op_count import (HostSyncError, NoHostSync, OpCounter, decode_step_ops, demo_decode_ops,
+from nanomm.workshop.op_count import (HostSyncError, NoHostSync, OpCounter, decode_step_ops, demo_decode_ops,
                                demo_prefill_ops, total_ops as total)
 
 

@@ -164,13 +164,14 @@ def test_the_load_policy_grows_the_pools_whose_load_grows(deployed):
 
 
 def test_under_the_shifting_day_the_load_policy_grows_each_pool_in_its_own_phase(cluster):
-    """scripts/autoscale_day.py's run, the day at half length, policy load, on emulated L4s: from the Ray
+    """`nanomm-bench day`'s run, the day at half length, policy load, on emulated L4s: from the Ray
     controller's replica counts, the encoder and prefill pools grow in the pages phase while the decode pool
     stays at one, and the decode pool grows in the long answers' phase."""
-    import autoscale_day
-    from load import TRACES
+    from nanomm.bench import cli
+    from nanomm.bench import day as autoscale_day
+    from nanomm.bench.load import TRACES
 
-    args = autoscale_day.parse_args(["--policy", "load", "--time-scale", "0.5"])
+    args = cli.parse(autoscale_day, ["--policy", "load", "--time-scale", "0.5"])
     trace = tuple(replace(p, seconds=p.seconds * 0.5) for p in TRACES["day"])
     serve.start(http_options={"host": "127.0.0.1", "port": cluster["port"]})  # again after `serve run` ended
     run = autoscale_day.run_policy("load", args, trace, cluster["url"])

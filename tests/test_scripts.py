@@ -32,9 +32,18 @@ def offline_env(cwd: Path, **extra) -> dict:
 
 def run_script(name: str, args: list[str], cwd: Path) -> dict:
     """Run scripts/<name>.py with `args` and --json; the JSON it wrote."""
+    return run_command([sys.executable, str(ROOT / "scripts" / f"{name}.py")], name, args, cwd)
+
+
+def run_bench(subcommand: str, args: list[str], cwd: Path) -> dict:
+    """Run `nanomm-bench <subcommand>` (as `python -m nanomm.bench`) with `args` and --json; the JSON it wrote."""
+    return run_command([sys.executable, "-m", "nanomm.bench", subcommand], subcommand, args, cwd)
+
+
+def run_command(program: list[str], name: str, args: list[str], cwd: Path) -> dict:
     out = cwd / f"{name}.json"
     env = offline_env(cwd)
-    cmd = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args, "--json", str(out)]
+    cmd = [*program, *args, "--json", str(out)]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
@@ -42,7 +51,7 @@ def run_script(name: str, args: list[str], cwd: Path) -> dict:
     assert proc.returncode == 0, \
         f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert out.is_file(), f"{name}.py did not write {out}:\n{proc.stdout[-3000:]}"
+    assert out.is_file(), f"{name} did not write {out}:\n{proc.stdout[-3000:]}"
     assert (cwd / "ck" / "config.json").is_file()  # the checkpoint was generated in the run's folder
     return json.loads(out.read_text())
 
@@ -120,7 +129,7 @@ def test_bench_cache_smallest(tmp_path):
 
 def test_load_smallest(tmp_path):
     mix = "1x56x56:1,0x0x0:1"
-    results = run_script("load", [*SMALL, "--mix", mix, "--rate", "50", "--num-requests", "4", "--max-tokens", "3"],
+    results = run_bench("load", [*SMALL, "--mix", mix, "--rate", "50", "--num-requests", "4", "--max-tokens", "3"],
                          tmp_path)
     assert results["mix_entries"] == [dict(num_images=1, width=56, height=56, weight=1.0),
                                       dict(num_images=0, width=0, height=0, weight=1.0)]
@@ -130,13 +139,13 @@ def test_load_smallest(tmp_path):
     assert run["visual_tokens"] % 4 == 0 and run["visual_tokens"] <= 4 * 4  # 0 or 4 each (56x56: 2x2 merged)
     assert {"p50", "p95", "p99"} == set(run["ttft_s"]) and run["ttft_s"]["p50"] > 0
     assert set(run["server_ttft_stages_s"]) == {"ttft", "preprocess", "queue", "encode", "prefill", "transfer"}
-    assert results["machine"]["cpu"] and results["command"].startswith("scripts/load.py")
+    assert results["machine"]["cpu"] and results["command"].startswith("nanomm-bench load")
 
 
 def test_load_split_engine_smallest(tmp_path):
     """--topology 1e1p1d: an encoder, a prefill and a decode instance behind the router, each its own process,
     all stopped at the end; the bytes they moved come from their /metrics."""
-    results = run_script("load", [*SMALL, "--topology", "1e1p1d", "--instance-threads", "1", "--mix", "1x56x56:1",
+    results = run_bench("load", [*SMALL, "--topology", "1e1p1d", "--instance-threads", "1", "--mix", "1x56x56:1",
                                   "--rate", "50", "--num-requests", "3", "--max-tokens", "3", "--slo-tpot", "1"],
                          tmp_path)
     (run,) = results["results"]
@@ -154,8 +163,7 @@ def test_load_split_engine_smallest(tmp_path):
 
 def test_measure_stage_costs_quick_feeds_the_simulator(tmp_path):
     """--quick on the demo model: every cost the simulator's StageCosts needs, in a file its --costs reads."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "measure_stage_costs.py"), "--quick", "--threads", "1",
-           "--json", "costs.json"]
+    cmd = [sys.executable, "-m", "nanomm.bench", "stage-costs", "--quick", "--threads", "1", "--json", "costs.json"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -163,16 +171,16 @@ def test_measure_stage_costs_quick_feeds_the_simulator(tmp_path):
     assert costs["visual_bytes_per_token"] == 256 * 4 and costs["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4
     assert costs["prefill_s_per_token"] > 0 and costs["encode_s_per_visual_token"] > 0
     assert costs["link_bytes_per_s"] > 0 and costs["shared_cpu_workers"] > 0 and costs["machine"]["cpu"]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_topologies.py"), "--costs", "costs.json",
-                           "--pools", "1", "1,1,1", "--rate", "2", "--num-requests", "20", "--factor", "14",
+    proc = subprocess.run([sys.executable, "-m", "nanomm.bench", "simulate", "--costs", "costs.json",
+                           "--topologies", "integrated", "1e1p1d", "--rate", "2", "--num-requests", "20", "--factor", "14",
                            "--max-pixels", "28224", "--mix", "1x224x224:1,0x0x0:1", "--json", "sim.json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["topology"] for r in json.loads((tmp_path / "sim.json").read_text())["results"]] == ["integrated", "epd"]
+    assert [r["topology"] for r in json.loads((tmp_path / "sim.json").read_text())["results"]] == ["integrated", "1e1p1d"]
 
 
 def test_soak_serve_smallest(tmp_path):
-    results = run_script("soak_serve", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
+    results = run_bench("soak", [*SMALL, "--clients", "4", "--seconds", "4"], tmp_path)
     assert results["requests"] >= 4 and results["errors"] == 0, results["first_errors"]
     assert results["kv_blocks_used_after"] == 0 and results["requests_left"] == 0 and results["machine"]["cpu"]
     assert results["kv_blocks_used_peak"] > 0  # the gauge read at the end is live: it rose while clients ran

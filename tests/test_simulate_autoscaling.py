@@ -1,10 +1,11 @@
-"""The shifting trace (scripts/load.py --trace) and the simulator's autoscaler (scripts/simulate_autoscaling.py),
+"""The shifting trace (`nanomm-bench load --trace`) and the simulator's autoscaler (nanomm/sim/autoscaling.py),
 by hand: Ray's delays and start time on a pool, and the load policy growing the pools an image burst loads."""
 
-from load import TRACES, Phase, trace_schedule
-from simulate_autoscaling import ScaledPool, simulate, summarize
-from simulate_engine import EventClock, HostCosts, TwinCosts
-from simulate_topologies import SimRequest
+from nanomm.bench.load import TRACES, Phase, trace_schedule
+from nanomm.sim.autoscaling import ScaledPool, simulate, summarize
+from nanomm.sim.events import EventClock
+from nanomm.sim.twin import HostCosts, TwinCosts
+from nanomm.sim.workload import SimRequest
 
 
 def test_a_trace_ramps_each_phase_s_rate_and_keeps_its_mix():

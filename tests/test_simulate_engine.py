@@ -1,12 +1,14 @@
-"""scripts/simulate_engine.py, the simulator's engine-faithful mode: expected times are sums worked out by hand from a
+"""nanomm/sim/twin.py, the simulator's engine-faithful mode: expected times are sums worked out by hand from a
 device with round costs (RoundDevice), and the scheduling rules are nanomm's own (engine/scheduler.py)."""
 
 from dataclasses import dataclass
 
 import pytest
-import simulate_engine as se
-from simulate_engine import EngineLimits, HostCosts, TwinCosts
-from simulate_topologies import SimRequest
+
+from nanomm.sim import twin as se
+from nanomm.sim.topology import parse_topology
+from nanomm.sim.twin import EngineLimits, HostCosts, TwinCosts
+from nanomm.sim.workload import SimRequest
 
 
 @dataclass
@@ -51,14 +53,14 @@ def picture(rid=0, arrival=0.0, tokens=40, prompt_text=20, output=3, **kwargs) -
     return SimRequest(rid, arrival, (tokens,), prompt_text, output, **kwargs)
 
 
-def run(topology, pools, requests, twin=None):
+def run(topology, requests, twin=None):
     twin = twin or costs()
-    outcomes, _ = se.simulate_twin(topology, pools, twin, requests)
+    outcomes, _ = se.simulate_twin(topology, twin, requests)
     return outcomes, twin.device
 
 
 def test_a_text_request_alone_takes_one_prefill_step_then_a_step_a_token():
-    (outcome,), device = run("integrated", (1,), [text(prompt=20, output=3)])
+    (outcome,), device = run("integrated", [text(prompt=20, output=3)])
     ttft, tpot, finish = outcome
     assert ttft == pytest.approx(0.001 + 20e-5)  # the whole prompt in one step
     assert tpot == pytest.approx(0.001 + 1e-5)  # a decode step: one new token
@@ -67,14 +69,14 @@ def test_a_text_request_alone_takes_one_prefill_step_then_a_step_a_token():
 
 
 def test_a_long_prompt_is_chunked_to_the_token_budget():
-    (outcome,), device = run("integrated", (1,), [text(prompt=250, output=1)])
+    (outcome,), device = run("integrated", [text(prompt=250, output=1)])
     assert [runs[0] for runs in device.steps] == [(100, 100), (100, 200), (50, 250)]
     assert outcome[0] == pytest.approx(3 * 0.001 + 250e-5)
 
 
 def test_a_picture_is_encoded_once_in_the_step_whose_chunk_reaches_it():
     # 5 prefix tokens, the picture's 40 (160 patches), 20 more text tokens: one 65-token step with the encode
-    (outcome,), device = run("integrated", (1,), [picture(tokens=40, prompt_text=25, output=1)])
+    (outcome,), device = run("integrated", [picture(tokens=40, prompt_text=25, output=1)])
     assert device.encodes == [[160]]
     assert outcome[0] == pytest.approx((0.1 + 160e-6) + 0.001 + 65e-5)
 
@@ -86,7 +88,7 @@ def test_a_picture_past_the_encoder_budget_left_waits_and_one_larger_than_the_bu
     busy = text(0, prompt=10, output=1)  # the engine is in a step when both pictures arrive: they wait for the next
     requests = [busy, picture(1, 1e-4, tokens=40, prompt_text=25, output=1),
                 picture(2, 2e-4, tokens=150, prompt_text=5, output=1)]
-    outcomes, device = run("integrated", (1,), requests)
+    outcomes, device = run("integrated", requests)
     assert device.encodes == [[160], [600]]
     assert device.steps[1:3] == [[(65, 65), (5, 5)], [(100, 105)]]
 
@@ -94,20 +96,20 @@ def test_a_picture_past_the_encoder_budget_left_waits_and_one_larger_than_the_bu
 def test_the_prefix_cache_skips_the_cached_blocks_and_the_encoder_cache_the_picture():
     requests = [picture(0, tokens=40, prompt_text=25, output=1, image_keys=("red",)),
                 picture(1, arrival=1.0, tokens=40, prompt_text=25, output=1, cached_tokens=30, image_keys=("red",))]
-    outcomes, device = run("integrated", (1,), requests)
+    outcomes, device = run("integrated", requests)
     assert device.encodes == [[160]]  # the second request's picture is in the engine's encoder cache
     assert device.steps[1] == [(35, 65)]  # 30 positions cached: the rest computed
     assert outcomes[1][0] == pytest.approx(0.001 + 35e-5)
 
 
 def test_an_encoder_service_is_waited_for_inside_the_step_with_its_link_time():
-    (outcome,), device = run("e+pd", (1, 1), [picture(tokens=40, prompt_text=25, output=1)])
+    (outcome,), device = run("1e1pd", [picture(tokens=40, prompt_text=25, output=1)])
     link = 0.001 + 40 * 1000 * 1e-9  # the visual tokens' bytes
     assert outcome[0] == pytest.approx((0.1 + 160e-6) + link + 0.001 + 65e-5)
 
 
 def test_prefill_then_decode_adds_the_kv_link_and_the_decode_instance_s_first_step():
-    (outcome,), device = run("epd", (1, 1, 1), [text(prompt=20, output=3)])
+    (outcome,), device = run("1e1p1d", [text(prompt=20, output=3)])
     prefill, link, decode_step = 0.001 + 20e-5, 0.001 + 20 * 100 * 1e-9, 0.001 + 1e-5
     ttft, tpot, finish = outcome
     assert ttft == pytest.approx(prefill + link + decode_step)  # the first token comes out with the second
@@ -117,7 +119,7 @@ def test_prefill_then_decode_adds_the_kv_link_and_the_decode_instance_s_first_st
 
 def test_two_prefill_instances_share_one_encoder_service():
     requests = [picture(0, tokens=40, output=1), picture(1, tokens=40, output=1)]
-    outcomes, device = run("epd", (1, 2, 1), requests)
+    outcomes, device = run("1e2p1d", requests)
     encode = 0.1 + 160e-6
     assert len(device.encodes) == 2
     assert outcomes[1][0] - outcomes[0][0] == pytest.approx(encode, rel=1e-6)  # the second waits for the first
@@ -127,29 +129,30 @@ def test_a_full_kv_pool_preempts_the_newest_request_which_starts_again():
     tight = EngineLimits(token_budget=100, encoder_budget=100, max_num_seqs=8, num_kv_blocks=5, block_size=10,
                          prefix_tokens=5)
     requests = [text(0, prompt=20, output=15), text(1, prompt=20, output=15)]
-    outcomes, device = run("integrated", (1,), requests, costs(limits=tight))
+    outcomes, device = run("integrated", requests, costs(limits=tight))
     assert all(o is not None for o in outcomes)
     recomputed = [runs for runs in device.steps if any(new > 1 for new, _ in runs)]
     assert len(recomputed) >= 3  # both prompts, then the preempted one again
     assert any(new > 20 for runs in recomputed for new, _ in runs)  # its prompt and the tokens it had generated
-    alone, _ = run("integrated", (1,), requests)
+    alone, _ = run("integrated", requests)
     assert outcomes[1][2] > alone[1][2]
 
 
 def test_a_decode_instance_without_room_fails_the_request_it_cannot_recompute():
     tight = EngineLimits(num_kv_blocks=2, block_size=10)
-    (outcome,), _ = run("epd", (1, 1, 1), [text(prompt=40, output=3)], costs(limits=tight))
+    (outcome,), _ = run("1e1p1d", [text(prompt=40, output=3)], costs(limits=tight))
     assert outcome is None
 
 
 def test_the_host_adds_its_step_work_and_each_topology_s_request_delay():
     host = HostCosts(step_s=0.002, step_s_per_sequence=0.0005, request_s={"integrated": 0.01, "1eNp1d": 0.05},
                      request_s_per_byte={"integrated": 1e-6})
-    (outcome,), _ = run("integrated", (1,), [text(prompt=20, output=2, body_bytes=1000)], costs(host))
+    (outcome,), _ = run("integrated", [text(prompt=20, output=2, body_bytes=1000)], costs(host))
     delay, step = 0.01 + 1000 * 1e-6, 0.002 + 0.0005
     assert outcome[0] == pytest.approx(delay + step + 0.001 + 20e-5)
     assert outcome[1] == pytest.approx(step + 0.001 + 1e-5)
-    assert host.request_delay("epd", 1000) == 0.05  # 1E1P1D and 1E2P1D share one measured path
+    one_prefill, two_prefills = parse_topology("1e1p1d"), parse_topology("1e2p1d")
+    assert host.request_delay(one_prefill, 1000) == host.request_delay(two_prefills, 1000) == 0.05  # one shape
 
 
 def test_for_twin_reads_the_emulated_device_s_cost_model_and_engine_limits():

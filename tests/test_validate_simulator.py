@@ -1,21 +1,18 @@
-"""The simulator checked against the twin: the host's costs measured on it (scripts/measure_stage_costs.py --emulate)
-and the validation table (scripts/validate_simulator.py), each in its reduced run. These check that the figures are
+"""The simulator checked against the twin: the host's costs measured on it (`nanomm-bench stage-costs --emulate`)
+and the validation table (`nanomm-bench validate`), each in its reduced run. These check that the figures are
 produced and complete, never a timing or a band."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_the_host_costs_of_the_twin_are_measured_into_what_the_simulator_reads(tmp_path):
     out = tmp_path / "host.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "measure_stage_costs.py"), "--emulate",
+    done = subprocess.run([sys.executable, "-m", "nanomm.bench", "stage-costs", "--emulate",
                            "h200:qwen2-vl-2b", "--quick", "--json", str(out)], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -32,7 +29,7 @@ def test_the_validation_table_has_every_topology_and_load_measured_and_simulated
                                 "request_s": {"integrated": 0.005, "1e1pd": 0.008, "1eNp1d": 0.012},
                                 "request_s_per_byte": {"integrated": 1e-7, "1e1pd": 2e-7, "1eNp1d": 2e-7}}))
     out = tmp_path / "validation.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_simulator.py"), "--host-costs", str(host),
+    done = subprocess.run([sys.executable, "-m", "nanomm.bench", "validate", "--host-costs", str(host),
                            "--quick", "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())

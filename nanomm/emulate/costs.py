@@ -4,7 +4,7 @@ Lesson: lessons/13-three-topologies.md (the emulated device).
 
 One module in plain Python (no torch), so that any tool can share its formulas; the emulated device
 (emulate/runner.py) runs on it, and so does the topology simulator's engine-faithful mode
-(scripts/simulate_engine.py, `simulate_topologies.py --emulate`). Every figure is a roofline with a floor:
+(nanomm/sim/twin.py, `nanomm-bench simulate --emulate`). Every figure is a roofline with a floor:
 
     step    = floor + max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x bandwidth_efficiency))
     FLOPs   = 2 x LM parameters x tokens + 4 x layers x attention width x sum over runs of new x mean context

@@ -1,7 +1,7 @@
 """How many replicas each pool wants: the load each replica reports, and the three policies that read it.
 
 Lesson: lessons/15-scaling-each-pool.md. Used by nanomm/serve/ray.py (Ray Serve), and by the simulator
-(scripts/simulate_autoscaling.py), which runs these same policy objects on its own clock.
+(nanomm/sim/autoscaling.py), which runs these same policy objects on its own clock.
 
 Every replica keeps a `LoadWindow` over the last few seconds and reports three numbers:
 

@@ -16,19 +16,16 @@ must not have, so it runs in a side environment with torch, torchvision, transfo
 """
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from nanomm.tools.tokenizers import write_tiny_tokenizer
+from nanomm.workshop.video_fixtures import decode, encode, noise_frames, sha256, versions
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "data" / "video"
-sys.path.insert(0, str(ROOT))  # nanomm from the checkout: the tiny tokenizer; the fixtures' packing
-sys.path.insert(0, str(Path(__file__).parent))
-
-from make_video_fixtures import decode, encode, noise_frames, sha256, versions  # noqa: E402
-from nanomm.tools.tokenizers import write_tiny_tokenizer  # noqa: E402
 
 VIDEO_CONFIG = {"fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
                 "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16, "temporal_patch_size": 2,

@@ -22,22 +22,18 @@ What it writes, kept small (the tests carry it):
     table[c, codes[:, c]] is HF's tensor exactly (checked here before writing, and by the test via the sha256).
 """
 
-import hashlib
 import json
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from nanomm.tools.hf_files import preprocessor_config
+from nanomm.tools.weights import model_spec
+from nanomm.workshop.video_fixtures import decode, encode, noise_frames, sha256, versions
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "data" / "video"
-sys.path.insert(0, str(ROOT))  # nanomm from the checkout: the checkpoint's preprocessor settings
-
-from nanomm.tools.hf_files import preprocessor_config  # noqa: E402
-from nanomm.tools.weights import model_spec  # noqa: E402
 
 # name: (seed, frames, height, width, (min_pixels, max_pixels) for the call or None for the checkpoint's)
 CLIPS = {
@@ -54,44 +50,6 @@ SAMPLED = {
     "count": (81, 17, 28, 28, 24.0, {"num_frames": 5}),  # rounded to whole temporal patches: 4 frames
     "min_frames": (82, 9, 28, 28, 30.0, {"fps": 2}),  # 0.3 s: min_frames (4) wins over the rate
 }
-
-
-def noise_frames(seed: int, frames: int, height: int, width: int) -> np.ndarray:
-    """(T, H, W, 3) uint8 noise; the test makes the same frames with the same call."""
-    return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
-
-
-def sha256(array) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-def encode(pixel_values: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, C*K) float32 -> table (C, 256) float32 and codes (rows, C, K) uint8, with table[c, codes[:, c]] == it."""
-    per_channel = pixel_values.view(pixel_values.shape[0], channels, -1)  # (rows, C, K)
-    table = torch.zeros(channels, 256, dtype=torch.float32)
-    codes = torch.empty(per_channel.shape, dtype=torch.uint8)
-    for c in range(channels):
-        values, index = torch.unique(per_channel[:, c], sorted=True, return_inverse=True)
-        assert len(values) <= 256, f"channel {c} holds {len(values)} distinct values"
-        table[c, :len(values)] = values
-        codes[:, c] = index.to(torch.uint8)
-    return table, codes
-
-
-def decode(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    channel = torch.arange(table.shape[0]).view(1, -1, 1)  # (1, C, 1)
-    return table[channel, codes.long()].reshape(codes.shape[0], -1)  # (rows, C*K)
-
-
-def versions() -> dict:
-    """The versions that made a fixture (the side environment's)."""
-    import PIL
-    import torchvision
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
-            "transformers": transformers.__version__, "pillow": PIL.__version__, "numpy": np.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def main() -> None:

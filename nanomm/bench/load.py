@@ -1,10 +1,10 @@
 """Load nanomm-serve the way its users do: Poisson arrivals, a mix of image sizes and counts, streaming clients.
 
-    python scripts/load.py --mix thumbnails --rate 1 2 4          # starts nanomm-serve on the tiny checkpoint
-    python scripts/load.py --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
-    python scripts/load.py --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
-    python scripts/load.py --demo --topology 1e1p1d --rate 2 --slo-ttft 0.5 --slo-tpot 0.05   # a split engine
-    python scripts/load.py --demo --sessions 8 --turns 6 --images-per-turn 1 --think-time 2   # multi-turn chats
+    nanomm-bench load --mix thumbnails --rate 1 2 4          # starts nanomm-serve on the tiny checkpoint
+    nanomm-bench load --mix scans --rate 0.5 1 --num-requests 40 --json scans.json
+    nanomm-bench load --url http://127.0.0.1:8000 --model nanomm-demo --mix "1x224x224:3,2x112x112:1"
+    nanomm-bench load --demo --topology 1e1p1d --rate 2 --slo-ttft 0.5 --slo-tpot 0.05   # a split engine
+    nanomm-bench load --demo --sessions 8 --turns 6 --images-per-turn 1 --think-time 2   # multi-turn chats
 
 Lessons: lessons/11-serving-under-load.md (why requests per second lie, and what to scale on instead),
 lessons/13-three-topologies.md (one engine against encoder, prefill and decode instances).
@@ -64,33 +64,21 @@ from pathlib import Path
 import httpx
 import torch
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
-
-from bench import WORDS, load_checkpoint, machine_info, random_image  # noqa: E402
-from nanomm.engine.config import EngineConfig  # noqa: E402
-from nanomm.engine.sizing import kv_bytes_per_token  # noqa: E402
-from nanomm.errors import InvalidInputError  # noqa: E402
-from nanomm.inputs.old_images import check_keep_last_images, parse_old_image_policy  # noqa: E402
-from nanomm.model.config import ModelConfig  # noqa: E402
-from nanomm.model.loader import resolve_dtype  # noqa: E402
-from nanomm.serve.app import free_local_port  # noqa: E402
-from nanomm.serve.metrics import TTFT_STAGES  # noqa: E402  (preprocess, queue, encode, prefill)
-
-# Named mixes: "COUNTxWIDTHxHEIGHT:WEIGHT" entries, comma-separated (a request draws one entry by weight).
-MIXES = {
-    "text": "0x0x0:1",
-    "thumbnails": "1x224x224:5,1x168x168:3,2x112x112:2",  # 64, 36 and 2 x 16 visual tokens
-    "scans": "1x896x1176:7,2x728x952:3",  # a page (1,344 visual tokens) or two smaller ones (2 x 884)
-}
-
-@dataclass(frozen=True)
-class MixEntry:
-    num_images: int
-    width: int
-    height: int
-    weight: float
+from nanomm.bench.machine import machine_info
+from nanomm.bench.requests import WORDS, load_checkpoint, random_image
+from nanomm.engine.config import EngineConfig
+from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.errors import InvalidInputError
+from nanomm.inputs.old_images import check_keep_last_images, parse_old_image_policy
+from nanomm.model.config import ModelConfig
+from nanomm.model.loader import resolve_dtype
+from nanomm.serve.app import free_local_port
+from nanomm.serve.metrics import TTFT_STAGES  # (preprocess, queue, encode, prefill)
+from nanomm.serve.top import Snapshot, parse_metrics
+from nanomm.sim.stats import percentile
+from nanomm.sim.topology import parse_topology
+from nanomm.sim.workload import MIXES, MixEntry, parse_mix
 
 
 @dataclass
@@ -118,23 +106,6 @@ class RequestRecord:
         if self.finished_at is None or self.first_token_at is None or self.completion_tokens < 2:
             return None
         return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
-
-
-def parse_mix(text: str) -> list[MixEntry]:
-    """A mix's name (MIXES) or its entries, "COUNTxWIDTHxHEIGHT:WEIGHT,..."; a ValueError says what is wrong."""
-    entries = []
-    for item in MIXES.get(text, text).split(","):
-        try:
-            shape, weight = item.split(":")
-            count, width, height = (int(v) for v in shape.lower().split("x"))
-            entry = MixEntry(count, width, height, float(weight))
-        except ValueError:
-            raise ValueError(f"mix entry {item!r} is not COUNTxWIDTHxHEIGHT:WEIGHT (for example 1x224x224:1); "
-                             f"named mixes: {', '.join(MIXES)}") from None
-        if entry.num_images < 0 or entry.weight <= 0 or (entry.num_images and min(width, height) < 28):
-            raise ValueError(f"mix entry {item!r}: the count must be >= 0, the weight > 0, images >= 28 pixels")
-        entries.append(entry)
-    return entries
 
 
 def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]:
@@ -292,17 +263,6 @@ def trace_schedule(trace: tuple[Phase, ...], seed: int) -> list[Arrival]:
     return schedule
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), interpolated between the two nearest ranks (numpy's default)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float, slo_tpot_s: float | None = None) -> dict:
     """The run's figures. Duration: from the first send to the last answer (or the last send, if later). A good
     request met the TTFT SLO, and the TPOT SLO too when one is given (a one-token answer has no TPOT: it meets it)."""
@@ -335,10 +295,14 @@ def summarize(records: list[RequestRecord], rate: float, slo_ttft_s: float, slo_
     }
 
 
+def read_metrics(url: str) -> Snapshot:
+    """An instance's /metrics, parsed as nanomm-top parses it (nanomm/serve/top.py)."""
+    return parse_metrics(url, httpx.get(url + "/metrics", timeout=30).text, time.monotonic())
+
+
 def scrape(url: str) -> dict[str, float]:
     """Every unlabelled sample of the server's /metrics, by name (a histogram's _sum and _count among them)."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-    return {sample.name: sample.value for family in families for sample in family.samples if not sample.labels}
+    return {name: by_labels[()] for name, by_labels in read_metrics(url).samples.items() if () in by_labels}
 
 
 TRANSFER_METRICS = {"kv": "nanomm_kv_transfer_bytes_total", "visual": "nanomm_visual_token_transfer_bytes_total"}
@@ -346,10 +310,12 @@ TRANSFER_METRICS = {"kv": "nanomm_kv_transfer_bytes_total", "visual": "nanomm_vi
 
 def transfer_bytes(url: str) -> dict[str, float]:
     """{"kv sent": bytes, "visual received": ...}: an instance's transfer counters (the ones it has)."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
-    names = {metric: what for what, metric in TRANSFER_METRICS.items()}
-    return {f"{names[sample.name]} {sample.labels['direction']}": sample.value for family in families
-            for sample in family.samples if sample.name in names and "direction" in sample.labels}
+    samples, moved = read_metrics(url).samples, {}
+    for what, metric in TRANSFER_METRICS.items():
+        for labels, value in samples.get(metric, {}).items():
+            if "direction" in dict(labels):
+                moved[f"{what} {dict(labels)['direction']}"] = value
+    return moved
 
 
 def transfer_delta(urls: dict[str, str], before: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -649,11 +615,19 @@ def chat_markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
-TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d", "1e2p1d")  # 1eNp1d: N prefill instances
-
-
 def server_command(port: int, role_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
+
+
+def startable_topology(name: str) -> str:
+    """A topology of the one grammar (nanomm/sim/topology.py) that this tool starts: `integrated`, `1e1pd` (an
+    encoder service and one engine that runs no tower) or `1e<N>p<1>d` (an encoder, N prefill instances and a
+    decode instance behind the router). For argparse: its canonical name, or an error naming what it starts."""
+    topology = parse_topology(name)
+    if topology.name == "integrated" or (topology.encoders == 1 and (
+            (topology.shape == "<X>e<Y>pd" and topology.prefill == 1) or topology.decode == 1)):
+        return topology.name
+    raise argparse.ArgumentTypeError(f"{name!r}: this tool starts integrated, 1e1pd and 1e<N>p1d clusters")
 
 
 def topology_commands(topology: str, model_args: list[str], model: str, extra: list[str],
@@ -661,15 +635,16 @@ def topology_commands(topology: str, model_args: list[str], model: str, extra: l
     """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. model_args: what
     names the model to nanomm-serve (a checkpoint folder, or `--emulate GPU:MODEL`). `extra` goes to every
     instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
-    num_prefills = int(topology[2]) if topology.endswith("p1d") else 0
+    shape = parse_topology(startable_topology(topology))
+    num_prefills = shape.prefill if shape.decode else 0
     prefills = [f"prefill {i + 1}" if num_prefills > 1 else "prefill" for i in range(num_prefills)]
     ports = {role: free_local_port() for role in ("encoder", *prefills, "decode", "router", "integrated")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     served = [*model_args, "--served-model-name", model, *extra]
-    if topology == "integrated":
+    if shape.name == "integrated":
         return {"integrated": server_command(ports["integrated"], served)}, "integrated"
     encoder = server_command(ports["encoder"], [*served, "--role", "encoder"])
-    if topology == "1e1pd":  # one engine whose images go to the encoder service
+    if not shape.decode:  # one engine whose images go to the encoder service
         return {"encoder": encoder, "lm": server_command(
             ports["integrated"], [*served, "--encoder-url", url["encoder"]])}, "lm"
     prefill_urls = [a for role in prefills for a in ("--prefill-url", url[role])]
@@ -905,8 +880,7 @@ def check_chat_args(p: argparse.ArgumentParser, args) -> None:
         p.error(str(exc))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, nargs="+", default=[1.0, 2.0], help="request rates to sweep (req/s)")
     p.add_argument("--mix", default="thumbnails", help=f"{', '.join(MIXES)}, or COUNTxWIDTHxHEIGHT:WEIGHT,...")
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
@@ -919,7 +893,7 @@ def parse_args(argv=None):
     p.add_argument("--url", help="a running server (default: start the --topology here on the checkpoint)")
     p.add_argument("--metrics-url", action="append", default=[],
                    help="with --url: another instance whose /metrics has transfer bytes to report (repeatable)")
-    p.add_argument("--topology", default="integrated", choices=TOPOLOGIES,
+    p.add_argument("--topology", default="integrated", type=startable_topology,
                    help="what to start without --url: one engine, encoder + engine, or encoder + prefill + "
                         "decode behind the router")
     p.add_argument("--model", default="load", help="the model name the server serves")
@@ -953,7 +927,9 @@ def parse_args(argv=None):
     chat.add_argument("--kv-budget-tokens", type=int, help="the KV pool in tokens (default: the server's "
                       f"/metrics, nanomm_kv_blocks_total x {EngineConfig.block_size})")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
     check_chat_args(p, args)
     try:
         parse_mix(args.mix)  # fail before starting anything
@@ -971,7 +947,6 @@ def parse_args(argv=None):
             p.error("--emulate starts the --topology here on the emulated device: it cannot go with --url")
     if args.url and args.topology != "integrated":
         p.error("--topology starts servers: it cannot go with --url (point --url at the router instead)")
-    return args
 
 
 def model_arguments(args) -> list[str]:
@@ -996,9 +971,8 @@ def report_chat(chat: dict, args, command: str, machine: dict) -> int:
     return 0 if chat["errors"] == 0 else 1
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in ["scripts/load.py", *(sys.argv[1:] if argv is None else argv)])
+def main(args) -> int:
+    command = args.command_line
     machine = machine_info()
     load = f"mix {args.mix}: {parse_mix(args.mix)}" if args.sessions is None else f"chat sessions: {args.sessions}"
     print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
@@ -1038,6 +1012,3 @@ def main(argv=None) -> int:
                                                    max_tokens=args.max_tokens, pictures=args.pictures,
                                                    results=results), indent=1))
     return 0 if all(r["errors"] == 0 for r in results) else 1
-
-if __name__ == "__main__":
-    sys.exit(main())

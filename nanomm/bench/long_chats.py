@@ -1,6 +1,6 @@
 """Long chats on the demo model: a new picture every turn, under each old-image policy (lesson 16).
 
-    python scripts/long_chats.py --chats 20 --turns 12 --keep-last-images 2 --json lessons/data/16-long-chats.json
+    nanomm-bench long-chats --chats 20 --turns 12 --keep-last-images 2 --json lessons/data/16-long-chats.json
 
 Each chat shows a new 448x448 scene every turn and asks a question about it (graded against the scene). The
 conversation goes on with the model's own answers. Per turn and policy it records the prompt's visual tokens, the
@@ -13,15 +13,12 @@ context rather than a skill the model has.
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from nanomm import LLM, SamplingParams, demo_checkpoint  # noqa: E402
-from nanomm.demo.scenes import random_scene, render  # noqa: E402
-from nanomm.demo.tasks import QA, grade, scene_questions  # noqa: E402
+from nanomm import LLM, SamplingParams, demo_checkpoint
+from nanomm.demo.scenes import random_scene, render
+from nanomm.demo.tasks import QA, grade, scene_questions
 
 POLICIES = ("keep", "drop", "downscale:6272", "compress:pool:0.25")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -108,15 +105,16 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chats", type=int, default=20)
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--keep-last-images", type=int, default=2)
     p.add_argument("--policy", nargs="+", default=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
-    args = p.parse_args(argv)
+
+
+def main(args) -> int:
     policies = ["keep"] + [x for x in args.policy if x != "keep"]
     llm = LLM(demo_checkpoint(), num_preprocess_workers=0)
     chats = [chat_turns(args.seed * 100_000 + i, args.turns) for i in range(args.chats)]
@@ -125,10 +123,6 @@ def main(argv=None) -> int:
     table = summarize(by_policy)
     print(markdown(table))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table, "chats": by_policy}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("module", "parser")}, "table": table, "chats": by_policy}, indent=1))
     llm.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

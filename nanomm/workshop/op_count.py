@@ -9,7 +9,7 @@ per layer, whatever the batch size, and that never syncs with the host (what a C
         engine.step()
     ops.kernels, ops.host_syncs, ops.counts.most_common(10)
 
-`python scripts/workshop/op_count.py` prints how a step's operations grow with the requests in it, on the demo
+`python -m nanomm.workshop.op_count` prints how a step's operations grow with the requests in it, on the demo
 model: a prefill step of 1 and of 8 pictured requests (batched, and attended one sequence at a time, the
 definition), a decode step of 1 and of 32 sampled requests (BENCHMARKS.md, "Operations per step").
 

@@ -1,9 +1,9 @@
 """Hold nanomm-serve under many concurrent streaming clients for a while: errors, leaks and memory.
 
-    python scripts/soak_serve.py                             # 32 clients for 180 s on the tiny checkpoint
-    python scripts/soak_serve.py --clients 4 --seconds 5 --json soak.json
+    nanomm-bench soak                             # 32 clients for 180 s on the tiny checkpoint
+    nanomm-bench soak --clients 4 --seconds 5 --json soak.json
 
-The server runs as its own process (`python -m nanomm.serve.app` on 127.0.0.1, as scripts/load.py starts it),
+The server runs as its own process (`python -m nanomm.serve.app` on 127.0.0.1, as the load generator starts it),
 so that its memory is its own. Each client loops until the time is up: a streamed chat request about a random
 picture (one of three sizes, or none), read to [DONE], then the next. Every second the server's resident memory
 (VmRSS in /proc) and its KV blocks in use (/metrics) are sampled. At the end: requests done, any error, the
@@ -14,17 +14,16 @@ test: the smallest mode runs in tests/test_scripts.py, and nothing asserts a tim
 import argparse
 import json
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's and load.py's helpers
 
-from bench import load_checkpoint, machine_info  # noqa: E402
-from load import image_data_url, scrape, start_server  # noqa: E402
+from nanomm.bench.load import image_data_url, scrape, start_server
+from nanomm.bench.machine import machine_info
+from nanomm.bench.requests import load_checkpoint
 
 IMAGE_SIZES = [None, (56, 56), (224, 168), (448, 448)]
 
@@ -85,14 +84,15 @@ def memory_summary(curve: list[tuple[float, float]], seconds: float) -> dict:
                 rss_mib_peak_by_quarter=quarters, rss_growth_second_half_pct=growth)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--seconds", type=float, default=180.0)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--checkpoint"), p.add_argument("--cache-dir", default="checkpoints/soak")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+
+
+def main(args) -> int:
     server, base = start_server(load_checkpoint(args, print), "soak", ["--max-pixels", str(448 * 448)], print)
     tally, lock = {"requests": 0, "errors": []}, threading.Lock()
     curve, kv_peak = [], 0.0
@@ -124,7 +124,3 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if not tally["errors"] and result["kv_blocks_used_after"] == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

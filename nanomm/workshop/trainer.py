@@ -1,6 +1,6 @@
 """The demo model's training loop: a new checkpoint folder, AdamW steps with a live loss bar, resume, export.
 
-Lesson: lessons/A2-how-the-demo-model-was-made.md. scripts/train_demo.py is the command line; scripts/workshop/training.py
+Lesson: lessons/A2-how-the-demo-model-was-made.md. scripts/train_demo.py is the command line; nanomm/workshop/training.py
 makes the batches and the loss.
 
 A run lives in one folder: the Hub files (config.json, tokenizer, preprocessor_config.json, ...) written at
@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from nanomm.demo.scenes import random_scene
 from nanomm.demo.tasks import compare_questions, scene_questions, vary
-from workshop.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch, stage
+from nanomm.workshop.training import HINT_OUTPUTS, TrainConfig, batch_loss, learning_rate, make_batch, stage
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.config import VisionConfig

@@ -1,19 +1,20 @@
 """The topology simulator against the twin: the same arrivals, pictures and costs, four shapes, three loads.
 
-    python scripts/measure_stage_costs.py --emulate h200:qwen2-vl-2b --json host.json   # the host's costs first
-    python scripts/validate_simulator.py --host-costs host.json --json validation.json
-    python scripts/validate_simulator.py --host-costs host.json --quick                  # the suite's reduced run
+    nanomm-bench stage-costs --emulate h200:qwen2-vl-2b --json host.json   # the host's costs first
+    nanomm-bench validate --host-costs host.json --json validation.json
+    nanomm-bench validate --host-costs host.json --quick                  # the suite's reduced run
 
 Lesson: lessons/13-three-topologies.md (the simulator checked against the twin).
 
-For each topology (integrated, 1E1PD, 1E1P1D, 1E2P1D) the cluster is started once with `nanomm-serve --emulate`
-(scripts/load.py's commands), then:
+For each topology (integrated, 1e1pd, 1e1p1d, 1e2p1d) the cluster is started once with `nanomm-serve --emulate`
+(the load generator's commands, nanomm/bench/load.py), then:
 
 1. capacity: a rate sweep (--sweep) on the twin; capacity is the highest rate up to which at least
    --target-share of the requests met both SLOs;
 2. three load levels (--levels, shares of that capacity), each run --runs times with new arrivals and pictures;
 3. each run's requests, as the client recorded them, are replayed through the engine-faithful simulator
-   (`simulate_topologies.py --emulate ... --replay`), and both are summed up by the same functions.
+   (nanomm/sim/twin.py, as `nanomm-bench simulate --emulate ... --replay` runs it), and both are summed up by the
+   same functions.
 
 A point is inside its bands when goodput is within 10% of the twin's and TTFT p50, TTFT p90 and TPOT p50 within
 15%. The table shows each figure's mean over the runs with its spread (max - min), the bands met, and the share
@@ -24,22 +25,19 @@ tests/test_validate_simulator.py runs --quick and checks that the table is produ
 import argparse
 import asyncio
 import json
-import shlex
+import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/
+from nanomm.bench import load
+from nanomm.bench.machine import machine_info
+from nanomm.sim.stats import percentile
+from nanomm.sim.twin import HostCosts, TwinCosts, simulate_twin
+from nanomm.sim.workload import requests_from_load
 
-import load  # noqa: E402
-import simulate_topologies as sim  # noqa: E402
-from bench import machine_info  # noqa: E402
-from simulate_engine import HostCosts, TwinCosts, simulate_twin  # noqa: E402
-
-SHAPES = {"integrated": ("integrated", (1,)), "1e1pd": ("e+pd", (1, 1)), "1e1p1d": ("epd", (1, 1, 1)),
-          "1e2p1d": ("epd", (1, 2, 1))}  # load.py's topology -> the simulator's topology and pools
+TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d", "1e2p1d")
 BANDS = {"goodput": 0.10, "ttft_p50": 0.15, "ttft_p90": 0.15, "tpot_p50": 0.15}
 
 
@@ -47,17 +45,16 @@ def figures(records: list, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     """Goodput (requests within both SLOs per second, first send to last answer), TTFT p50/p90, TPOT p50."""
     done = [r for r in records if r.error is None and r.finished_at is not None]
     summary = load.summarize(records, 0.0, slo_ttft_s, slo_tpot_s)
-    return {"goodput": summary["goodput_rps"], "ttft_p50": load.percentile([r.ttft_s for r in done], 50),
-            "ttft_p90": load.percentile([r.ttft_s for r in done], 90),
-            "tpot_p50": load.percentile([r.tpot_s for r in done if r.tpot_s is not None], 50),
+    return {"goodput": summary["goodput_rps"], "ttft_p50": percentile([r.ttft_s for r in done], 50),
+            "ttft_p90": percentile([r.ttft_s for r in done], 90),
+            "tpot_p50": percentile([r.tpot_s for r in done if r.tpot_s is not None], 50),
             "within_slo": summary["slo_attainment"]}
 
 
 def simulated_records(records: list, topology: str, costs: TwinCosts) -> list:
     """The run's requests replayed through the simulator, as the client would have recorded them."""
-    name, pools = SHAPES[topology]
-    requests = sim.requests_from_load({"records": [asdict(r) for r in records]})
-    outcomes, _ = simulate_twin(name, pools, costs, requests)
+    requests = requests_from_load({"records": [asdict(r) for r in records]})
+    outcomes, _ = simulate_twin(topology, costs, requests)
     out = []
     for request, result in zip(requests, outcomes):
         record = load.RequestRecord(request.arrival_s, len(request.image_tokens),
@@ -113,7 +110,7 @@ def compare(measured: dict, predicted: dict) -> dict[str, bool]:
 def validate_topology(topology: str, args, costs: TwinCosts, log) -> list[dict]:
     commands, front = load.topology_commands(topology, ["--emulate", args.emulate], "twin", [])
     started = load.start_servers(commands, log)
-    processes = {"load": __import__("os").getpid(), **{role: p.pid for role, (p, _) in started.items()}}
+    processes = {"load": os.getpid(), **{role: p.pid for role, (p, _) in started.items()}}
     try:
         url = started[front][1]
         asyncio.run(load.run_load(url, "twin", load.parse_mix("1x448x448:1"), rate=1e6, num_requests=2,
@@ -184,12 +181,11 @@ def lesson_data(report: dict, costs: TwinCosts) -> dict:
     return {**{k: report[k] for k in keep}, "rows": rows}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate", default="h200:qwen2-vl-2b", metavar="GPU:MODEL")
-    p.add_argument("--host-costs", required=True, metavar="JSON", help="scripts/measure_stage_costs.py --emulate")
-    p.add_argument("--topologies", nargs="+", default=list(SHAPES), choices=SHAPES)
-    p.add_argument("--mix", default="1x2240x2240:3,0x0x0:1", help="scripts/load.py's mix")
+    p.add_argument("--host-costs", required=True, metavar="JSON", help="nanomm-bench stage-costs --emulate")
+    p.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES), type=load.startable_topology)
+    p.add_argument("--mix", default="1x2240x2240:3,0x0x0:1", help="the load generator's mix")
     p.add_argument("--pictures", default="smooth", choices=load.PICTURES)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=60, help="requests per run")
@@ -203,17 +199,16 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="the suite's reduced run: few requests, one run, two rates")
     p.add_argument("--json")
     p.add_argument("--lesson-data", metavar="JSON", help="also write the figures without the records (lesson 13's)")
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.quick:
         args.num_requests, args.runs, args.sweep, args.max_tokens = 4, 1, [2.0, 4.0], 8
         args.mix = "1x448x448:1,0x0x0:1"
-    return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in ["scripts/validate_simulator.py",
-                                                 *(sys.argv[1:] if argv is None else argv)])
+def main(args) -> int:
+    command = args.command_line
     machine = machine_info()
     log = print if not args.quick else (lambda line: print(line, flush=True))
     log(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores")
@@ -225,14 +220,11 @@ def main(argv=None) -> int:
         rows += validate_topology(topology, args, costs, log)
     table = markdown_table(rows)
     print(table)
-    report = {"command": command, "machine": machine, "args": vars(args), "costs": costs.describe(), "bands": BANDS,
+    arguments = {k: v for k, v in vars(args).items() if k not in ("module", "parser")}
+    report = {"command": command, "machine": machine, "args": arguments, "costs": costs.describe(), "bands": BANDS,
               "rows": rows, "table": table}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.lesson_data:
         Path(args.lesson_data).write_text(json.dumps(lesson_data(report, costs)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

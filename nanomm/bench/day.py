@@ -1,11 +1,11 @@
 """The shifting day against nanomm on Ray Serve, once per autoscaling policy, on the emulated device.
 
-    python scripts/autoscale_day.py --policy default load slo --json lessons/data/15-day.json
+    nanomm-bench day --policy default load slo --json lessons/data/15-day.json
 
 Lesson: lessons/15-scaling-each-pool.md.
 
 For each policy: a local Ray cluster (on 127.0.0.1) serves `nanomm.serve.ray:app topology=epd` on emulated GPUs;
-`scripts/load.py`'s `day` trace (chat, then image-heavy pages, then long answers) is sent open-loop; every second
+the load generator's `day` trace (nanomm/bench/load.py) (chat, then image-heavy pages, then long answers) is sent open-loop; every second
 the Ray controller's replica count of each pool is recorded. Reported per policy: the share of requests within
 the SLOs (TTFT and TPOT), by phase and overall; each pool's replica-seconds (a replica counts from the moment Ray
 starts it until it stops, as a GPU would be held); and each pool's most replicas in each phase.
@@ -16,17 +16,13 @@ import asyncio
 import json
 import os
 import random
-import shlex
-import sys
 import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one machine: every Ray process on 127.0.0.1
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import TRACES, machine_info, run_schedule, trace_schedule  # noqa: E402
+from nanomm.bench.load import TRACES, run_schedule, trace_schedule
+from nanomm.bench.machine import machine_info
 
 POOLS = ("encoder", "prefill", "decode")
 
@@ -130,8 +126,7 @@ def run_policy(policy: str, args, trace, url: str) -> dict:
     return summarize([asdict(r) for r in records], timeline, trace, args)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", nargs="+", default=["default", "load", "slo"])
     p.add_argument("--emulate", default="l4:qwen2.5-vl-3b", metavar="GPU:MODEL")
     p.add_argument("--trace", default="day", choices=sorted(TRACES))
@@ -145,17 +140,16 @@ def parse_args(argv=None):
                    "to plan for (queues stay short below it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(args) -> int:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one machine: every Ray process on 127.0.0.1
     import ray
     from ray import serve
 
     from nanomm.serve.app import free_local_port
 
-    args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in ["scripts/autoscale_day.py", *(sys.argv[1:] if argv is None else argv)])
+    command = args.command_line
     trace = tuple(replace(p, seconds=p.seconds * args.time_scale) for p in TRACES[args.trace])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_local_port()
@@ -178,7 +172,3 @@ def main(argv=None) -> int:
                                                "trace": [asdict(p) for p in trace], "slo_ttft_s": args.slo_ttft,
                                                "slo_tpot_s": args.slo_tpot, "results": results}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """The autoscaler in the simulator: E+P+D pools that grow and shrink as nanomm on Ray Serve's policies say.
 
-    python scripts/simulate_autoscaling.py --replay lessons/data/15-day.json --host-costs lessons/data/13-twin-host.json
+    nanomm-bench autoscale --replay lessons/data/15-day.json --host-costs lessons/data/13-twin-host.json
 
 Lesson: lessons/15-scaling-each-pool.md.
 
-The engines are the engine-faithful simulator's (scripts/simulate_engine.py: nanomm's scheduler on the cost
+The engines are the engine-faithful simulator's (nanomm/sim/twin.py: nanomm's scheduler on the cost
 model the twin sleeps on). Around them, what Ray Serve does with nanomm's replicas (nanomm/serve/ray.py):
 
 - each replica keeps the same `LoadWindow` and reports it every `metrics_interval_s`; a pool's metric is each
@@ -22,26 +22,22 @@ processes-and-router topology's, measured on the twin; the encode of a step goes
 not necessarily the one its request leased.
 """
 
-import argparse
-import json
-import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from simulate_engine import EventClock, HostCosts, TwinCosts, TwinEngine, _EncoderService, _Request, outcome  # noqa: E402
-from simulate_topologies import requests_from_load  # noqa: E402
-
-from nanomm.serve.autoscaling import SLO_SHARES, LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy  # noqa: E402
+from nanomm.serve.autoscaling import SLO_SHARES, LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy
+from nanomm.sim.events import EventClock
+from nanomm.sim.topology import parse_topology
+from nanomm.sim.twin import EncoderService, TwinCosts, TwinEngine, TwinRequest, outcome
+from nanomm.sim.workload import requests_from_load
 
 POOLS = ("encoder", "prefill", "decode")
 
 
 @dataclass(eq=False)
 class Replica:
-    worker: object  # a TwinEngine, or an _EncoderService
+    worker: object  # a TwinEngine, or an EncoderService
     window: LoadWindow
     reports: list = field(default_factory=list)  # (time, report)
     outstanding: float = 0.0  # what the router charges it: visual tokens (prefill), leases (encoder), requests
@@ -134,12 +130,12 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
     pools: dict[str, ScaledPool] = {}
 
     def decode_engine(window):
-        return _WatchedEngine(clock, costs, "decode")
+        return WatchedEngine(clock, costs, "decode")
 
     def prefill_engine(window):
         return TwinEngine(clock, costs, "prefill", encoders_now, hand_off)
 
-    def route(track: _Request) -> None:
+    def route(track: TwinRequest) -> None:
         track.arrived_s = clock.now
         work = sum(track.request.image_tokens)
         prefill, encoder = pools["prefill"].pick(), pools["encoder"].pick()
@@ -149,13 +145,13 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
         track.replicas = (prefill, work, encoder)
         prefill.worker.submit(track)
 
-    def hand_off(track: _Request) -> None:
+    def hand_off(track: TwinRequest) -> None:
         prefill, work, encoder = track.replicas
         prefill.outstanding -= work
         encoder.outstanding -= 1
         prefill.window.first_answer(clock.now, clock.now - track.arrived_s)
         prefill.window.leave(), encoder.window.leave()
-        taken = track.handed_to = _Request(track.request)
+        taken = track.handed_to = TwinRequest(track.request)
 
         def arrive():
             decode = pools["decode"].pick()
@@ -166,14 +162,14 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
 
         clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens), arrive)
 
-    for role, make in (("encoder", lambda window: _TimedEncoderService(clock, costs, window)),
+    for role, make in (("encoder", lambda window: TimedEncoderService(clock, costs, window)),
                        ("prefill", prefill_engine),
                        ("decode", decode_engine)):
         pools[role] = ScaledPool(role, make_policy(policy, role, spec), config, clock, make, start_s)
     _keep_encoders_listed(pools["encoder"], encoders_now)
-    tracks = [_Request(r) for r in requests]
+    tracks = [TwinRequest(r) for r in requests]
     for track in tracks:
-        delay = costs.host.request_delay("epd", track.request.body_bytes)
+        delay = costs.host.request_delay(parse_topology("1e1p1d"), track.request.body_bytes)
         clock.at(track.request.arrival_s + delay, route, track)
     end = max(r.arrival_s for r in requests) + 60
     timeline = []
@@ -203,7 +199,7 @@ def _keep_encoders_listed(pool: ScaledPool, listed: list) -> None:
     listed[:] = [replica.worker for replica in pool.serving]
 
 
-class _TimedEncoderService(_EncoderService):
+class TimedEncoderService(EncoderService):
     """An encoder service whose jobs' times, the queue included, are its replica's first answers (as
     nanomm/serve/ray.py's TimedEncodes records them)."""
 
@@ -215,17 +211,17 @@ class _TimedEncoderService(_EncoderService):
         self.submitted.append(self.clock.now)
         super().submit(image_tokens, then)
 
-    def _done(self, image_tokens: list[int], then) -> None:
+    def job_done(self, image_tokens: list[int], then) -> None:
         self.window.first_answer(self.clock.now, self.clock.now - self.submitted.popleft())
-        super()._done(image_tokens, then)
+        super().job_done(image_tokens, then)
 
 
-class _WatchedEngine(TwinEngine):
+class WatchedEngine(TwinEngine):
     """A decode engine that tells its replica's window when a request's first token and its end come."""
 
-    def _token(self, track: _Request, now: float) -> None:
+    def emit_token(self, track: TwinRequest, now: float) -> None:
         first = track.first_token_s is None
-        super()._token(track, now)
+        super().emit_token(track, now)
         replica = track.replica
         if first and track.first_token_s is not None:
             replica.window.first_answer(now, now - track.arrived_s)
@@ -245,41 +241,9 @@ def summarize(result: dict, request_phases: list[str], phases: list[str], slo_tt
 
 
 def replayed_requests(run: dict) -> tuple[list, list[str]]:
-    """A policy's measured run (scripts/autoscale_day.py's records) as the simulator's requests, on the run's own
+    """A policy's measured run (`nanomm-bench day`'s records) as the simulator's requests, on the run's own
     clock (its replica timeline's), and their phases."""
     records = sorted((r for r in run["records"] if r["error"] is None), key=lambda r: r["sent_at"])
     requests = [replace(request, arrival_s=record["sent_at"])
                 for request, record in zip(requests_from_load({"records": records}), records)]
     return requests, [r["phase"] for r in records]
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replay", required=True, help="scripts/autoscale_day.py's JSON: each policy's run")
-    p.add_argument("--host-costs", help="HostCosts JSON (scripts/measure_stage_costs.py --emulate)")
-    p.add_argument("--replica-start", type=float, help="seconds a new replica takes to serve (default: the run's)")
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    day = json.loads(Path(args.replay).read_text())
-    host = HostCosts.from_json(json.loads(Path(args.host_costs).read_text())) if args.host_costs else HostCosts()
-    phases = [phase["name"] for phase in day["trace"]]
-    predictions = {}
-    for policy, run in day["results"].items():
-        app_args = day["app_args"][policy]
-        costs = TwinCosts.for_twin(app_args["emulate"], host)
-        start_s = args.replica_start or run.get("replica_start_s", 6.0)
-        requests, request_phases = replayed_requests(run)
-        result = simulate(requests, costs, policy, app_args, start_s)
-        predictions[policy] = summarize(result, request_phases, phases, day["slo_ttft_s"], day["slo_tpot_s"])
-        measured, predicted = run, predictions[policy]
-        print(f"{policy:8} within SLO {measured['slo_attainment']:.1%} / {predicted['slo_attainment']:.1%}; "
-              "replica-seconds " + ", ".join(f"{pool} {measured['replica_seconds'][pool]:.0f} / "
-                                             f"{predicted['replica_seconds'][pool]:.0f}" for pool in POOLS)
-              + " (measured / simulated)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"replay": args.replay, "predictions": predictions}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

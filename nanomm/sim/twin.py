@@ -1,11 +1,11 @@
 """The topology simulator's engine-faithful mode: nanomm's scheduler and the emulated device's cost model, in events.
 
-    python scripts/simulate_topologies.py --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \
-        --pools 1 1,1 1,1,1 1,2,1
+    nanomm-bench simulate --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \
+        --topologies integrated 1e1pd 1e1p1d 1e2p1d
 
 Lesson: lessons/13-three-topologies.md (the simulator checked against the twin).
 
-`scripts/simulate_topologies.py`'s own engine prices a step per token (`StageCosts`); this one asks the cost
+The stage model's engine (nanomm/sim/stages.py) prices a step per token (`StageCosts`); this one asks the cost
 model that the emulated device sleeps on (nanomm/emulate/costs.py: `CostModel.step_seconds`, `encode_seconds`,
 `transfer_seconds`), so a prediction and a run of `nanomm-serve --emulate` differ only in what the simulator
 leaves out, never in a formula. What it models, as the engine does (engine/scheduler.py):
@@ -20,31 +20,32 @@ leaves out, never in a formula. What it models, as the engine does (engine/sched
   running request, which is recomputed from the start (a transferred request cannot be: it fails);
 - an encoder service: one job (a step's pictures) at a time, first come first served; the engine that sent it
   waits for the answer and its link time inside its step, as nanomm's model runner does;
-- the router (1ExPyD): each request goes to the prefill instance with the least outstanding visual tokens (the
+- the router (<X>e<Y>p<Z>d): each request goes to the prefill instance with the least outstanding visual tokens (the
   first of equals), charged until its handoff, as `Router` picks; decode instances by their running requests;
 - prefill then decode: a prompt's KV crosses the link to the decode instance, whose next step emits the
   first token together with the second.
 
-What the host adds, measured on the twin (`scripts/measure_stage_costs.py --emulate`, `HostCosts`): each
+What the host adds, measured on the twin (`nanomm-bench stage-costs --emulate`, `HostCosts`): each
 engine step's host work (scheduling, sampling, outputs) as a + b x sequences (a term per token, c, is there for a
 cost file that names it; the measurement leaves it at 0), and a request's
 path outside the engines (HTTP, JSON, base64 and picture decoding, the router's hops, the stream back) as a
 delay of a + b x body bytes per topology, fitted at a low rate where nothing queues. Left out: the host's
-processes sharing the machine's cores under load (the twin's host should stay far from saturation: load.py
-reports its CPU share), link contention, tensor parallelism.
+processes sharing the machine's cores under load (the twin's host should stay far from saturation: the load
+generator reports its CPU share), link contention, tensor parallelism.
 """
 
-import heapq
-import itertools
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-TOPOLOGY_KEYS = {"integrated": "integrated", "e+pd": "1e1pd", "epd": "1eNp1d"}  # HostCosts' key per topology
+from nanomm.sim.events import EventClock, least_loaded
+from nanomm.sim.topology import Topology, parse_topology
+
+HOST_KEYS = {"dp<N>": "integrated", "<X>e<Y>pd": "1e1pd", "<X>e<Y>p<Z>d": "1eNp1d"}  # HostCosts' key per shape
 
 
 @dataclass
 class HostCosts:
-    """The host's share of the work, measured on the twin (scripts/measure_stage_costs.py --emulate)."""
+    """The host's share of the work, measured on the twin (`nanomm-bench stage-costs --emulate`)."""
     step_s: float = 0.0  # an engine step's host work: a + b x sequences + c x tokens
     step_s_per_sequence: float = 0.0
     step_s_per_token: float = 0.0
@@ -55,8 +56,8 @@ class HostCosts:
     def step(self, sequences: int, tokens: int) -> float:
         return self.step_s + self.step_s_per_sequence * sequences + self.step_s_per_token * tokens
 
-    def request_delay(self, topology: str, body_bytes: int) -> float:
-        key = TOPOLOGY_KEYS[topology]
+    def request_delay(self, topology: Topology, body_bytes: int) -> float:
+        key = HOST_KEYS[topology.shape]
         return self.request_s.get(key, 0.0) + self.request_s_per_byte.get(key, 0.0) * body_bytes
 
     @classmethod
@@ -113,23 +114,8 @@ class TwinCosts:
         return self.device.transfer_seconds(positions * self.device.shape.kv_bytes_per_token)
 
 
-class EventClock:
-    """Events in time order (ties: in the order they were set)."""
-
-    def __init__(self):
-        self.now, self._events, self._order = 0.0, [], itertools.count()
-
-    def at(self, t: float, fn, *args) -> None:
-        heapq.heappush(self._events, (t, next(self._order), fn, args))
-
-    def run(self) -> None:
-        while self._events:
-            self.now, _, fn, args = heapq.heappop(self._events)
-            fn(*args)
-
-
 @dataclass(eq=False)  # compared by identity: two requests may look alike
-class _Request:  # one request's progress in the engine it is in
+class TwinRequest:  # one request's progress in the engine it is in
     request: object  # SimRequest
     computed: int = 0  # positions whose KV is written
     generated: int = 0
@@ -139,7 +125,7 @@ class _Request:  # one request's progress in the engine it is in
     first_token_s: float | None = None
     finish_s: float | None = None
     failed: bool = False
-    handed_to: "_Request | None" = None  # a prefill instance's request: its decode instance's copy
+    handed_to: "TwinRequest | None" = None  # a prefill instance's request: its decode instance's copy
     release: object = None  # the router's charge for it, given back when its prefill instance answers
 
     @property
@@ -158,7 +144,7 @@ class _Request:  # one request's progress in the engine it is in
         return spans
 
 
-class _EncoderService:
+class EncoderService:
     """One job at a time, first come first served: a step's pictures; `then` runs when the answer has crossed."""
 
     def __init__(self, clock, costs: TwinCosts):
@@ -177,9 +163,9 @@ class _EncoderService:
         image_tokens, then = self.queue.popleft()
         seconds = self.costs.encode_s(image_tokens)
         self.busy, self.busy_s = True, self.busy_s + seconds
-        self.clock.at(self.clock.now + seconds, self._done, image_tokens, then)
+        self.clock.at(self.clock.now + seconds, self.job_done, image_tokens, then)
 
-    def _done(self, image_tokens: list[int], then) -> None:
+    def job_done(self, image_tokens: list[int], then) -> None:
         self.busy = False
         self.clock.at(self.clock.now + self.costs.visual_link_s(image_tokens), then)
         self._start()
@@ -199,11 +185,11 @@ class TwinEngine:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def submit(self, track: _Request) -> None:
+    def submit(self, track: TwinRequest) -> None:
         self.waiting.append(track)
         self._start()
 
-    def admit_transferred(self, track: _Request) -> None:
+    def admit_transferred(self, track: TwinRequest) -> None:
         """A decode instance: the prompt's KV arrived; it decodes from the next step."""
         need = self._blocks_for(track.request.prompt_tokens + 1)
         if need > self.free_blocks:
@@ -283,7 +269,7 @@ class TwinEngine:
             budget -= n
         return chunks, state["pictures"]
 
-    def _fit_encoder(self, track: _Request, start: int, n: int, state: dict, found: list) -> int:
+    def _fit_encoder(self, track: TwinRequest, start: int, n: int, state: dict, found: list) -> int:
         """The chunk shortened to stop before a picture that does not fit this step's encoder budget; the pictures
         it must encode go to `found`. A picture already taken this step (by its key) is not encoded twice."""
         limits = self.costs.limits
@@ -301,7 +287,7 @@ class TwinEngine:
             found.append((track, index))
         return n
 
-    def _grow(self, track: _Request, n: int, chunks: list) -> bool:
+    def _grow(self, track: TwinRequest, n: int, chunks: list) -> bool:
         """Blocks for n more positions, preempting the newest running requests not in this step if needed."""
         while True:
             need = self._blocks_for(track.computed + n) - track.blocks
@@ -316,7 +302,7 @@ class TwinEngine:
             if not victims:
                 return False
 
-    def _preempt(self, track: _Request) -> None:
+    def _preempt(self, track: TwinRequest) -> None:
         self.running.remove(track)
         self.free_blocks += track.blocks
         track.blocks = 0
@@ -335,12 +321,12 @@ class TwinEngine:
             track.computed += n
             if track.computed < track.known:
                 continue  # a prompt chunk (or a preempted request's recompute): no token yet
-            self._token(track, now)
+            self.emit_token(track, now)
         self.running = [t for t in self.running if t.finish_s is None and not t.failed]
         self.busy = False
         self._start()
 
-    def _token(self, track: _Request, now: float) -> None:
+    def emit_token(self, track: TwinRequest, now: float) -> None:
         if track.generated == 0 and self.role == "prefill":
             self.running.remove(track)
             self.free_blocks += track.blocks  # the pull takes the KV right away (nanomm frees it as it leaves)
@@ -359,38 +345,37 @@ class TwinEngine:
         return -(-positions // self.costs.limits.block_size)
 
     @staticmethod
-    def _key(track: _Request, index: int):
+    def _key(track: TwinRequest, index: int):
         keys = track.request.image_keys
         return keys[index] if index < len(keys) else (track.request.id, index)
 
 
-def build_twin_pools(topology: str, pools: tuple[int, ...], clock, costs: TwinCosts):
+def build_twin_pools(topology: Topology, clock, costs: TwinCosts):
     """The instances of each pool, and the function an arriving request goes to (after its host delay)."""
-    from simulate_topologies import least_loaded  # the fewest requests queued or running, the first of equals
 
     def delayed(entry):
         return lambda track: clock.at(clock.now + costs.host.request_delay(topology, track.request.body_bytes),
                                       entry, track)
 
-    if topology == "integrated":
-        workers = [TwinEngine(clock, costs, "integrated") for _ in range(pools[0])]
+    if topology.shape == "dp<N>":
+        workers = [TwinEngine(clock, costs, "integrated") for _ in range(topology.prefill)]
         return {"worker": workers}, delayed(lambda track: least_loaded(workers).submit(track))
-    encoders = [_EncoderService(clock, costs) for _ in range(pools[0])]
-    if topology == "e+pd":
-        lms = [TwinEngine(clock, costs, "lm", encoders) for _ in range(pools[1])]
+    encoders = [EncoderService(clock, costs) for _ in range(topology.encoders)]
+    if topology.shape == "<X>e<Y>pd":
+        lms = [TwinEngine(clock, costs, "lm", encoders) for _ in range(topology.prefill)]
         return {"encode": encoders, "lm": lms}, delayed(lambda track: least_loaded(lms).submit(track))
-    decodes = [TwinEngine(clock, costs, "decode") for _ in range(pools[2])]
+    decodes = [TwinEngine(clock, costs, "decode") for _ in range(topology.decode)]
 
-    def hand_off(track: _Request) -> None:
+    def hand_off(track: TwinRequest) -> None:
         track.release()  # the prefill instance has answered the router
-        taken = track.handed_to = _Request(track.request)
+        taken = track.handed_to = TwinRequest(track.request)
         clock.at(clock.now + costs.kv_link_s(track.request.prompt_tokens),
                  lambda: least_loaded(decodes).admit_transferred(taken))
 
-    prefills = [TwinEngine(clock, costs, "prefill", encoders, hand_off) for _ in range(pools[1])]
+    prefills = [TwinEngine(clock, costs, "prefill", encoders, hand_off) for _ in range(topology.prefill)]
     outstanding = [0] * len(prefills)  # visual tokens each prefill instance holds, as the router counts them
 
-    def route(track: _Request) -> None:
+    def route(track: TwinRequest) -> None:
         pick = min(range(len(prefills)), key=outstanding.__getitem__)
         work = sum(track.request.image_tokens)
         outstanding[pick] += work
@@ -400,14 +385,14 @@ def build_twin_pools(topology: str, pools: tuple[int, ...], clock, costs: TwinCo
     return {"encode": encoders, "prefill": prefills, "decode": decodes}, delayed(route)
 
 
-def final(track: _Request) -> _Request:
+def final(track: TwinRequest) -> TwinRequest:
     """Where a request ended: the decode instance's copy of a handed-off one."""
     while track.handed_to is not None:
         track = track.handed_to
     return track
 
 
-def outcome(track: _Request) -> tuple[float, float, float] | None:
+def outcome(track: TwinRequest) -> tuple[float, float, float] | None:
     """(TTFT, TPOT, finish time) of a request that finished, None for one that failed."""
     end = final(track)
     if end.failed or end.finish_s is None:
@@ -417,12 +402,12 @@ def outcome(track: _Request) -> tuple[float, float, float] | None:
             end.finish_s)
 
 
-def simulate_twin(topology: str, pools: tuple[int, ...], costs: TwinCosts, requests: list) -> tuple[list, dict]:
+def simulate_twin(topology: "str | Topology", costs: TwinCosts, requests: list) -> tuple[list, dict]:
     """Every request through the topology: ([(TTFT, TPOT, finish) or None for a failed one], each pool's busy
     share)."""
     clock = EventClock()
-    workers, entry = build_twin_pools(topology, pools, clock, costs)
-    tracks = [_Request(r) for r in requests]
+    workers, entry = build_twin_pools(parse_topology(topology), clock, costs)
+    tracks = [TwinRequest(r) for r in requests]
     for track in tracks:
         clock.at(track.request.arrival_s, entry, track)
     clock.run()

@@ -1,12 +1,12 @@
 """Measure the topology simulator's stage costs on this machine, for the model nanomm-serve would serve.
 
-    python scripts/measure_stage_costs.py --demo --json costs.json          # the trained demo model
-    python scripts/measure_stage_costs.py --checkpoint DIR --threads 1 --json costs.json   # one thread an engine
-    python scripts/simulate_topologies.py --costs costs.json --pools 1 1,1,1 ...   # then predict with them
+    nanomm-bench stage-costs --demo --json costs.json          # the trained demo model
+    nanomm-bench stage-costs --checkpoint DIR --threads 1 --json costs.json   # one thread an engine
+    nanomm-bench simulate --costs costs.json --topologies integrated 1e1p1d ...   # then predict with them
 
 Lesson: lessons/13-three-topologies.md (the prediction against a measured load).
 
-Each cost of `StageCosts` (scripts/simulate_topologies.py) comes from nanomm's own engine, in this process, on the
+Each cost of `StageCosts` (nanomm/sim/stages.py) comes from nanomm's own engine, in this process, on the
 device and dtype the server would pick (cpu and float32 here), after a warm-up:
 
 - encode: requests of 1-3 new pictures of several sizes, one output token each; each request's
@@ -27,7 +27,7 @@ device and dtype the server would pick (cpu and float32 here), after a warm-up:
   the machine runs at full speed, and the simulator runs n > K busy workers at K / n of their speed.
 
 `--threads N` measures an engine with N torch threads (each instance of a split engine on a 2-core machine
-gets one: `scripts/load.py --instance-threads 1`; two threads each would oversubscribe the cores).
+gets one: `nanomm-bench load --instance-threads 1`; two threads each would oversubscribe the cores).
 
 Every fit is least squares over the medians of --repeats runs. A sample during which other processes used more
 than a tenth of the CPU is taken again once the machine is quiet (the machine may be shared). The JSON holds
@@ -36,10 +36,10 @@ command. Not a test: tests/test_scripts.py runs it with --quick, and nothing ass
 """
 
 import argparse
+import asyncio
 import json
 import os
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -47,18 +47,21 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: bench.py's helpers
+import httpx
+import torch
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-
-from bench import WORDS, machine_info, random_image  # noqa: E402
-from load import cpu_seconds, other_cpu_share  # noqa: E402
-from nanomm import LLM, SamplingParams  # noqa: E402
-from nanomm.engine.sizing import kv_bytes_per_token  # noqa: E402
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig  # noqa: E402
-from nanomm.serve.encoder_server import EncoderServer, load_encoder  # noqa: E402
-from nanomm.transfer import RemoteEncoder  # noqa: E402
+from nanomm import LLM, SamplingParams
+from nanomm.bench import load
+from nanomm.bench.load import cpu_seconds, other_cpu_share
+from nanomm.bench.machine import machine_info
+from nanomm.bench.requests import WORDS, random_image
+from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.sim.topology import parse_topology
+from nanomm.sim.twin import HOST_KEYS, HostCosts, TwinCosts, simulate_twin
+from nanomm.sim.workload import requests_from_load
+from nanomm.transfer import RemoteEncoder
 
 ENCODE_SHAPES = [(1, 56), (1, 112), (1, 168), (1, 224), (2, 112), (3, 56), (2, 224)]  # (images, side in pixels)
 PREFILL_LENGTHS = [16, 32, 64, 128, 256, 512, 1024]
@@ -271,9 +274,8 @@ def measure_link(llm: LLM, model: str, repeats: int, rng: random.Random, log, kv
 
 
 PROBE = """
-import random, sys, time
-sys.path.insert(0, {scripts!r})
-import measure_stage_costs as m
+import random, time
+from nanomm.bench import stage_costs as m
 from nanomm import LLM, SamplingParams
 llm = LLM({model!r}, num_preprocess_workers=0)
 rng = random.Random({seed})
@@ -294,7 +296,7 @@ def measure_contention(model: str, seed: int, threads: int, log, copies: int = 3
     alone, then in `copies` processes at once (a split engine's encoder, prefill and decode instance), each with
     `threads` threads. K = copies x time alone / time together: how many workers' worth of processor the
     machine has (K >= copies: they never slow each other down)."""
-    code = PROBE.format(scripts=str(Path(__file__).resolve().parent), model=model, seed=seed, rounds=rounds)
+    code = PROBE.format(model=model, seed=seed, rounds=rounds)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
     def run(n: int) -> float:
@@ -355,8 +357,7 @@ def measure(model: str, repeats: int, seed: int, threads: int, log, quick: bool 
 # -- the host's costs on the emulated device (--emulate): what the engine-faithful simulator adds ---------------
 
 TWIN_DECODE_BATCHES = [1, 16, 48]
-TWIN_TOPOLOGIES = {"integrated": "integrated", "1e1pd": "e+pd", "1e1p1d": "epd"}  # load.py's name -> simulator's
-TWIN_POOLS = {"integrated": (1,), "e+pd": (1, 1), "epd": (1, 1, 1)}
+TWIN_TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d")  # one of each shape: HostCosts keys its delays by shape
 TWIN_MIX = "1x2240x2240:1,1x896x896:1,0x0x0:1"  # two picture sizes and text: the body's bytes vary widely
 
 
@@ -364,10 +365,6 @@ def twin_step_host(url: str, costs, log, batches=TWIN_DECODE_BATCHES, max_tokens
     """An engine step's host work, as a served client sees it: b text requests sent at once decode together;
     their median TPOT less the cost model's time for a step of b decodes is the host's part, fitted as
     step_s + step_s_per_sequence x b."""
-    import asyncio
-
-    import load
-
     rows, ys = [], []
     for b in batches:
         records = asyncio.run(load.run_load(url, "twin", load.parse_mix("0x0x0:1"), rate=1e6, num_requests=b,
@@ -387,17 +384,14 @@ def twin_request_delay(topology: str, records: list[dict], costs, log, rounds: i
     """A request's delay outside the engines in one topology, fitted as a + b x body bytes on TTFTs measured at a
     rate where little queues: each round simulates the same requests with the delay fitted so far and fits what
     is left (the delay changes the order in which requests reach the engine, so one round is not enough)."""
-    import simulate_topologies as sim
-    from simulate_engine import TOPOLOGY_KEYS, simulate_twin
-
-    name, key = TWIN_TOPOLOGIES[topology], TOPOLOGY_KEYS[TWIN_TOPOLOGIES[topology]]
-    requests = sim.requests_from_load({"records": records})
+    key = HOST_KEYS[parse_topology(topology).shape]
+    requests = requests_from_load({"records": records})
     measured = sorted((r for r in records if r["error"] is None), key=lambda r: r["sent_at"])
     rows = [[1.0, float(r["body_bytes"])] for r in measured]
     fixed = per_byte = 0.0
     for _ in range(rounds):
         costs.host.request_s[key], costs.host.request_s_per_byte[key] = fixed, per_byte
-        simulated, _ = simulate_twin(name, TWIN_POOLS[name], costs, requests)
+        simulated, _ = simulate_twin(topology, costs, requests)
         kept = [(row, (r["first_token_at"] - r["sent_at"]) - s[0]) for row, r, s in zip(rows, measured, simulated)
                 if s is not None]  # a request the simulator failed (none should) has no TTFT to compare
         left = [y for _, y in kept]
@@ -411,12 +405,7 @@ def twin_request_delay(topology: str, records: list[dict], costs, log, rounds: i
 
 
 def measure_twin(emulate: str, log, quick: bool = False) -> dict:
-    """HostCosts (scripts/simulate_engine.py) of `nanomm-serve --emulate`, each instance its own process."""
-    import asyncio
-
-    import load
-    from simulate_engine import HostCosts, TwinCosts
-
+    """HostCosts (nanomm/sim/twin.py) of `nanomm-serve --emulate`, each instance its own process."""
     from nanomm.emulate import load_configs, parse_emulate
 
     costs = TwinCosts.for_twin(emulate, HostCosts())
@@ -447,27 +436,23 @@ def measure_twin(emulate: str, log, quick: bool = False) -> dict:
     return {"host": asdict(host), "samples": found}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--demo", action="store_true", help="the trained demo model (the default)")
-    which.add_argument("--checkpoint", help="a checkpoint folder (what `scripts/load.py --checkpoint` serves)")
+    which.add_argument("--checkpoint", help="a checkpoint folder (what `nanomm-bench load --checkpoint` serves)")
     p.add_argument("--repeats", type=int, default=3, help="runs per sample (the median is fitted)")
     p.add_argument("--threads", type=int, help="torch threads per engine (default: torch's, the cores); "
-                   "what scripts/load.py --instance-threads gives each instance")
+                   "what `nanomm-bench load --instance-threads` gives each instance")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke run: a few samples each, one repeat, no waiting "
                    "for a quiet machine")
     p.add_argument("--json", help="write the costs here (the simulator's --costs reads it)")
     p.add_argument("--emulate", metavar="GPU:MODEL", help="instead: the host's costs of nanomm-serve --emulate "
                    "(what the simulator's --host-costs reads), e.g. h200:qwen2-vl-2b")
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in ["scripts/measure_stage_costs.py",
-                                                 *(sys.argv[1:] if argv is None else argv)])
+def main(args) -> int:
+    command = args.command_line
     machine = machine_info()
     print(f"command: {command}\nmachine: {machine['cpu']}, {machine['usable_cores']} cores, "
           f"{machine['memory_gib']} GiB, torch {machine['torch']}", flush=True)
@@ -477,7 +462,7 @@ def main(argv=None) -> dict:
                   "command": command}
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
-        return report
+        return 0
     if args.checkpoint:
         model = args.checkpoint
     else:
@@ -495,8 +480,4 @@ def main(argv=None) -> dict:
               "model": "demo" if not args.checkpoint else args.checkpoint, "machine": machine, "command": command}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    return report
-
-
-if __name__ == "__main__":
-    main()
+    return 0
