@@ -8,15 +8,16 @@ One `step()` = pick up requests whose images are ready (intake.py) -> propose sp
 `nanomm.llm.LLM` is the offline API on top.
 """
 
+from __future__ import annotations
+
 import hashlib
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.accel.cuda_graphs import DecodeGraphs
-from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
 from nanomm.engine.handoff import KVHandoffs
 from nanomm.engine.intake import RequestIntake
@@ -25,9 +26,8 @@ from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner
 from nanomm.engine.output_processor import OutputProcessor
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
-from nanomm.engine.parallel_sampling import ParallelSampling
-from nanomm.engine.sizing import graph_context, kv_bytes_per_token
-from nanomm.engine.speculative import SampledTokens, NgramProposer, proposal_budget, sample_and_verify
+from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.engine.speculative import SampledTokens, proposal_budget, sample_and_verify
 from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
@@ -38,7 +38,9 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
-from nanomm.transfer import RemoteEncoder
+
+if TYPE_CHECKING:  # a lever, imported where it is turned on (as the others are)
+    from nanomm.engine.parallel_sampling import ParallelSampling
 
 
 class LLMEngine:
@@ -66,12 +68,8 @@ class LLMEngine:
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device,
                                      config.kv_cache_dtype)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
-        longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
-        graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
-                              config.max_num_seqs, longest) if use_graphs else None
-        remote_encoder = None if config.encoder_url is None else RemoteEncoder(
-            config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s,
-            levels=1 + len(model.config.vision.deepstack_visual_indexes))
+        graphs = _decode_graphs(model, kv_cache, config) if use_graphs else None
+        remote_encoder = None if config.encoder_url is None else _remote_encoder(model, config)
         if make_runner is None:
             self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                       decode_graphs=graphs, remote_encoder=remote_encoder)
@@ -120,6 +118,7 @@ class LLMEngine:
             self.handoffs.mark(request_id, params, encoder_url)
         if params.n > 1:  # parallel sampling, set up by the first request that asks for it
             if self.parallel is None:
+                from nanomm.engine.parallel_sampling import ParallelSampling
                 self.parallel = ParallelSampling()
             self.parallel.check_child_ids(request_id, params.n, self._id_in_use)
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
@@ -374,10 +373,32 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
     if spec is None:
         return None
     if spec.method == "ngram":
+        from nanomm.engine.speculative import NgramProposer
+
         return NgramProposer(spec)
+    from nanomm.engine.draft import DraftProposer, same_vision_tower
+
     shared = target_encoder_cache if same_vision_tower(target, draft_model) else None
     return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target.config.text.vocab_size,
                          config.encoder_cache_size, shared, config.kv_cache_dtype)
+
+
+def _decode_graphs(model: Qwen2VL, kv_cache, config: EngineConfig):
+    """CUDA graphs of the decode step (accel/cuda_graphs.py), captured up to the longest context asked for."""
+    from nanomm.accel.cuda_graphs import DecodeGraphs
+    from nanomm.engine.sizing import graph_context
+
+    longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
+    return DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
+                        config.max_num_seqs, longest)
+
+
+def _remote_encoder(model: Qwen2VL, config: EngineConfig):
+    """The encoder service's client (transfer.py): the visual tokens of every image come from config.encoder_url."""
+    from nanomm.transfer import RemoteEncoder
+
+    return RemoteEncoder(config.encoder_url, model.config.text.hidden_size, model.dtype, model.device,
+                         config.encoder_timeout_s, levels=1 + len(model.config.vision.deepstack_visual_indexes))
 
 
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # video checked against transformers (lesson 17)
