@@ -140,6 +140,16 @@ def test_a_handoff_nobody_takes_is_freed_after_its_timeout(ckpt):
         prefill.engine.handoffs.export_kv(parked.kv_transfer_params["transfer_id"], 0)
 
 
+def test_a_refused_handoff_request_leaves_no_mark_on_its_id(ckpt):
+    """A prompt refused by add_request is no request: a later plain request with its id decodes, not parks."""
+    llm = make_llm(ckpt)
+    with pytest.raises(InvalidInputError, match="unknown keys"):
+        llm.engine.add_request({"bogus": 1}, GREEDY, request_id="x", hand_off=True)
+    llm.engine.add_request(chat_prompt("hi"), GREEDY, request_id="x")
+    assert run_to_completion(llm.engine)["x"].outputs[0].finish_reason == "length"
+    assert not llm.engine.handoffs.marked and not llm.engine.handoffs.parked
+
+
 def test_a_decode_instance_out_of_blocks_fails_the_transferred_request_it_cannot_recompute(ckpt):
     """Preemption recomputes a request from its prompt; a transferred request has no pixels here, so the decode
     side fails it with a 503 instead, and frees everything."""

@@ -112,7 +112,6 @@ class LLMEngine:
         finish_reason "error" and the reason in `outputs[0].error`."""
         arrival = time.perf_counter()
         request_id = self._new_request_id() if request_id is None else str(request_id)
-        name = f"request {request_id}"
         params = self._check_new_request(request_id, params)
         if hand_off:  # a prefill instance's request, parked after its first token (handoff.py)
             self.handoffs.mark(request_id, params, encoder_url)
@@ -121,6 +120,17 @@ class LLMEngine:
                 from nanomm.engine.parallel_sampling import ParallelSampling
                 self.parallel = ParallelSampling()
             self.parallel.check_child_ids(request_id, params.n, self._id_in_use)
+        try:
+            self._queue(request_id, prompt, params, prepared, arrival)
+        except BaseException:
+            self.handoffs.marked.pop(request_id, None)  # refused: a later request with this id is not marked
+            raise
+        return request_id
+
+    def _queue(self, request_id: str, prompt, params: SamplingParams, prepared: PreparedPrompt | None,
+               arrival: float) -> None:
+        """To the worker pool to preprocess, or (prepared, text alone, or no workers) to the scheduler now."""
+        name = f"request {request_id}"
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
             self.intake.check_fits(prepared, params, name)
         else:
@@ -128,7 +138,7 @@ class LLMEngine:
             media = validated.raw_images or validated.raw_videos  # decoded on the pool, failing as a result there
             if media and not self.intake.pool.inline:
                 self.intake.submit(request_id, validated, params, arrival)
-                return request_id
+                return
             try:  # text alone is cheap: preprocess here, and raise here
                 prepared = self.intake.prepare(validated, params)
             except InvalidInputError as exc:
@@ -136,11 +146,10 @@ class LLMEngine:
                     raise
                 # No workers: decoded here, with the pool's contract (an error result for this request).
                 self.intake.fail(request_id, validated, str(exc), arrival)
-                return request_id
+                return
         if prepared.arrival_time is None:
             prepared.arrival_time = arrival
         self._admit(request_id, prepared, params)
-        return request_id
 
     def _new_request_id(self) -> str:
         while True:  # skip ids a caller chose for their own requests
