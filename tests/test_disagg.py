@@ -16,7 +16,7 @@ import torch
 
 from helpers import chat_prompt, data_url, random_image, random_workload, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.engine.handoff import Handoff, decode_generator, kv_layout
+from nanomm.engine.handoff import Handoff, decode_generator
 from nanomm.errors import PeerError
 from nanomm.serve.app import BackgroundServer, Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
@@ -40,13 +40,13 @@ def hand_over(prefill: LLM, decode: LLM, prompt, params: SamplingParams, request
     assert parked.outputs[0].finish_reason == "handoff" and parked.outputs[0].token_ids == []
     handoff = Handoff.from_json({**parked.kv_transfer_params, "remote_url": "in-process"},
                                 decode.model.config.text.vocab_size)
-    cached = decode.engine.take_cached_prefix(handoff)
+    cached = decode.engine.handoffs.take_cached_prefix(handoff)
     from_token = len(cached) * decode.engine.config.block_size
-    kv, num_tokens = prefill.engine.export_kv(handoff.transfer_id, from_token)
+    kv, num_tokens = prefill.engine.handoffs.export_kv(handoff.transfer_id, from_token)
     assert num_tokens == handoff.num_tokens
-    for name, (dtype, shape) in kv_layout(decode.engine.runner.kv_cache, num_tokens - from_token).items():
+    for name, (dtype, shape) in decode.engine.handoffs.kv_layout(num_tokens - from_token).items():
         assert kv[name].dtype == dtype and tuple(kv[name].shape) == shape
-    decode.engine.add_transferred(request_id, None, params, handoff, kv, cached, 0.0)
+    decode.engine.handoffs.add_transferred(request_id, None, params, handoff, kv, cached, 0.0)
     return run_to_completion(decode.engine)[request_id], handoff, len(cached)
 
 
@@ -97,7 +97,7 @@ def test_compressed_images_hand_over_exactly(ckpt, policy):
 def test_an_fp8_kv_cache_travels_as_stored(ckpt):
     prefill, decode, whole = (make_llm(ckpt, kv_cache_dtype="fp8") for _ in range(3))
     prompt = chat_prompt("describe it", [random_image(70, 56, 9)])
-    assert set(kv_layout(decode.engine.runner.kv_cache, 1)) == {"codes", "scales"}
+    assert set(decode.engine.handoffs.kv_layout(1)) == {"codes", "scales"}
     got, _, _ = hand_over(prefill, decode, prompt, SEEDED, "f")
     same_completion(got, whole.generate(prompt, SEEDED, use_tqdm=False)[0])
 
@@ -134,10 +134,20 @@ def test_a_handoff_nobody_takes_is_freed_after_its_timeout(ckpt):
     parked = run_to_completion(prefill.engine)["x"]
     assert prefill.stats()["kv_blocks_used"] > 0 and prefill.stats()["kv_requests_parked"] == 1
     time.sleep(0.1)
-    assert prefill.engine.expire_handoffs() == 1
+    assert prefill.engine.handoffs.expire() == 1
     assert prefill.stats()["kv_blocks_used"] == 0
     with pytest.raises(InvalidInputError, match="no parked request"):
-        prefill.engine.export_kv(parked.kv_transfer_params["transfer_id"], 0)
+        prefill.engine.handoffs.export_kv(parked.kv_transfer_params["transfer_id"], 0)
+
+
+def test_a_refused_handoff_request_leaves_no_mark_on_its_id(ckpt):
+    """A prompt refused by add_request is no request: a later plain request with its id decodes, not parks."""
+    llm = make_llm(ckpt)
+    with pytest.raises(InvalidInputError, match="unknown keys"):
+        llm.engine.add_request({"bogus": 1}, GREEDY, request_id="x", hand_off=True)
+    llm.engine.add_request(chat_prompt("hi"), GREEDY, request_id="x")
+    assert run_to_completion(llm.engine)["x"].outputs[0].finish_reason == "length"
+    assert not llm.engine.handoffs.marked and not llm.engine.handoffs.parked
 
 
 def test_a_decode_instance_out_of_blocks_fails_the_transferred_request_it_cannot_recompute(ckpt):
@@ -151,8 +161,8 @@ def test_a_decode_instance_out_of_blocks_fails_the_transferred_request_it_cannot
         prefill.engine.add_request(prompt, params, request_id=f"p{i}", hand_off=True)
         parked = run_to_completion(prefill.engine)[f"p{i}"]
         handoff = Handoff.from_json({**parked.kv_transfer_params, "remote_url": "x"}, 10**6)
-        kv, _ = prefill.engine.export_kv(handoff.transfer_id, 0)
-        decode.engine.add_transferred(f"p{i}", None, params, handoff, kv, [], 0.0)
+        kv, _ = prefill.engine.handoffs.export_kv(handoff.transfer_id, 0)
+        decode.engine.handoffs.add_transferred(f"p{i}", None, params, handoff, kv, [], 0.0)
     outs = run_to_completion(decode.engine)
     reasons = sorted(o.outputs[0].finish_reason for o in outs.values())
     assert "error" in reasons
@@ -179,14 +189,15 @@ def test_the_http_connector_checks_what_arrives(ckpt):
     with BackgroundServer(Server(llm, ServerConfig("m", role="prefill"))) as url:
         llm.engine.add_request(chat_prompt("hi"), GREEDY, request_id="k", hand_off=True)
         for _ in range(50):
-            if llm.engine.parked:
+            if llm.engine.handoffs.parked:
                 break
             time.sleep(0.05)
-        transfer_id = next(iter(llm.engine.parked.by_id))
+        transfer_id = next(iter(llm.engine.handoffs.parked.by_id))
         plain = make_llm(ckpt)
-        layout = kv_layout(plain.engine.runner.kv_cache, llm.engine.parked.by_id[transfer_id].num_tokens)
+        num_tokens = llm.engine.handoffs.parked.by_id[transfer_id].num_tokens
+        layout = plain.engine.handoffs.kv_layout(num_tokens)
         with pytest.raises(PeerError, match="kv_cache_dtype"):
-            HttpKVConnector(5).pull(url, transfer_id, 0, llm.engine.parked.by_id[transfer_id].num_tokens, layout)
+            HttpKVConnector(5).pull(url, transfer_id, 0, num_tokens, layout)
         with pytest.raises(PeerError, match="404"):
             HttpKVConnector(5).pull(url, transfer_id, 0, 10, layout)  # taken already: the first pull freed it
         assert httpx.get(url + "/metrics").status_code == 200
@@ -199,8 +210,8 @@ def test_visual_tokens_or_kv_in_another_dtype_of_the_same_shape_are_refused(ckpt
     where float16 is stored, too). The parked blocks are freed all the same."""
     def wait_until_parked(llm):
         for _ in range(100):
-            if llm.engine.parked.by_id:
-                return next(iter(llm.engine.parked.by_id.items()))  # (transfer id, ParkedRequest)
+            if llm.engine.handoffs.parked.by_id:
+                return next(iter(llm.engine.handoffs.parked.by_id.items()))  # (transfer id, ParkedRequest)
             time.sleep(0.05)
         raise AssertionError("the request was never parked")
 
@@ -216,7 +227,7 @@ def test_visual_tokens_or_kv_in_another_dtype_of_the_same_shape_are_refused(ckpt
         prefill.engine.add_request(chat_prompt("hi"), GREEDY, request_id="k", hand_off=True)
         transfer_id, parked = wait_until_parked(prefill)
         layout = {name: (torch.bfloat16, shape)  # what a bfloat16 decode instance stores, shape for shape
-                  for name, (_, shape) in kv_layout(prefill.engine.runner.kv_cache, parked.num_tokens).items()}
+                  for name, (_, shape) in prefill.engine.handoffs.kv_layout(parked.num_tokens).items()}
         with pytest.raises(PeerError, match="as torch.float32 .*needs torch.bfloat16"):
             HttpKVConnector(5).pull(url, transfer_id, 0, parked.num_tokens, layout)
     assert prefill.stats()["kv_blocks_used"] == 0
@@ -231,12 +242,12 @@ def test_a_kv_pull_is_served_while_the_prefill_engine_is_busy(ckpt):
     with BackgroundServer(server) as url:
         llm.engine.add_request(chat_prompt("hi", [random_image(56, 56, 4)]), GREEDY, request_id="b", hand_off=True)
         for _ in range(100):
-            if llm.engine.parked:
+            if llm.engine.handoffs.parked:
                 break
             time.sleep(0.05)
-        transfer_id = next(iter(llm.engine.parked.by_id))
-        num_tokens = llm.engine.parked.by_id[transfer_id].num_tokens
-        layout = kv_layout(llm.engine.runner.kv_cache, num_tokens)
+        transfer_id = next(iter(llm.engine.handoffs.parked.by_id))
+        num_tokens = llm.engine.handoffs.parked.by_id[transfer_id].num_tokens
+        layout = llm.engine.handoffs.kv_layout(num_tokens)
         gate = threading.Event()
         held = server.engine_loop.call(lambda engine: gate.wait(30))  # the engine thread is busy until the gate opens
         try:
@@ -251,7 +262,7 @@ def test_a_kv_pull_is_served_while_the_prefill_engine_is_busy(ckpt):
             if llm.stats()["kv_blocks_used"] == 0:
                 break
             time.sleep(0.05)
-    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.parked
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.handoffs.parked
     assert {name: (t.dtype, tuple(t.shape)) for name, t in kv.items()} == {
         name: (dtype, tuple(shape)) for name, (dtype, shape) in layout.items()}
 

@@ -123,3 +123,11 @@ def test_no_module_imports_back_up_the_layout():
 def test_the_cycle_check_sees_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_engine_class_reads_at_a_glance():
+    """LLMEngine keeps to add_request / step / abort_request and the calls into its parts: the handoff
+    (handoff.py), parallel sampling (parallel_sampling.py) and the rest live in their own components."""
+    tree = ast.parse((ROOT / "nanomm" / "engine" / "engine.py").read_text())
+    engine = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "LLMEngine")
+    assert engine.end_lineno - engine.lineno + 1 <= 350

@@ -8,30 +8,28 @@ One `step()` = pick up requests whose images are ready (intake.py) -> propose sp
 `nanomm.llm.LLM` is the offline API on top.
 """
 
+from __future__ import annotations
+
 import hashlib
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanomm.engine.config import EngineConfig
-from nanomm.accel.cuda_graphs import DecodeGraphs
-from nanomm.engine.draft import DraftProposer, same_vision_tower
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
-from nanomm.engine.handoff import (Handoff, ParkedRequests, count_prefill_stages, decode_generator,
-                                  first_token_logprobs, gather_kv, make_handoff, prompt_logprobs_from, scatter_kv,
-                                  transferred_prompt)
+from nanomm.engine.handoff import KVHandoffs
 from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache
-from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner, token_slots
+from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner
 from nanomm.engine.output_processor import OutputProcessor
-from nanomm.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
-from nanomm.engine.sizing import graph_context, kv_bytes_per_token
-from nanomm.engine.speculative import SampledTokens, NgramProposer, proposal_budget, sample_and_verify
+from nanomm.engine.sizing import kv_bytes_per_token
+from nanomm.engine.speculative import SampledTokens, proposal_budget, sample_and_verify
 from nanomm.engine.trace import make_trace
-from nanomm.errors import InvalidInputError, PeerError
+from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.old_images import OldImages
 from nanomm.inputs.pool import PreprocessPool
@@ -40,7 +38,9 @@ from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
-from nanomm.transfer import RemoteEncoder
+
+if TYPE_CHECKING:  # a lever, imported where it is turned on (as the others are)
+    from nanomm.engine.parallel_sampling import ParallelSampling
 
 
 class LLMEngine:
@@ -68,12 +68,8 @@ class LLMEngine:
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device,
                                      config.kv_cache_dtype)
         self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
-        longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
-        graphs = DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
-                              config.max_num_seqs, longest) if use_graphs else None
-        remote_encoder = None if config.encoder_url is None else RemoteEncoder(
-            config.encoder_url, text.hidden_size, model.dtype, model.device, config.encoder_timeout_s,
-            levels=1 + len(model.config.vision.deepstack_visual_indexes))
+        graphs = _decode_graphs(model, kv_cache, config) if use_graphs else None
+        remote_encoder = None if config.encoder_url is None else _remote_encoder(model, config)
         if make_runner is None:
             self.runner = ModelRunner(model, kv_cache, config.block_size, self.encoder_cache, self.trace,
                                       decode_graphs=graphs, remote_encoder=remote_encoder)
@@ -87,11 +83,9 @@ class LLMEngine:
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
-        self.parked = ParkedRequests()  # prefilled requests whose KV waits for a decode instance (handoff.py)
-        # Requests to park after their first token instead of decoding -> the encoder service each one names
-        self.hand_offs: dict[str, str | None] = {}
+        self.handoffs = KVHandoffs(self)  # prefill here, decode there (handoff.py)
+        self.parallel: ParallelSampling | None = None  # requests with n > 1, from the first one (parallel_sampling.py)
         self.requests: dict[str, Request] = {}  # scheduled and not finished
-        self.parents: dict[str, ParentRequest] = {}  # requests with n > 1, by their id and their children's
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
         self.lm_busy_s = 0.0  # the steps that ran chunks, less their encodes: the language model's busy time
@@ -118,19 +112,25 @@ class LLMEngine:
         finish_reason "error" and the reason in `outputs[0].error`."""
         arrival = time.perf_counter()
         request_id = self._new_request_id() if request_id is None else str(request_id)
+        params = self._check_new_request(request_id, params)
+        if hand_off:  # a prefill instance's request, parked after its first token (handoff.py)
+            self.handoffs.mark(request_id, params, encoder_url)
+        if params.n > 1:  # parallel sampling, set up by the first request that asks for it
+            if self.parallel is None:
+                from nanomm.engine.parallel_sampling import ParallelSampling
+                self.parallel = ParallelSampling()
+            self.parallel.check_child_ids(request_id, params.n, self._id_in_use)
+        try:
+            self._queue(request_id, prompt, params, prepared, arrival)
+        except BaseException:
+            self.handoffs.marked.pop(request_id, None)  # refused: a later request with this id is not marked
+            raise
+        return request_id
+
+    def _queue(self, request_id: str, prompt, params: SamplingParams, prepared: PreparedPrompt | None,
+               arrival: float) -> None:
+        """To the worker pool to preprocess, or (prepared, text alone, or no workers) to the scheduler now."""
         name = f"request {request_id}"
-        if self._id_in_use(request_id):
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
-        params = _check_params(params, name)
-        if hand_off and params.n > 1:
-            raise InvalidInputError(f"{name}: n={params.n} is served by an integrated engine only; a prefill "
-                                    "instance hands off one completion per request")
-        child_ids = child_request_ids(request_id, params.n) if params.n > 1 else []
-        if any(map(self._id_in_use, child_ids)):
-            raise InvalidInputError(f"{name}: with n={params.n} its completions are requests {child_ids}, and one "
-                                    "of those ids is in use")
-        if hand_off:  # a prefill instance's request (handoff.py), maybe with the encoder its router picked
-            self.hand_offs[request_id] = encoder_url
         if prepared is not None:  # prepared elsewhere, maybe with other sampling params: check the pool again
             self.intake.check_fits(prepared, params, name)
         else:
@@ -138,7 +138,7 @@ class LLMEngine:
             media = validated.raw_images or validated.raw_videos  # decoded on the pool, failing as a result there
             if media and not self.intake.pool.inline:
                 self.intake.submit(request_id, validated, params, arrival)
-                return request_id
+                return
             try:  # text alone is cheap: preprocess here, and raise here
                 prepared = self.intake.prepare(validated, params)
             except InvalidInputError as exc:
@@ -146,11 +146,10 @@ class LLMEngine:
                     raise
                 # No workers: decoded here, with the pool's contract (an error result for this request).
                 self.intake.fail(request_id, validated, str(exc), arrival)
-                return request_id
+                return
         if prepared.arrival_time is None:
             prepared.arrival_time = arrival
         self._admit(request_id, prepared, params)
-        return request_id
 
     def _new_request_id(self) -> str:
         while True:  # skip ids a caller chose for their own requests
@@ -159,28 +158,27 @@ class LLMEngine:
                 return request_id
 
     def _id_in_use(self, request_id: str) -> bool:
-        """Taken by a running request, one still preprocessing, or a completion of either (n > 1: its children
-        get their ids only once admitted, so a request on the pool reserves them)."""
-        if request_id in self.requests or request_id in self.intake.preprocessing or request_id in self.parents:
-            return True
-        return any(request_id in child_request_ids(parent_id, params.n)
-                   for parent_id, (_, params, _) in self.intake.preprocessing.items() if params.n > 1)
+        """Taken by a running request, one still preprocessing, or a completion of either (n > 1)."""
+        return (request_id in self.requests or request_id in self.intake.preprocessing
+                or self.parallel is not None and self.parallel.holds(request_id, self.intake.preprocessing))
+
+    def _check_new_request(self, request_id: str, params) -> SamplingParams:
+        """The sampling params, checked, of a request whose id is free; InvalidInputError otherwise."""
+        if self._id_in_use(request_id):
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        return _check_params(params, f"request {request_id}")
 
     def _admit(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
         """A prepared request becomes the scheduler's: one request, or n children (parallel_sampling.py)."""
         if params.n == 1:
             self._add_to_scheduler(self._make_request(request_id, prepared, params))
             return
-        parent = ParentRequest(request_id, params.n)
-        self.parents[request_id] = parent
-        leader = None
-        for i, child_id in enumerate(parent.child_ids):
-            child = self._make_request(child_id, prepared, child_params(params, i), completion_index=i)
-            if self.config.enable_prefix_caching and child.params.prompt_logprobs is None:
-                child.waits_for_prefill_of = leader  # the first child prefills, the others find its blocks cached
-            self.parents[child_id] = parent
+
+        def make_child(child_id: str, child_params: SamplingParams, index: int) -> Request:
+            return self._make_request(child_id, prepared, child_params, completion_index=index)
+
+        for child in self.parallel.children(request_id, params, make_child, self.config.enable_prefix_caching):
             self._add_to_scheduler(child)
-            leader = leader or child
 
     def _make_request(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams,
                       completion_index: int = 0) -> Request:
@@ -194,8 +192,8 @@ class LLMEngine:
                                  num_encoded_visual_tokens=sum(im.num_encoded_tokens for im in prepared.images))
         return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                        params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
-                       completion_index=completion_index, hands_off=request_id in self.hand_offs,
-                       encoder_url=self.hand_offs.get(request_id))
+                       completion_index=completion_index, hands_off=request_id in self.handoffs.marked,
+                       encoder_url=self.handoffs.marked.get(request_id))
 
     def _add_to_scheduler(self, request: Request, running: bool = False) -> None:
         """running: its prompt KV is already in its blocks (a decode instance's transferred request)."""
@@ -211,18 +209,16 @@ class LLMEngine:
     def forget_outputs(self, request_ids) -> None:
         """Drop pending outputs of these requests (LLM.generate cleaning up after an error: nobody reads them)."""
         request_ids = list(request_ids)
-        children = [c for r in request_ids if r in self.parents for c in self.parents[r].child_ids]
-        for request_id in request_ids + children:
-            self.parents.pop(request_id, None)
+        children = self.parallel.forget(request_ids) if self.parallel is not None else []
         self.intake.forget_outputs(request_ids + children)
 
     def abort_request(self, request_id: str) -> None:
         request_id = str(request_id)
         if self.intake.cancel(request_id):
             return
-        parent = self.parents.get(request_id)
-        if parent is not None and parent.request_id == request_id:
-            for child_id in parent.child_ids:
+        children = self.parallel.children_of(request_id) if self.parallel is not None else []
+        if children:  # a request with n > 1: its completions
+            for child_id in children:
                 self.abort_request(child_id)
             return
         request = self.requests.get(request_id)
@@ -263,10 +259,8 @@ class LLMEngine:
         self.step_s += elapsed
         self._charge_step(ran, elapsed - (self.runner.encode_s - encode_s_before))
         self.trace.counters(self.block_manager, self.encoder_cache)
-        for out in outputs:  # a hand-off request that ended before its prefill (bad image, abort) forgets its mark
-            if out.finished:
-                self.hand_offs.pop(out.request_id, None)
-        return self._merge_children(outputs)
+        self.handoffs.forget_marks(outputs)
+        return outputs if self.parallel is None else self.parallel.merge(outputs)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """One forward pass over the scheduled chunks, then sampling, verification and commit."""
@@ -306,26 +300,6 @@ class LLMEngine:
                 outputs.append(self._output(request, []))
         return outputs
 
-    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The outputs of a request with n > 1 come from its children: one merged output per parent."""
-        merged, by_parent = [], {}
-        for out in outputs:
-            parent = self.parents.get(out.request_id)
-            if parent is None:
-                merged.append(out)
-            elif parent.request_id not in by_parent:
-                by_parent[parent.request_id] = [out]
-                merged.append(parent)  # its place in the list, filled below
-            else:
-                by_parent[parent.request_id].append(out)
-        for i, item in enumerate(merged):
-            if isinstance(item, ParentRequest):
-                merged[i] = item.merge(by_parent[item.request_id])
-                if item.done:
-                    for key in [item.request_id, *item.child_ids]:
-                        self.parents.pop(key, None)
-        return merged
-
     def _propose(self) -> None:
         """Speculative decoding: proposals for every decoding request, verified by this step's forward pass."""
         running = self.scheduler.running
@@ -342,7 +316,7 @@ class LLMEngine:
         request = chunk.request
         if request.hands_off and emitted.token_ids:  # a prefill instance: the first token goes with the KV
             self.scheduler.commit(chunk)
-            return self._park(request, emitted)
+            return self.handoffs.park(request, emitted)
         tokens, reason = self.output_processor.take_tokens(request, emitted.token_ids, emitted.logprobs)
         if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
             self.output_processor.count_decode_step(request.metrics, len(chunk.spec_token_ids),
@@ -357,110 +331,6 @@ class LLMEngine:
         if reason:
             self._finish(request, reason)
         return self._output(request, tokens)
-
-    # -- prefill here, decode there (handoff.py) --------------------------------------------------------------
-
-    def _park(self, request: Request, emitted: SampledTokens) -> RequestOutput:
-        """The request leaves the scheduler with its first token; its blocks stay taken under a transfer id."""
-        stream = self.output_processor.streams[request.request_id]
-        handoff = make_handoff(request, emitted.token_ids[0], emitted.logprobs[0] if emitted.logprobs else None,
-                               stream.prompt_logprobs)
-        self.parked.park(handoff.transfer_id, request.block_table, request.num_computed_tokens,
-                         self.config.kv_handoff_timeout_s)
-        self.scheduler.detach(request)
-        self._finish(request, "handoff")
-        output = self._output(request, [])
-        output.kv_transfer_params = handoff.to_json()
-        return output
-
-    def export_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int]:
-        """A parked request's KV from position from_token on (its tensors, and its number of positions); its
-        blocks go back to the pool now. InvalidInputError for an unknown or expired transfer."""
-        tensors, num_tokens, block_table = self.take_parked_kv(transfer_id, from_token)
-        self.free_blocks(block_table)
-        return tensors, num_tokens
-
-    def take_parked_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int, list[int]]:
-        """`export_kv` from any thread, without waiting for a step to end: the request leaves the parked set under
-        its lock, and no step writes a parked request's blocks, so they are read while the engine runs. Its blocks
-        stay taken; the caller frees them on the engine thread (`free_blocks`)."""
-        parked = self.parked.take(transfer_id, from_token)
-        slots = token_slots(parked.block_table, from_token, parked.num_tokens, self.config.block_size)
-        try:
-            return gather_kv(self.runner.kv_cache, slots), parked.num_tokens, parked.block_table
-        except BaseException:
-            self.parked.park(transfer_id, parked.block_table, parked.num_tokens, timeout_s=0.0)  # expiry frees it
-            raise
-
-    def expire_handoffs(self) -> int:
-        """Free the blocks of parked requests whose decode peer never came; how many there were."""
-        expired = self.parked.expired()
-        for parked in expired:
-            self.block_manager.free(parked.block_table)
-        return len(expired)
-
-    def take_cached_prefix(self, handoff: Handoff) -> list[int]:
-        """A decode instance, before it pulls: the leading blocks of the prompt its own prefix cache holds, taken
-        (so they stay) until `add_transferred` uses them or `free_blocks` returns them."""
-        hashes = self.block_manager.block_hashes(handoff.prompt_token_ids, handoff.spans(),
-                                                 handoff.num_tokens // self.config.block_size, [])
-        cached = self.block_manager.find_cached_prefix(hashes)
-        self.block_manager.take_cached(cached)
-        return cached
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.free(block_ids)
-
-    def add_transferred(self, request_id: str, text: str | None, params: SamplingParams | None, handoff: Handoff,
-                        kv: dict[str, torch.Tensor], cached_blocks: list[int], transfer_s: float) -> str:
-        """A decode instance takes over a request a prefill instance ran: its KV after the cached blocks is `kv`.
-        The cached blocks are the request's from here on, whatever happens (on an error they are freed). The first
-        token goes through this engine's output processor, as if sampled here; its output is the next step's."""
-        try:
-            request = self._transferred_request(request_id, text, params, handoff, cached_blocks)
-        except BaseException:
-            self.free_blocks(cached_blocks)
-            raise
-        bs = self.config.block_size
-        scatter_kv(self.runner.kv_cache, token_slots(request.block_table, len(cached_blocks) * bs, handoff.num_tokens,
-                                                     bs), kv)
-        request.num_computed_tokens = handoff.num_tokens
-        self.scheduler.register_full_blocks(request)
-        self._add_to_scheduler(request, running=True)
-        self.output_processor.streams[request_id].prompt_logprobs = prompt_logprobs_from(handoff.prompt_logprobs)
-        tokens, reason = self.output_processor.take_tokens(request, [handoff.first_token],
-                                                           first_token_logprobs(handoff))
-        request.token_ids += tokens
-        self.output_processor.record_tokens(request, len(tokens), finished=reason is not None)
-        count_prefill_stages(request.metrics, handoff, transfer_s)
-        if reason:
-            self._finish(request, reason)
-        self.intake.early_outputs.append(self._output(request, tokens))
-        return request_id
-
-    def _transferred_request(self, request_id: str, text: str | None, params, handoff: Handoff,
-                             cached_blocks: list[int]) -> Request:
-        """The Request, checked, with blocks for the prompt and the first token, before anything is written."""
-        name = f"request {request_id}"
-        params = _check_params(params, name)
-        if self._id_in_use(request_id):
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
-        if params.n > 1:
-            raise InvalidInputError(f"{name}: n > 1 is served by an integrated engine only")
-        prompt = transferred_prompt(handoff, text)
-        if handoff.num_tokens >= self.config.max_model_len:
-            raise InvalidInputError(f"{name}: {handoff.num_tokens} prompt tokens leave no room under "
-                                    f"max_model_len={self.config.max_model_len}")
-        self.intake.check_fits(prompt, params, name)
-        new_blocks = self.block_manager.blocks_needed(handoff.num_tokens + 1) - len(cached_blocks)
-        if not self.block_manager.can_allocate(new_blocks):
-            raise PeerError(f"the decode instance has {self.block_manager.num_free_blocks} free KV blocks; this "
-                            f"request needs {new_blocks}: retry shortly", 503)
-        request = self._make_request(request_id, prompt, params)
-        request.generator = decode_generator(handoff.generator_state)
-        request.metrics.num_cached_tokens = handoff.num_cached_tokens
-        request.block_table = cached_blocks + self.block_manager.allocate(new_blocks)
-        return request
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
@@ -487,7 +357,7 @@ class LLMEngine:
                                                      self.model.dtype, self.config.kv_cache_dtype),
             "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
             "quantization": self.config.quantization,
-            "kv_requests_parked": len(self.parked),
+            "kv_requests_parked": len(self.handoffs.parked),
             **self.scheduler.stats(),
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,
@@ -512,10 +382,32 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
     if spec is None:
         return None
     if spec.method == "ngram":
+        from nanomm.engine.speculative import NgramProposer
+
         return NgramProposer(spec)
+    from nanomm.engine.draft import DraftProposer, same_vision_tower
+
     shared = target_encoder_cache if same_vision_tower(target, draft_model) else None
     return DraftProposer(draft_model, config.num_kv_blocks, config.block_size, target.config.text.vocab_size,
                          config.encoder_cache_size, shared, config.kv_cache_dtype)
+
+
+def _decode_graphs(model: Qwen2VL, kv_cache, config: EngineConfig):
+    """CUDA graphs of the decode step (accel/cuda_graphs.py), captured up to the longest context asked for."""
+    from nanomm.accel.cuda_graphs import DecodeGraphs
+    from nanomm.engine.sizing import graph_context
+
+    longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
+    return DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
+                        config.max_num_seqs, longest)
+
+
+def _remote_encoder(model: Qwen2VL, config: EngineConfig):
+    """The encoder service's client (transfer.py): the visual tokens of every image come from config.encoder_url."""
+    from nanomm.transfer import RemoteEncoder
+
+    return RemoteEncoder(config.encoder_url, model.config.text.hidden_size, model.dtype, model.device,
+                         config.encoder_timeout_s, levels=1 + len(model.config.vision.deepstack_visual_indexes))
 
 
 VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # video checked against transformers (lesson 17)

@@ -1,4 +1,5 @@
-"""Prefill here, decode there: the state a request carries from a prefill instance to a decode instance.
+"""Prefill here, decode there: the state a request carries from a prefill instance to a decode instance, and
+`KVHandoffs`, the engine's part that parks, exports, expires and takes over such requests.
 
 Lesson: lessons/13-three-topologies.md (the E+P+D topology).
 
@@ -10,7 +11,7 @@ leak the pool). What travels is:
 - the KV of every prompt position, as tensors (`gather_kv`): layers x (k, v) x tokens x KV heads x head_dim in
   the model's dtype, or an fp8 cache's codes and scales as stored. Positions, not blocks: the two instances may
   use different block sizes. A decode instance first takes whatever leading blocks its own prefix cache holds
-  (`LLMEngine.take_cached_prefix`) and pulls only the positions after them;
+  (`KVHandoffs.take_cached_prefix`) and pulls only the positions after them;
 - the `Handoff` (JSON): the prompt's token ids and image spans (the decode side names its blocks by the same
   chained hashes, so a later request finds them in its prefix cache), the M-RoPE delta (every later position is
   index + delta: the decode side never needs the prompt's pixels or positions), the first token with its
@@ -32,9 +33,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from nanomm.engine.kv_fp8 import Fp8KVCache
-from nanomm.errors import InvalidInputError
+from nanomm.engine.model_runner import token_slots
+from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.prompt import ImageSpan, PreparedPrompt
-from nanomm.outputs import Logprob
+from nanomm.outputs import Logprob, RequestOutput
 
 HANDOFF_STAGES = ("preprocess_s", "queue_s", "encode_s", "prefill_s")
 
@@ -231,3 +233,144 @@ class ParkedRequests:
 
     def __len__(self) -> int:
         return len(self.by_id)
+
+
+class KVHandoffs:
+    """The engine's side of the handoff (engine.py holds one as `engine.handoffs`). On a prefill instance it marks
+    the requests that hand off (`mark`), parks each one after its first token (`park`) and gives its KV to the
+    decode instance that pulls it (`export_kv`), or frees it when none comes (`expire`). On a decode instance it
+    takes over a transferred request (`take_cached_prefix`, then `add_transferred`). A part of the engine, it
+    runs the engine's own request steps: `_make_request`, `_add_to_scheduler`, `_finish`, `_output`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.parked = ParkedRequests()  # prefilled requests whose KV waits for a decode instance
+        self.marked: dict[str, str | None] = {}  # requests to park after their first token -> the encoder each names
+
+    # -- a prefill instance ----------------------------------------------------------------------------------
+
+    def mark(self, request_id: str, params, encoder_url: str | None) -> None:
+        """A prefill instance's request, maybe with the encoder service its router picked."""
+        if params.n > 1:
+            raise InvalidInputError(f"request {request_id}: n={params.n} is served by an integrated engine only; a "
+                                    "prefill instance hands off one completion per request")
+        self.marked[request_id] = encoder_url
+
+    def forget_marks(self, outputs: list[RequestOutput]) -> None:
+        """Finished requests forget their mark (a marked one may end before its prefill: a bad image, an abort)."""
+        for out in outputs:
+            if out.finished:
+                self.marked.pop(out.request_id, None)
+
+    def park(self, request, emitted) -> RequestOutput:
+        """The request leaves the scheduler with its first token; its blocks stay taken under a transfer id."""
+        engine = self.engine
+        stream = engine.output_processor.streams[request.request_id]
+        handoff = make_handoff(request, emitted.token_ids[0], emitted.logprobs[0] if emitted.logprobs else None,
+                               stream.prompt_logprobs)
+        self.parked.park(handoff.transfer_id, request.block_table, request.num_computed_tokens,
+                         engine.config.kv_handoff_timeout_s)
+        engine.scheduler.detach(request)
+        engine._finish(request, "handoff")
+        output = engine._output(request, [])
+        output.kv_transfer_params = handoff.to_json()
+        return output
+
+    def export_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int]:
+        """A parked request's KV from position from_token on (its tensors, and its number of positions); its
+        blocks go back to the pool now. InvalidInputError for an unknown or expired transfer."""
+        tensors, num_tokens, block_table = self.take_parked_kv(transfer_id, from_token)
+        self.free_blocks(block_table)
+        return tensors, num_tokens
+
+    def take_parked_kv(self, transfer_id: str, from_token: int) -> tuple[dict[str, torch.Tensor], int, list[int]]:
+        """`export_kv` from any thread, without waiting for a step to end: the request leaves the parked set under
+        its lock, and no step writes a parked request's blocks, so they are read while the engine runs. Its blocks
+        stay taken; the caller frees them on the engine thread (`free_blocks`)."""
+        parked = self.parked.take(transfer_id, from_token)
+        slots = token_slots(parked.block_table, from_token, parked.num_tokens, self.engine.config.block_size)
+        try:
+            return gather_kv(self.engine.runner.kv_cache, slots), parked.num_tokens, parked.block_table
+        except BaseException:
+            self.parked.park(transfer_id, parked.block_table, parked.num_tokens, timeout_s=0.0)  # expiry frees it
+            raise
+
+    def expire(self) -> int:
+        """Free the blocks of parked requests whose decode peer never came; how many there were."""
+        expired = self.parked.expired()
+        for parked in expired:
+            self.free_blocks(parked.block_table)
+        return len(expired)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.engine.block_manager.free(block_ids)
+
+    # -- a decode instance -----------------------------------------------------------------------------------
+
+    def kv_layout(self, num_tokens: int) -> dict[str, tuple[torch.dtype, tuple]]:
+        """What a pull of num_tokens positions into this engine's KV cache holds, by tensor name: (dtype, shape)."""
+        return kv_layout(self.engine.runner.kv_cache, num_tokens)
+
+    def take_cached_prefix(self, handoff: Handoff) -> list[int]:
+        """Before it pulls: the leading blocks of the prompt this engine's prefix cache holds, taken (so they stay)
+        until `add_transferred` uses them or `free_blocks` returns them."""
+        blocks = self.engine.block_manager
+        hashes = blocks.block_hashes(handoff.prompt_token_ids, handoff.spans(),
+                                     handoff.num_tokens // self.engine.config.block_size, [])
+        cached = blocks.find_cached_prefix(hashes)
+        blocks.take_cached(cached)
+        return cached
+
+    def add_transferred(self, request_id: str, text: str | None, params, handoff: Handoff,
+                        kv: dict[str, torch.Tensor], cached_blocks: list[int], transfer_s: float) -> str:
+        """Take over a request a prefill instance ran: its KV after the cached blocks is `kv`. The cached blocks are
+        the request's from here on, whatever happens (on an error they are freed). The first token goes through
+        this engine's output processor, as if sampled here; its output is the next step's."""
+        engine = self.engine
+        try:
+            request = self._transferred_request(request_id, text, params, handoff, cached_blocks)
+        except BaseException:
+            self.free_blocks(cached_blocks)
+            raise
+        bs = engine.config.block_size
+        scatter_kv(engine.runner.kv_cache, token_slots(request.block_table, len(cached_blocks) * bs,
+                                                       handoff.num_tokens, bs), kv)
+        request.num_computed_tokens = handoff.num_tokens
+        engine.scheduler.register_full_blocks(request)
+        engine._add_to_scheduler(request, running=True)
+        self._replay_first_token(request, handoff, transfer_s)
+        return request_id
+
+    def _transferred_request(self, request_id: str, text: str | None, params, handoff: Handoff,
+                             cached_blocks: list[int]):
+        """The Request, checked, with blocks for the prompt and the first token, before anything is written."""
+        engine, blocks, name = self.engine, self.engine.block_manager, f"request {request_id}"
+        params = engine._check_new_request(request_id, params)
+        if params.n > 1:
+            raise InvalidInputError(f"{name}: n > 1 is served by an integrated engine only")
+        prompt = transferred_prompt(handoff, text)
+        if handoff.num_tokens >= engine.config.max_model_len:
+            raise InvalidInputError(f"{name}: {handoff.num_tokens} prompt tokens leave no room under "
+                                    f"max_model_len={engine.config.max_model_len}")
+        engine.intake.check_fits(prompt, params, name)
+        new_blocks = blocks.blocks_needed(handoff.num_tokens + 1) - len(cached_blocks)
+        if not blocks.can_allocate(new_blocks):
+            raise PeerError(f"the decode instance has {blocks.num_free_blocks} free KV blocks; this request needs "
+                            f"{new_blocks}: retry shortly", 503)
+        request = engine._make_request(request_id, prompt, params)
+        request.generator = decode_generator(handoff.generator_state)
+        request.metrics.num_cached_tokens = handoff.num_cached_tokens
+        request.block_table = cached_blocks + blocks.allocate(new_blocks)
+        return request
+
+    def _replay_first_token(self, request, handoff: Handoff, transfer_s: float) -> None:
+        """The prefill instance's first token (and prompt logprobs), as if sampled here: stop rules apply to it."""
+        engine, outputs = self.engine, self.engine.output_processor
+        outputs.streams[request.request_id].prompt_logprobs = prompt_logprobs_from(handoff.prompt_logprobs)
+        tokens, reason = outputs.take_tokens(request, [handoff.first_token], first_token_logprobs(handoff))
+        request.token_ids += tokens
+        outputs.record_tokens(request, len(tokens), finished=reason is not None)
+        count_prefill_stages(request.metrics, handoff, transfer_s)
+        if reason:
+            engine._finish(request, reason)
+        engine.intake.early_outputs.append(engine._output(request, tokens))

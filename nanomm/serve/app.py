@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanomm.engine.handoff import Handoff, kv_layout
+from nanomm.engine.handoff import Handoff
 from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
@@ -216,19 +216,19 @@ class Server:
     async def _take_over(self, parsed: protocol.ChatRequest, handoff: Handoff):
         """Take this instance's cached prefix of the prompt, pull the rest of its KV from the prefill instance,
         then hand the request to the engine. The outputs' queue, or an error Response (the blocks freed)."""
-        cached = await asyncio.wrap_future(self.engine_loop.call(lambda engine: engine.take_cached_prefix(handoff)))
-        kv_cache = self.llm.engine.runner.kv_cache
+        cached = await asyncio.wrap_future(self.engine_loop.call(
+            lambda engine: engine.handoffs.take_cached_prefix(handoff)))
         from_token = len(cached) * self.llm.engine.config.block_size
         owned = False
         try:
             start = time.perf_counter()
             tensors, num_bytes = await asyncio.to_thread(
                 self.kv_connector.pull, handoff.remote_url, handoff.transfer_id, from_token, handoff.num_tokens,
-                kv_layout(kv_cache, handoff.num_tokens - from_token))
+                self.llm.engine.handoffs.kv_layout(handoff.num_tokens - from_token))
             transfer_s = time.perf_counter() - start
             self.metrics.kv_transfer_bytes.labels(direction="received").inc(num_bytes)
             text = parsed.prompt.get("prompt") if isinstance(parsed.prompt, dict) else None
-            outputs = self._submit(parsed, lambda engine: engine.add_transferred(
+            outputs = self._submit(parsed, lambda engine: engine.handoffs.add_transferred(
                 parsed.id, text, parsed.params, handoff, tensors, cached, transfer_s))
             owned = True  # from here the engine owns the cached blocks, whatever happens
             return outputs
@@ -236,7 +236,7 @@ class Server:
             return _error(str(exc), exc.status)
         finally:
             if not owned:
-                self.engine_loop.call(lambda engine: engine.free_blocks(cached))
+                self.engine_loop.call(lambda engine: engine.handoffs.free_blocks(cached))
 
     async def export_kv(self, request: Request) -> Response:
         """GET /v1/kv/{transfer_id}?from_token=K: a parked request's KV, once; its blocks are freed as it leaves."""
@@ -246,11 +246,11 @@ class Server:
             return _error("from_token must be a non-negative integer", 400)
         engine = self.llm.engine
         try:  # read on this thread: waiting for the engine's step to end would put a step's time into every pull
-            tensors, num_tokens, block_table = await asyncio.to_thread(engine.take_parked_kv, transfer_id,
+            tensors, num_tokens, block_table = await asyncio.to_thread(engine.handoffs.take_parked_kv, transfer_id,
                                                                        int(from_token))
         except InvalidInputError as exc:
             return _error(str(exc), 404)
-        self.engine_loop.call(lambda engine: engine.free_blocks(block_table))  # on the engine thread, not awaited
+        self.engine_loop.call(lambda engine: engine.handoffs.free_blocks(block_table))  # engine thread, not awaited
         body, num_bytes = await asyncio.to_thread(self.kv_connector.export, tensors, int(from_token), num_tokens)
         self.metrics.kv_transfer_bytes.labels(direction="sent").inc(num_bytes)
         return Response(body, media_type=MEDIA_TYPE)

@@ -47,7 +47,7 @@ class EngineLoop:
 
     def admit(self, request_id: str, add: Callable[[LLMEngine], object], callback: Callable) -> None:
         """From any thread: add(engine) adds the request on the engine thread (`add_request`, or a decode
-        instance's `add_transferred`). callback(RequestOutput, or the exception add raised) is called there."""
+        instance's `handoffs.add_transferred`). callback(RequestOutput, or the exception add raised) is called there."""
         self._commands.put(("add", request_id, add, callback))
 
     def call(self, function: Callable[[LLMEngine], object]) -> Future:
@@ -67,7 +67,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            if self.engine.expire_handoffs():  # a decode peer never came: its KV blocks are free again
+            if self.engine.handoffs.expire():  # a decode peer never came: its KV blocks are free again
                 self.on_step(self.engine.stats())
             busy = self.engine.has_unfinished_requests()
             self._take_commands(wait_s=0.0 if busy else IDLE_WAIT_S)
