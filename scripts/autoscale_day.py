@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from nanomm.serve.app import free_local_port
+    from nanomm.serve.testing import free_local_port
 
     args = parse_args(argv)
     command = " ".join(shlex.quote(a) for a in ["scripts/autoscale_day.py", *(sys.argv[1:] if argv is None else argv)])

@@ -75,8 +75,8 @@ from nanomm.errors import InvalidInputError  # noqa: E402
 from nanomm.inputs.old_images import check_keep_last_images, parse_old_image_policy  # noqa: E402
 from nanomm.model.config import ModelConfig  # noqa: E402
 from nanomm.model.loader import resolve_dtype  # noqa: E402
-from nanomm.serve.app import free_local_port  # noqa: E402
 from nanomm.serve.metrics import TTFT_STAGES  # noqa: E402  (preprocess, queue, encode, prefill)
+from nanomm.serve.testing import free_local_port  # noqa: E402
 
 # Named mixes: "COUNTxWIDTHxHEIGHT:WEIGHT" entries, comma-separated (a request draws one entry by weight).
 MIXES = {

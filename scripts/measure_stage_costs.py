@@ -56,8 +56,9 @@ from bench import WORDS, machine_info, random_image  # noqa: E402
 from load import cpu_seconds, other_cpu_share  # noqa: E402
 from nanomm import LLM, SamplingParams  # noqa: E402
 from nanomm.engine.sizing import kv_bytes_per_token  # noqa: E402
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig  # noqa: E402
+from nanomm.serve.app import Server, ServerConfig  # noqa: E402
 from nanomm.serve.encoder_server import EncoderServer, load_encoder  # noqa: E402
+from nanomm.serve.testing import BackgroundServer  # noqa: E402
 from nanomm.transfer import RemoteEncoder  # noqa: E402
 
 ENCODE_SHAPES = [(1, 56), (1, 112), (1, 168), (1, 224), (2, 112), (3, 56), (2, 224)]  # (images, side in pixels)

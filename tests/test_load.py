@@ -14,7 +14,8 @@ import numpy
 import pytest
 
 from nanomm import LLM
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.testing import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import load  # noqa: E402  (scripts/load.py)

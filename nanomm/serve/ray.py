@@ -189,7 +189,7 @@ class Instance:
     the request to its own HTTP server and keeps its LoadWindow."""
 
     def __init__(self, role: str, spec: dict, encoder=None):
-        from nanomm.serve.app import BackgroundServer
+        from nanomm.serve.testing import BackgroundServer
 
         self.role, self.spec = role, AppSpec(**spec)
         self.encoder = encoder  # epd prefill: a handle to the encoder pool
