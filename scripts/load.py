@@ -22,7 +22,7 @@ new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos)
   instance's KV transfer), from /metrics;
 - the bytes that moved between instances (visual tokens, KV), read from every instance's /metrics.
 
-Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.app`), so that
+Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.cli`), so that
 the load generator and the engines do not share an interpreter, on free ports of 127.0.0.1; `--topology` says
 which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower),
 `1e1p1d` or `1e2p1d` (an encoder, one or two prefill instances and a decode instance behind the router, which
@@ -653,7 +653,7 @@ TOPOLOGIES = ("integrated", "1e1pd", "1e1p1d", "1e2p1d")  # 1eNp1d: N prefill in
 
 
 def server_command(port: int, role_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
+    return [sys.executable, "-m", "nanomm.serve.cli", *role_args, "--port", str(port), "--log-level", "warning"]
 
 
 def topology_commands(topology: str, model_args: list[str], model: str, extra: list[str],

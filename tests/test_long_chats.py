@@ -13,7 +13,8 @@ from nanomm import LLM, SamplingParams, demo_checkpoint
 from nanomm.engine.config import EngineConfig
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.old_images import DROPPED_MARKER, OldImagePolicy, parse_old_image_policy
-from nanomm.serve.app import Server, ServerConfig, parse_args, _long_chat_args
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.cli import parse_args, _long_chat_args
 from nanomm.serve.testing import BackgroundServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

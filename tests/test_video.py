@@ -210,7 +210,7 @@ def test_the_engine_s_media_io_kwargs_set_how_every_video_is_sampled(ckpt):
                          ({"video": {"frames": 3}}, "unknown video settings")):
         with pytest.raises(ValueError, match=message):
             LLM(str(ckpt), device="cpu", dtype="float32", media_io_kwargs=bad)
-    from nanomm.serve.app import parse_args
+    from nanomm.serve.cli import parse_args
 
     assert parse_args(["--media-io-kwargs", '{"video": {"fps": 1}}']).media_io_kwargs == {"video": {"fps": 1}}
     with pytest.raises(SystemExit):
