@@ -15,9 +15,10 @@ from nanomm.accel.quant import QuantizedLinear
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.reference import generate
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
+from nanomm.serve.testing import BackgroundServer
 from test_engine import record_logit_rows
 from test_model_parity import LOGITS_ATOL, oracle_greedy, steps_fed_the_same_tokens
 

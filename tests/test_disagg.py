@@ -18,9 +18,10 @@ from helpers import chat_prompt, data_url, random_image, random_workload, refere
 from nanomm import LLM, InvalidInputError, SamplingParams
 from nanomm.engine.handoff import Handoff, decode_generator
 from nanomm.errors import PeerError
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
+from nanomm.serve.testing import BackgroundServer
 from nanomm.transfer import HttpKVConnector, expect
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

@@ -14,7 +14,8 @@ from nanomm import LLM, SamplingParams
 from nanomm.emulate.runner import EmulatedRunner
 from nanomm.emulate.costs import GPUS, CostModel, Efficiency, Gpu, ModelShape
 from nanomm.emulate import model_folder
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.testing import BackgroundServer
 
 TWIN = "h200:qwen2-vl-2b"
 
@@ -310,7 +311,7 @@ def test_lesson_13_s_five_role_command_lines_run_on_the_twin():
     import time
     from pathlib import Path
 
-    from nanomm.serve.app import free_local_port
+    from nanomm.serve.testing import free_local_port
 
     lesson = (Path(__file__).resolve().parents[1] / "lessons" / "13-three-topologies.md").read_text()
     block = next(b for b in re.findall(r"```text\n(.*?)```", lesson, re.S) if "--emulate h200:qwen2-vl-2b --role" in b)

@@ -13,7 +13,8 @@ import pytest
 
 from nanomm import LLM
 from nanomm.bench import cli, load, soak
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.testing import BackgroundServer
 from nanomm.sim.stats import percentile
 
 

@@ -11,8 +11,10 @@ from nanomm import LLM, SamplingParams, demo_checkpoint
 from nanomm.engine.config import EngineConfig
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.old_images import DROPPED_MARKER, OldImagePolicy, parse_old_image_policy
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig, parse_args, _long_chat_args
 from nanomm.bench.long_chats import chat_turns, run_chat, user_turn
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.cli import parse_args, _long_chat_args
+from nanomm.serve.testing import BackgroundServer
 
 TOKENS_PER_PICTURE = 144  # a 448x448 picture under the demo model's cap (168x168, 12x12 merged tokens)
 POOLED = 36  # compress:pool:0.25 pools 2x2 windows: 6x6

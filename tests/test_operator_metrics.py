@@ -12,9 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import assert_no_leaks, random_image
 from nanomm import LLM, SamplingParams
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig, parse_args
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.cli import parse_args
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.metrics import LATENCY_BUCKETS, ServerMetrics
+from nanomm.serve.testing import BackgroundServer
 
 PRICE = 3.6  # dollars per device hour: a millidollar per device second
 

@@ -22,9 +22,10 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve", reason="the [ray] extra is not installed (pip install -e '.[ray]')")
 
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig, free_local_port  # noqa: E402
+from nanomm.serve.app import Server, ServerConfig  # noqa: E402
 import nanomm.serve.ray  # noqa: E402
 from nanomm.serve.ray import AppSpec, app  # noqa: E402
+from nanomm.serve.testing import BackgroundServer, free_local_port  # noqa: E402
 from test_disagg_processes import MODEL, answer  # noqa: E402
 from test_serve import metrics, png_url, readme_block, user  # noqa: E402
 

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import assert_no_leaks, data_url, random_image, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.inputs.tokenizer import IncrementalDetokenizer
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig, free_local_port
+from nanomm.serve.app import Server, ServerConfig
+from nanomm.serve.testing import BackgroundServer, free_local_port
 
 MODEL = "tiny"
 

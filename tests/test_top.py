@@ -16,9 +16,10 @@ from rich.console import Console
 import nanomm.serve
 from nanomm import LLM, demo_checkpoint
 from nanomm.serve import top
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig, free_local_port
+from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
+from nanomm.serve.testing import BackgroundServer, free_local_port
 
 GPU_HOURLY_PRICE = 3.6  # dollars an hour: a device second costs $0.001
 

@@ -210,7 +210,7 @@ def test_the_engine_s_media_io_kwargs_set_how_every_video_is_sampled(ckpt):
                          ({"video": {"frames": 3}}, "unknown video settings")):
         with pytest.raises(ValueError, match=message):
             LLM(str(ckpt), device="cpu", dtype="float32", media_io_kwargs=bad)
-    from nanomm.serve.app import parse_args
+    from nanomm.serve.cli import parse_args
 
     assert parse_args(["--media-io-kwargs", '{"video": {"fps": 1}}']).media_io_kwargs == {"video": {"fps": 1}}
     with pytest.raises(SystemExit):
@@ -282,7 +282,8 @@ def test_the_server_takes_a_video_url_from_the_openai_client(qwen2_vl, tmp_path)
 
     import openai
 
-    from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+    from nanomm.serve.app import Server, ServerConfig
+    from nanomm.serve.testing import BackgroundServer
 
     llm, _ = qwen2_vl
     demo_gif(tmp_path / "clip.gif")
@@ -438,8 +439,8 @@ def test_an_engine_with_an_encoder_service_answers_videos_as_one_with_its_own_to
     with its own tower, DeepStack levels included, and a repeated clip is not encoded twice."""
     import httpx
 
-    from nanomm.serve.app import BackgroundServer
     from nanomm.serve.encoder_server import EncoderServer, load_encoder
+    from nanomm.serve.testing import BackgroundServer
 
     folder = str(ckpt) if family == "qwen2_vl" else str(qwen3_vl[2])
     prompts = [video_prompt(clip(6, 80, size=64), text="one"),
@@ -469,8 +470,8 @@ def test_the_encoder_service_checks_a_video_patch_before_encoding(ckpt):
     and preprocessed with this model's video constants."""
     import httpx
 
-    from nanomm.serve.app import BackgroundServer
     from nanomm.serve.encoder_server import EncoderServer, load_encoder
+    from nanomm.serve.testing import BackgroundServer
     from nanomm.transfer import encode_request, unpack, pack
 
     with LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0) as llm:

@@ -99,8 +99,8 @@ def test_pruning_keeps_each_family_s_time_layout(tmp_path, family):
     """Qwen2.5-VL spaces patches by seconds; Qwen3-VL places each patch as a picture after its time: pruned, the
     kept tokens sit where they did, and the engine equals the reference, also with an encoder service."""
     from hf_checkpoints import make_hf_checkpoint
-    from nanomm.serve.app import BackgroundServer
     from nanomm.serve.encoder_server import EncoderServer, load_encoder
+    from nanomm.serve.testing import BackgroundServer
 
     folder = str(make_hf_checkpoint(tmp_path / family, family))
     video = VideoInput(moving_square(8, size=128, step=32).frames, 3.0 if family == "qwen2_5_vl" else 2.0)

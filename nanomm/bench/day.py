@@ -147,7 +147,7 @@ def main(args) -> int:
     import ray
     from ray import serve
 
-    from nanomm.serve.app import free_local_port
+    from nanomm.serve.testing import free_local_port
 
     command = args.command_line
     trace = tuple(replace(p, seconds=p.seconds * args.time_scale) for p in TRACES[args.trace])

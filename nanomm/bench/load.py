@@ -22,7 +22,7 @@ new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos)
   instance's KV transfer), from /metrics;
 - the bytes that moved between instances (visual tokens, KV), read from every instance's /metrics.
 
-Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.app`), so that
+Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.cli`), so that
 the load generator and the engines do not share an interpreter, on free ports of 127.0.0.1; `--topology` says
 which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower),
 `1e1p1d` or `1e2p1d` (an encoder, one or two prefill instances and a decode instance behind the router, which
@@ -73,8 +73,8 @@ from nanomm.errors import InvalidInputError
 from nanomm.inputs.old_images import check_keep_last_images, parse_old_image_policy
 from nanomm.model.config import ModelConfig
 from nanomm.model.loader import resolve_dtype
-from nanomm.serve.app import free_local_port
 from nanomm.serve.metrics import TTFT_STAGES  # (preprocess, queue, encode, prefill)
+from nanomm.serve.testing import free_local_port
 from nanomm.serve.top import Snapshot, parse_metrics
 from nanomm.sim.stats import percentile
 from nanomm.sim.topology import parse_topology
@@ -616,7 +616,7 @@ def chat_markdown(result: dict) -> str:
 
 
 def server_command(port: int, role_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "nanomm.serve.app", *role_args, "--port", str(port), "--log-level", "warning"]
+    return [sys.executable, "-m", "nanomm.serve.cli", *role_args, "--port", str(port), "--log-level", "warning"]
 
 
 def startable_topology(name: str) -> str:

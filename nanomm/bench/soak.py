@@ -3,7 +3,7 @@
     nanomm-bench soak                             # 32 clients for 180 s on the tiny checkpoint
     nanomm-bench soak --clients 4 --seconds 5 --json soak.json
 
-The server runs as its own process (`python -m nanomm.serve.app` on 127.0.0.1, as the load generator starts it),
+The server runs as its own process (`python -m nanomm.serve.cli` on 127.0.0.1, as the load generator starts it),
 so that its memory is its own. Each client loops until the time is up: a streamed chat request about a random
 picture (one of three sizes, or none), read to [DONE], then the next. Every second the server's resident memory
 (VmRSS in /proc) and its KV blocks in use (/metrics) are sampled. At the end: requests done, any error, the

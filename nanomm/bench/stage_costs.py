@@ -56,8 +56,9 @@ from nanomm.bench.load import cpu_seconds, other_cpu_share
 from nanomm.bench.machine import machine_info
 from nanomm.bench.requests import WORDS, random_image
 from nanomm.engine.sizing import kv_bytes_per_token
-from nanomm.serve.app import BackgroundServer, Server, ServerConfig
+from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
+from nanomm.serve.testing import BackgroundServer
 from nanomm.sim.topology import parse_topology
 from nanomm.sim.twin import HOST_KEYS, HostCosts, TwinCosts, simulate_twin
 from nanomm.sim.workload import requests_from_load

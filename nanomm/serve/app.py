@@ -1,9 +1,9 @@
-"""`nanomm-serve`: an OpenAI-compatible HTTP server over one engine (Starlette routes, run by uvicorn).
+"""One engine instance behind OpenAI's HTTP API: the Starlette routes, run by uvicorn (the `nanomm-serve` command,
+cli.py) or on a thread (testing.py), and a split engine's prefill and decode sides of the KV handoff.
 
-    nanomm-serve --demo                                   # the trained offline demo model on 127.0.0.1:8000
-    nanomm-serve Qwen/Qwen2-VL-2B-Instruct --port 8000    # a real model (cuda + bfloat16 when available)
-
-Lesson: lessons/11-serving-under-load.md (this server under load from scripts/load.py, read through /metrics).
+Lessons: lessons/11-serving-under-load.md (this server under load from `nanomm-bench load`, read through /metrics) and
+lessons/13-three-topologies.md (`ServerConfig.role`: prefill parks a request after its first token, decode takes
+it over).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI's schema, `stream: true` as server-sent
 events), GET /v1/models, /health and /metrics (Prometheus). What each request goes through:
@@ -18,19 +18,13 @@ events), GET /v1/models, /health and /metrics (Prometheus). What each request go
    freed at once.
 """
 
-import argparse
 import asyncio
 import contextlib
 import json
-import random
-import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -54,7 +48,8 @@ class ServerConfig:
     media_root: Path | None = None  # local image files are read only under this folder; None: data URLs only
     disconnect_poll_s: float = 0.5  # how often a non-streaming request checks that its client is still there
     role: str = "integrated"  # "prefill": hands requests off after their first token; "decode": takes them over
-    encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url")
+    encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url");
+    #                                     Server.allow_encoder adds more while it serves
     kv_pull_timeout_s: float = 30.0  # a decode instance: how long a KV pull from a prefill instance may take
     gpu_hourly_price: float | None = None  # dollars per device hour: /metrics then has each request's cost
 
@@ -72,6 +67,7 @@ class Server:
         self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
         self.defaults = llm.get_default_sampling_params()
+        self.encoder_urls = set(config.encoder_urls)  # a prefill instance's: the encoders its requests may name
         # the emulated device's connector moves placeholders and counts the real KV's bytes (nanomm/emulate)
         emulated = getattr(llm, "emulated", None)
         self.kv_connector = (HttpKVConnector(config.kv_pull_timeout_s) if emulated is None
@@ -91,6 +87,10 @@ class Server:
 
     def _keep_stats(self, stats: dict) -> None:
         self.metrics.latest_stats = stats
+
+    def allow_encoder(self, url: str) -> None:
+        """Let requests name this encoder service too (a Ray prefill replica allows each encoder it leases)."""
+        self.encoder_urls.add(url)
 
     # -- the simple endpoints -----------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class Server:
             if role != "prefill":
                 raise InvalidInputError(f"this instance's role is {role!r}: only a prefill instance hands off")
             url = params.get("encoder_url")
-            if url is not None and url not in self.config.encoder_urls:
+            if url is not None and url not in self.encoder_urls:
                 raise InvalidInputError(f"encoder_url {url!r} is not one of this instance's --encoder-url")
             return params
         if role != "decode":
@@ -329,199 +329,3 @@ def _event(body: dict) -> str:
 
 def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(protocol.error_body(message, status), status_code=status, headers=headers)
-
-
-class BackgroundServer:
-    """Serve `server.app` on a thread (tests, lessons, the load generator): `with BackgroundServer(s) as url:`."""
-
-    def __init__(self, server: Server, host: str = "127.0.0.1", port: int = 0):
-        self.uvicorn = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="warning",
-                                                     lifespan="on"))
-        self._thread = threading.Thread(target=self.uvicorn.run, name="nanomm-http", daemon=True)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        for _ in range(1000):
-            if self.uvicorn.started:
-                host, port = self.uvicorn.servers[0].sockets[0].getsockname()[:2]
-                return f"http://{host}:{port}"
-            time.sleep(0.01)
-        raise RuntimeError("the server did not start within 10 s")
-
-    def __exit__(self, *exc) -> None:
-        self.uvicorn.should_exit = True
-        self._thread.join(timeout=30)
-
-
-def free_local_port(rng: random.Random | None = None) -> int:
-    """A free port on 127.0.0.1 for a server process that starts later (tests, lesson 13's clusters, the load
-    generator), chosen below the kernel's ephemeral range (Linux: ip_local_port_range, 32768 and up by default).
-    Asking the kernel for port 0 and closing it would hand out a port from that range, which any outgoing
-    connection made before the server binds (a health check, a peer's request) may take: then the server dies
-    with "address already in use"."""
-    rng = rng or random.Random()
-    top = min(32768, ephemeral_ports_start())
-    for _ in range(200):
-        port = rng.randrange(max(1024, top - 12768), top)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:  # taken: try another
-                continue
-        return port
-    raise RuntimeError(f"no free port below {top} on 127.0.0.1")
-
-
-def ephemeral_ports_start() -> int:
-    """The first port the kernel hands out to outgoing connections (32768 where it does not say)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-# -- the command ----------------------------------------------------------------------------------------------
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="nanomm-serve", description="An OpenAI-compatible server for Qwen2-VL.")
-    p.add_argument("model", nargs="?", help="a checkpoint folder or hub id (default: --demo; none for the router)")
-    p.add_argument("--role", default="integrated", choices=["integrated", "encoder", "prefill", "decode", "router"],
-                   help="what this instance does in a split engine (default: everything, one engine)")
-    p.add_argument("--encoder-url", action="append", default=[], metavar="URL",
-                   help="an encoder service: the engine runs no vision tower (repeatable: the router picks one "
-                        "per request, the first is this engine's default)")
-    p.add_argument("--prefill-url", action="append", default=[], metavar="URL", help="router: a prefill instance")
-    p.add_argument("--decode-url", action="append", default=[], metavar="URL", help="router: a decode instance")
-    p.add_argument("--peer-timeout", type=float, default=30.0,
-                   help="seconds a peer may stay silent (a KV pull, an encode, a stream) before it is an error")
-    p.add_argument("--kv-handoff-timeout", type=float, default=30.0,
-                   help="prefill: seconds a parked request's KV waits for its decode instance before it is freed")
-    p.add_argument("--demo", nargs="?", const="trained", choices=["trained", "random"],
-                   help="the offline demo model: the trained one shipped with nanomm, or 'random' (made on first use)")
-    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the model argument)")
-    p.add_argument("--device"), p.add_argument("--dtype")
-    p.add_argument("--max-model-len", type=int), p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-pixels", type=int, help="the engine's pixel cap per image")
-    p.add_argument("--generation-config", default="auto", help="'auto', 'vllm' or a folder (as in vLLM)")
-    p.add_argument("--max-pending-requests", type=int, default=256, help="in flight before a 503")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
-    p.add_argument("--max-body-mib", type=float, default=32.0, help="larger request bodies get a 413")
-    p.add_argument("--allowed-local-media-path", type=Path,
-                   help="a folder whose image files requests may name (default: data URLs only)")
-    p.add_argument("--emulate", type=_emulate_value, metavar="GPU:MODEL",
-                   help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; every "
-                        "role: the router, which runs no model, takes it and changes nothing)")
-    p.add_argument("--emulate-cost-file", metavar="JSON", help="with --emulate: GPU figures measured on a real GPU")
-    p.add_argument("--gpu-hourly-price", type=_price, metavar="DOLLARS",
-                   help="the device's price per hour: /metrics then has each request's cost (nanomm_request_cost_dollars)")
-    p.add_argument("--old-image-policy", help="long chats: what becomes of pictures older than the last "
-                   "--keep-last-images: keep (default), drop, downscale:MAX_PIXELS or compress:METHOD:RATIO")
-    p.add_argument("--keep-last-images", type=int, help="long chats: the last pictures of a prompt that stay whole")
-    p.add_argument("--media-io-kwargs", type=_json_object, metavar="JSON",
-                   help='how videos are sampled and capped, as in vLLM: \'{"video": {"num_frames": 32}}\' (keys: fps, '
-                        "num_frames, min_frames, max_frames, video_min_pixels, video_max_pixels)")
-    p.add_argument("--video-pruning-rate", type=float, default=0.0,
-                   help="drop this share of each later temporal patch's least-changed tokens (EVS, lesson 17)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level ('info' logs every request)")
-    return p.parse_args(argv)
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
-    return value
-
-
-def _price(text: str) -> float:
-    try:
-        price = float(text)
-    except ValueError:
-        price = -1.0
-    if not 0 < price < float("inf"):  # NaN too; 0 would make every cost bucket the same
-        raise argparse.ArgumentTypeError(f"{text!r}: a price is a number of dollars per hour, more than 0")
-    return price
-
-
-def _emulate_value(text: str) -> str:
-    from nanomm.emulate import parse_emulate  # only when --emulate is given
-
-    try:
-        parse_emulate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def main(argv=None) -> int:
-    from rich.console import Console
-
-    args = parse_args(argv)
-    console = Console(stderr=True)
-    where = f"http://{args.host}:{args.port}"
-    if args.emulate and (args.model or args.demo or args.device or args.dtype):
-        raise SystemExit("nanomm-serve --emulate loads no model: drop the model, --demo, --device and --dtype")
-    if args.role == "router":
-        from nanomm.serve.router import Router
-
-        if args.model or args.demo:
-            raise SystemExit("nanomm-serve --role router loads no model: give it --prefill-url and --decode-url")
-        router = Router(args.encoder_url, args.prefill_url, args.decode_url, args.peer_timeout,
-                        int(args.max_body_mib * 2**20))
-        console.print(f"routing on {where}: prefill {args.prefill_url}, decode {args.decode_url}, "
-                      f"encoders {args.encoder_url or '(the prefill instances own)'}")
-        uvicorn.run(router.app, host=args.host, port=args.port, log_level=args.log_level)
-        return 0
-    model, name = (None, args.served_model_name or args.emulate) if args.emulate else _model_and_name(args, console)
-    if args.role == "encoder":
-        from nanomm.serve.encoder_server import EncoderServer, load_encoder
-
-        if args.emulate:
-            from nanomm.emulate import EmulatedDevice
-
-            service = EmulatedDevice.from_value(args.emulate, args.emulate_cost_file).encoder_service(args.max_pixels)
-        else:
-            service = load_encoder(model, args.device, args.dtype, args.max_pixels)
-        console.print(f"encoding for {name} on {where} (POST /v1/encode)")
-        uvicorn.run(EncoderServer(service, name).app, host=args.host, port=args.port, log_level=args.log_level)
-        return 0
-    from nanomm import LLM
-
-    llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
-              encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
-              kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,
-              emulate_cost_file=args.emulate_cost_file, media_io_kwargs=args.media_io_kwargs,
-              video_pruning_rate=args.video_pruning_rate, **_long_chat_args(args))
-    config = ServerConfig(name, args.max_pending_requests, args.request_timeout, int(args.max_body_mib * 2**20),
-                          args.allowed_local_media_path, role=args.role, encoder_urls=tuple(args.encoder_url),
-                          kv_pull_timeout_s=args.peer_timeout, gpu_hourly_price=args.gpu_hourly_price)
-    console.print(f"serving {name} on {where} (OpenAI API under /v1, role {args.role})")
-    uvicorn.run(Server(llm, config).app, host=args.host, port=args.port, log_level=args.log_level)
-    llm.close()
-    return 0
-
-
-def _long_chat_args(args) -> dict:
-    """--old-image-policy and --keep-last-images, as engine arguments (those given; the engine checks them)."""
-    given = {"old_image_policy": args.old_image_policy, "keep_last_images": args.keep_last_images}
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def _model_and_name(args, console) -> tuple[str, str]:
-    """The checkpoint folder (or hub id) to load, and the name the API gives it."""
-    from nanomm.demo import demo_folder
-
-    demo = args.demo or ("trained" if args.model is None else None)
-    model = str(demo_folder(demo, console)) if demo else args.model
-    return model, args.served_model_name or ("nanomm-demo" if demo else args.model)
-
-
-if __name__ == "__main__":  # python -m nanomm.serve.app: what scripts/load.py starts
-    sys.exit(main())

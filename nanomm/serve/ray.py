@@ -17,12 +17,12 @@ in the YAML):
   so Ray counts it as that encoder's ongoing request) and runs the prompt there; the router then sends the
   handoff to a decode replica, which pulls the KV from the prefill replica and streams the answer.
 
-Each replica is one ordinary nanomm instance (the Starlette app of `nanomm-serve --role ROLE`) served on its
-own port: the visual tokens and the KV move between replicas through the existing connectors (transfer.py),
-not through Ray's object store. Ray carries the requests: it places, restarts and drains replicas, counts each
-one's ongoing requests, and routes each call to the replica of the pool that holds the least outstanding work
-(`LeastWorkRouter`, a Ray request router): visual tokens for encoders and prefill instances, running sequences
-for decode instances.
+Each replica is one ordinary nanomm instance (the Starlette app of `nanomm-serve --role ROLE`, made by the
+command's own `build_server`, cli.py) served on its own port: the visual tokens and the KV move between replicas
+through the existing connectors (transfer.py), not through Ray's object store. Ray carries the requests: it places,
+restarts and drains replicas, counts each one's ongoing requests, and routes each call to the replica of the pool
+that holds the least outstanding work (`LeastWorkRouter`, a Ray request router): visual tokens for encoders and
+prefill instances, running sequences for decode instances.
 
 Each replica reports its load to Ray (`record_autoscaling_stats`, from a `LoadWindow`), and `policy=` picks
 how each pool's replica count follows it (serve/autoscaling.py): Ray's `default` (ongoing requests), `load`
@@ -51,6 +51,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanomm.serve import protocol
 from nanomm.serve.autoscaling import POLICIES, SLO_SHARES, LoadWindow, replica_capacity
+from nanomm.serve.cli import InstanceSpec, build_server
 from nanomm.serve.router import Router, continuation_fields, estimated_visual_tokens
 
 TOPOLOGIES = {"integrated": ("integrated",), "epd": ("encoder", "prefill", "decode")}
@@ -143,6 +144,15 @@ class AppSpec:
     def name(self) -> str:
         return self.served_model_name or self.emulate or ("nanomm-demo" if self.demo else self.model)
 
+    def instance(self, role: str) -> InstanceSpec:
+        """What cli.build_server takes for one replica of the role: the Starlette app of `nanomm-serve --role ROLE`
+        (encoder: the encoder service). A prefill replica starts allowing no encoder: it allows each one it leases."""
+        engine_args = {"max_num_seqs": self.max_num_seqs, "max_pixels": self.max_pixels, "emulate": self.emulate,
+                       "encoder_url": PER_REQUEST_ENCODER if role == "prefill" else None,
+                       "encoder_timeout_s": self.peer_timeout_s, "kv_handoff_timeout_s": self.kv_handoff_timeout_s}
+        model = None if self.emulate else self.model  # a folder by now (check), or None with emulate
+        return InstanceSpec(self.name, model, engine_args, peer_timeout_s=self.peer_timeout_s)
+
     def capacity(self, role: str) -> float:
         """One replica's capacity in its pool's load unit: given, or from the emulated device's cost model."""
         given = {"encoder": self.encoder_capacity, "prefill": self.prefill_capacity,
@@ -160,41 +170,17 @@ class AppSpec:
 
 # -- one replica: a nanomm instance on its own port ---------------------------------------------------------------
 
-def build_server(role: str, spec: AppSpec):
-    """The Starlette server of `nanomm-serve --role ROLE` for this spec (encoder: the encoder service)."""
-    model = spec.model  # a folder by now (AppSpec.check), or None with emulate
-    if role == "encoder":
-        from nanomm.serve.encoder_server import EncoderServer, load_encoder
-
-        if spec.emulate:
-            from nanomm.emulate import EmulatedDevice
-
-            service = EmulatedDevice.from_value(spec.emulate).encoder_service(spec.max_pixels)
-        else:
-            service = load_encoder(model, max_pixels=spec.max_pixels)
-        return EncoderServer(service, spec.name), set()
-    from nanomm import LLM
-    from nanomm.serve.app import Server, ServerConfig
-
-    encoder_urls: set[str] = set()  # the encoders this replica leased: the only ones its requests may name
-    llm = LLM(None if spec.emulate else model, max_num_seqs=spec.max_num_seqs, max_pixels=spec.max_pixels,
-              encoder_url=PER_REQUEST_ENCODER if role == "prefill" else None, encoder_timeout_s=spec.peer_timeout_s,
-              kv_handoff_timeout_s=spec.kv_handoff_timeout_s, emulate=spec.emulate)
-    config = ServerConfig(spec.name, role=role, encoder_urls=encoder_urls, kv_pull_timeout_s=spec.peer_timeout_s)
-    return Server(llm, config), encoder_urls
-
-
 class Instance:
     """One nanomm instance as a Ray Serve replica. Ray calls `answer`, `stream` or `lease`; the replica passes
     the request to its own HTTP server and keeps its LoadWindow."""
 
     def __init__(self, role: str, spec: dict, encoder=None):
-        from nanomm.serve.app import BackgroundServer
+        from nanomm.serve.testing import BackgroundServer
 
         self.role, self.spec = role, AppSpec(**spec)
         self.encoder = encoder  # epd prefill: a handle to the encoder pool
         self.window = LoadWindow(self.spec.window_s)
-        self.server, self.encoder_urls = build_server(role, self.spec)
+        self.server = build_server(role, self.spec.instance(role))
         host = self.spec.host if self.spec.host != "node" else ray.util.get_node_ip_address()
         served = TimedEncodes(self.server, self.window) if role == "encoder" else self.server
         self.http = BackgroundServer(served, host)
@@ -261,7 +247,7 @@ class Instance:
     async def _with_encoder(self, body: dict, work: float):
         lease = self.encoder.options(stream=True).lease.remote(work=work)
         encoder_url = await lease.__anext__()
-        self.encoder_urls.add(encoder_url)
+        self.server.allow_encoder(encoder_url)
         params = {**body["kv_transfer_params"], "encoder_url": encoder_url}
         return lease, {**body, "kv_transfer_params": params}
 
