@@ -24,7 +24,8 @@ serve = pytest.importorskip("ray.serve", reason="the [ray] extra is not installe
 
 from nanomm.serve.app import Server, ServerConfig  # noqa: E402
 import nanomm.serve.ray  # noqa: E402
-from nanomm.serve.ray import AppSpec, app  # noqa: E402
+from nanomm.serve.app_spec import AppSpec  # noqa: E402
+from nanomm.serve.ray import app  # noqa: E402
 from nanomm.serve.testing import BackgroundServer, free_local_port  # noqa: E402
 from test_disagg_processes import MODEL, answer  # noqa: E402
 from test_serve import metrics, png_url, readme_block, user  # noqa: E402
@@ -106,7 +107,7 @@ def _healthy(url: str) -> bool:
 
 
 def test_a_decode_replica_killed_mid_stream_is_an_error_event_and_comes_back(deployed):
-    url = deployed(topology="epd", emulate="l4:qwen2.5-vl-3b", kv_handoff_timeout_s="3", peer_timeout_s="10")
+    url = deployed(topology="1e1p1d", emulate="l4:qwen2.5-vl-3b", kv_handoff_timeout_s="3", peer_timeout_s="10")
     body = {"model": "l4:qwen2.5-vl-3b", "messages": user("Tell me about it.", png_url(3, 84, 84)),
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
     start = time.monotonic()
@@ -146,7 +147,7 @@ def test_the_load_policy_grows_the_pools_whose_load_grows(deployed):
     """Pictures arrive at ~1,000 visual tokens a second; the encoder and prefill replicas are given a capacity
     of 500 (at utilization 1), the decode replicas one of 64 sequences: Ray's controller grows the encoder and
     prefill pools, and the decode pool stays at one replica."""
-    url = deployed(topology="epd", emulate="h200:qwen2-vl-2b", policy="load", max_replicas="3",
+    url = deployed(topology="1e1p1d", emulate="h200:qwen2-vl-2b", policy="load", max_replicas="3",
                    encoder_capacity="500", prefill_capacity="500", decode_capacity="64", utilization="1",
                    upscale_delay_s="1", look_back_period_s="2", window_s="4")
     body = {"model": "h200:qwen2-vl-2b", "max_tokens": 2}
@@ -190,11 +191,14 @@ def _targets() -> dict[str, int]:
 
 @pytest.mark.parametrize("args, words", [
     ({"topology": "e+p+d+x", "demo": "trained"}, "unknown topology 'e+p+d+x'"),
-    ({"topology": "epd", "demo": "trained", "policy": "rps"}, "unknown autoscaling policy 'rps'"),
-    ({"topology": "epd", "model": "/nowhere/qwen"}, "/nowhere/qwen"),
-    ({"topology": "epd"}, "give exactly one of model="),
-    ({"topology": "epd", "demo": "trained", "policy": "load"}, "policy=load needs encoder_capacity="),
-    ({"topology": "epd", "demo": "trained", "replicas": "3"}, "unknown argument(s) ['replicas']"),
+    ({"topology": "epd", "demo": "trained"}, "integrated, dp<N>, <X>e<Y>pd or <X>e<Y>p<Z>d"),  # the one grammar
+    ({"topology": "1e1pd", "demo": "trained"}, "nanomm on Ray serves dp<N> (integrated) and <X>e<Y>p<Z>d"),
+    ({"topology": "1e3p1d", "demo": "trained", "max_replicas": "2"}, "more than max_replicas=2"),
+    ({"topology": "1e1p1d", "demo": "trained", "policy": "rps"}, "unknown autoscaling policy 'rps'"),
+    ({"topology": "1e1p1d", "model": "/nowhere/qwen"}, "/nowhere/qwen"),
+    ({"topology": "1e1p1d"}, "give exactly one of model="),
+    ({"topology": "1e1p1d", "demo": "trained", "policy": "load"}, "policy=load needs encoder_capacity="),
+    ({"topology": "1e1p1d", "demo": "trained", "replicas": "3"}, "unknown argument(s) ['replicas']"),
 ])
 def test_bad_arguments_fail_before_any_replica_starts(args, words, monkeypatch):
     built = []
@@ -207,7 +211,7 @@ def test_bad_arguments_fail_before_any_replica_starts(args, words, monkeypatch):
 
 def test_arguments_arrive_as_strings_and_are_typed():
     spec = AppSpec.from_args({"emulate": "h200:qwen2-vl-2b", "max_replicas": "4", "utilization": "0.5"})
-    assert (spec.max_replicas, spec.utilization, spec.topology) == (4, 0.5, "epd")
+    assert (spec.max_replicas, spec.utilization, spec.topology) == (4, 0.5, "1e1p1d")
 
 
 def test_the_serve_deploy_yaml_names_this_application_and_its_arguments_build_it():
@@ -218,7 +222,7 @@ def test_the_serve_deploy_yaml_names_this_application_and_its_arguments_build_it
     assert application["import_path"] == "nanomm.serve.ray:app"
     assert config["http_options"]["host"] == "127.0.0.1"
     spec = AppSpec.from_args({k: str(v) for k, v in application["args"].items()})
-    assert (spec.topology, spec.policy, spec.max_replicas) == ("epd", "load", 4)
+    assert (spec.topology, spec.policy, spec.max_replicas) == ("1e1p1d", "load", 4)
     assert app(application["args"]) is not None  # every pool's capacity known, the deployments described
 
 

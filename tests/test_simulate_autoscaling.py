@@ -71,7 +71,7 @@ def test_the_load_policy_grows_encoders_and_prefill_under_pictures_sooner_than_t
     requests = ramping_pages(120, 3.5)
     runs = {}
     for policy in ("load", "default"):
-        app_args = {"topology": "epd", "emulate": "l4:qwen2.5-vl-3b", "policy": policy, "max_replicas": 4,
+        app_args = {"topology": "1e1p1d", "emulate": "l4:qwen2.5-vl-3b", "policy": policy, "max_replicas": 4,
                     "upscale_delay_s": 1.0, "downscale_delay_s": 15.0, "look_back_period_s": 2, "window_s": 4,
                     "target_ongoing_requests": 2, "utilization": 0.5}
         result = simulate(requests, costs, policy, app_args, start_s=6.0)
@@ -85,3 +85,15 @@ def test_the_load_policy_grows_encoders_and_prefill_under_pictures_sooner_than_t
 
     assert second_prefill_at("load") < second_prefill_at("default")
     assert runs["load"][1]["slo_attainment"] > runs["default"][1]["slo_attainment"]
+
+
+def test_the_ray_app_s_topology_names_each_pool_and_its_first_replicas():
+    """AppSpec (Ray-free, what the simulator and the Ray app both read) takes the one grammar: its counts are each
+    pool's first replicas, within the bounds."""
+    from nanomm.serve.app_spec import AppSpec
+
+    spec = AppSpec(topology="2e3p1d", max_replicas=4)
+    assert spec.pools == {"encoder": 2, "prefill": 3, "decode": 1} and spec.split
+    assert [spec.initial_replicas_of(role) for role in spec.pools] == [2, 3, 1]
+    assert AppSpec(topology="dp3").pools == {"integrated": 3} and not AppSpec(topology="integrated").split
+    assert AppSpec(topology="2e3p1d", initial_replicas=2).initial_replicas_of("prefill") == 2  # given wins

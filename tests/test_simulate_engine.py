@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from nanomm.sim import twin as se
-from nanomm.sim.topology import parse_topology
+from nanomm.topology import parse_topology
 from nanomm.sim.twin import EngineLimits, HostCosts, TwinCosts
 from nanomm.sim.workload import SimRequest
 

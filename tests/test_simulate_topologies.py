@@ -1,4 +1,4 @@
-"""nanomm/sim/stages.py, the stage model, and the one topology grammar (nanomm/sim/topology.py): expected values are worked out by hand from the cost model, not read off the
+"""nanomm/sim/stages.py, the stage model, and the one topology grammar (nanomm/topology.py): expected values are worked out by hand from the cost model, not read off the
 simulator (except where a property, like monotonicity or determinism, is the point)."""
 
 import json
@@ -10,7 +10,7 @@ from nanomm.bench import cli, simulate as simulate_cli
 from nanomm.inputs.image import smart_resize
 from nanomm.sim import stages as sim
 from nanomm.sim.stages import StageCosts
-from nanomm.sim.topology import Topology, parse_topology, topology_of
+from nanomm.topology import Topology, parse_topology, topology_of
 from nanomm.sim.workload import SimRequest, make_requests, parse_mix, visual_tokens
 
 # Round numbers, so every expected time below is a sum you can check on paper.

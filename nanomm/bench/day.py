@@ -4,7 +4,7 @@
 
 Lesson: lessons/15-scaling-each-pool.md.
 
-For each policy: a local Ray cluster (on 127.0.0.1) serves `nanomm.serve.ray:app topology=epd` on emulated GPUs;
+For each policy: a local Ray cluster (on 127.0.0.1) serves `nanomm.serve.ray:app topology=1e1p1d` on emulated GPUs;
 the load generator's `day` trace (nanomm/bench/load.py) (chat, then image-heavy pages, then long answers) is sent open-loop; every second
 the Ray controller's replica count of each pool is recorded. Reported per policy: the share of requests within
 the SLOs (TTFT and TPOT), by phase and overall; each pool's replica-seconds (a replica counts from the moment Ray
@@ -28,7 +28,7 @@ POOLS = ("encoder", "prefill", "decode")
 
 
 def app_args(policy: str, args) -> dict:
-    return {"topology": "epd", "emulate": args.emulate, "policy": policy, "min_replicas": 1,
+    return {"topology": "1e1p1d", "emulate": args.emulate, "policy": policy, "min_replicas": 1,
             "max_replicas": args.max_replicas, "upscale_delay_s": args.upscale_delay, "downscale_delay_s":
             args.downscale_delay, "look_back_period_s": 2, "window_s": 4, "target_ongoing_requests": 2,
             "tpot_slo_s": args.capacity_tpot, "utilization": args.utilization, "ttft_slo_s": args.slo_ttft}

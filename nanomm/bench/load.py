@@ -77,7 +77,7 @@ from nanomm.serve.metrics import TTFT_STAGES  # (preprocess, queue, encode, pref
 from nanomm.serve.testing import free_local_port
 from nanomm.serve.top import Snapshot, parse_metrics
 from nanomm.sim.stats import percentile
-from nanomm.sim.topology import parse_topology
+from nanomm.topology import parse_topology
 from nanomm.sim.workload import MIXES, MixEntry, parse_mix
 
 
@@ -620,7 +620,7 @@ def server_command(port: int, role_args: list[str]) -> list[str]:
 
 
 def startable_topology(name: str) -> str:
-    """A topology of the one grammar (nanomm/sim/topology.py) that this tool starts: `integrated`, `1e1pd` (an
+    """A topology of the one grammar (nanomm/topology.py) that this tool starts: `integrated`, `1e1pd` (an
     encoder service and one engine that runs no tower) or `1e<N>p<1>d` (an encoder, N prefill instances and a
     decode instance behind the router). For argparse: its canonical name, or an error naming what it starts."""
     topology = parse_topology(name)

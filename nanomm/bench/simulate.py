@@ -11,7 +11,7 @@
 
 Lesson: lessons/13-three-topologies.md. The models are nanomm/sim/stages.py (StageCosts, a roofline sketch per
 stage) and, with --emulate, nanomm/sim/twin.py (nanomm's scheduler on the emulated device's cost model).
-Topologies follow the one grammar (nanomm/sim/topology.py); --search tries every size of each shape.
+Topologies follow the one grammar (nanomm/topology.py); --search tries every size of each shape.
 Replay (--replay): instead of drawing requests from --mix, take every answered request of a `nanomm-bench load`
 JSON (its `records`), one simulation per rate in it, so a prediction and a measurement see the same arrivals
 and pictures. --factor is the pixels per visual token's side (28 for Qwen2-VL; 14 for the demo model).
@@ -25,7 +25,7 @@ from dataclasses import asdict
 from nanomm.emulate.costs import GPUS
 from nanomm.inputs.image import DEFAULT_MAX_PIXELS
 from nanomm.sim.stages import MODELS, SimResult, StageCosts, search_pools, simulate
-from nanomm.sim.topology import SHAPES, parse_topology
+from nanomm.topology import SHAPES, parse_topology
 from nanomm.sim.twin import HostCosts, TwinCosts
 from nanomm.sim.workload import FACTOR, make_requests, requests_from_load
 

@@ -59,7 +59,7 @@ from nanomm.engine.sizing import kv_bytes_per_token
 from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.testing import BackgroundServer
-from nanomm.sim.topology import parse_topology
+from nanomm.topology import parse_topology
 from nanomm.sim.twin import HOST_KEYS, HostCosts, TwinCosts, simulate_twin
 from nanomm.sim.workload import requests_from_load
 from nanomm.transfer import RemoteEncoder

@@ -1,19 +1,20 @@
 """nanomm on Ray Serve: each role a deployment, the router the ingress, each pool autoscaled on its own load.
 
     pip install -e ".[ray]"
-    serve run nanomm.serve.ray:app topology=epd demo=trained               # the demo model, split three ways
-    serve run nanomm.serve.ray:app topology=epd emulate=h200:qwen2-vl-2b policy=load max_replicas=4
+    serve run nanomm.serve.ray:app topology=1e1p1d demo=trained            # the demo model, split three ways
+    serve run nanomm.serve.ray:app topology=1e1p1d emulate=h200:qwen2-vl-2b policy=load max_replicas=4
     serve deploy scripts/ray_serve.yaml                                     # the same, from a config file
 
 Lesson: lessons/15-scaling-each-pool.md. The processes-and-router path (nanomm-serve --role ..., lesson 13)
 stays as it is; this module is the same instances under an orchestrator, and nothing else imports it.
 
 The application (`app(args)`, Ray's application-builder convention, so `key=value` on `serve run` or `args:`
-in the YAML):
+in the YAML) takes `AppSpec`'s arguments (app_spec.py); `topology=` is the one grammar (nanomm/topology.py),
+its counts each pool's first replicas:
 
-- `topology=integrated`: one pool of whole engines behind the router.
-- `topology=epd`: an encoder pool, a prefill pool and a decode pool. The router sends each request to a
-  prefill replica; that replica leases an encoder replica for the request (a streamed Ray call that stays open,
+- `topology=integrated` or `dp<N>`: one pool of whole engines behind the router.
+- `topology=<X>e<Y>p<Z>d` (e.g. `1e1p1d`): an encoder pool, a prefill pool and a decode pool. The router sends
+  each request to a prefill replica; that replica leases an encoder replica for the request (a streamed Ray call that stays open,
   so Ray counts it as that encoder's ongoing request) and runs the prompt there; the router then sends the
   handoff to a decode replica, which pulls the KV from the prefill replica and streams the answer.
 
@@ -38,7 +39,7 @@ Bad arguments (an unknown topology or policy, a model that is not there) raise b
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
 import httpx
 import ray
@@ -50,122 +51,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanomm.serve import protocol
-from nanomm.serve.autoscaling import POLICIES, SLO_SHARES, LoadWindow, replica_capacity
-from nanomm.serve.cli import InstanceSpec, build_server
+from nanomm.serve.app_spec import AppSpec
+from nanomm.serve.autoscaling import SLO_SHARES, LoadWindow
+from nanomm.serve.cli import build_server
 from nanomm.serve.router import Router, continuation_fields, estimated_visual_tokens
 
-TOPOLOGIES = {"integrated": ("integrated",), "epd": ("encoder", "prefill", "decode")}
-# A prefill replica's engine has no fixed encoder: every request names the one it leased. A request that did
-# not would fail against this address, which never resolves (RFC 2606's .invalid).
-PER_REQUEST_ENCODER = "http://per-request-encoder.invalid"
 ROUTER_MAX_ONGOING_REQUESTS = 4096  # the router only waits on its pools: it holds every request in flight
-
-
-@dataclass
-class AppSpec:
-    """The application's arguments, checked. Every field is a `key=value` of `serve run` (strings there)."""
-    topology: str = "epd"
-    model: str | None = None  # a checkpoint folder or hub id; or demo=, or emulate=
-    demo: str | None = None  # "trained" or "random": the shipped demo model
-    emulate: str | None = None  # GPU:MODEL: every replica on the emulated device (nanomm/emulate)
-    served_model_name: str | None = None
-    policy: str = "default"
-    min_replicas: int = 1
-    max_replicas: int = 1
-    initial_replicas: int | None = None
-    upscale_delay_s: float = 5.0
-    downscale_delay_s: float = 30.0
-    metrics_interval_s: float = 1.0
-    look_back_period_s: float = 5.0
-    window_s: float = 10.0  # each replica's load window
-    target_ongoing_requests: float = 4.0  # policy "default"
-    utilization: float = 0.7  # policy "load": the share of a replica's capacity to plan for
-    encoder_capacity: float | None = None  # policy "load": visual tokens/s one replica serves (emulate: computed)
-    prefill_capacity: float | None = None
-    decode_capacity: float | None = None  # running sequences one decode (or integrated) replica serves
-    tpot_slo_s: float = 0.05  # policy "load": a decode replica holds the sequences whose step fits this
-    ttft_slo_s: float = 2.0  # policy "slo": the TTFT target, each pool answering to its share (SLO_SHARES)
-    max_num_seqs: int = 64
-    max_pixels: int | None = None
-    peer_timeout_s: float = 30.0
-    kv_handoff_timeout_s: float = 30.0
-    num_cpus: float = 0.0  # Ray resources per replica (a real model on a GPU: num_gpus=1)
-    num_gpus: float = 0.0
-    host: str = "127.0.0.1"  # where each replica serves its connector port; a multi-node cluster: "node"
-
-    @classmethod
-    def from_args(cls, args: dict) -> "AppSpec":
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(args) - set(known))
-        if unknown:
-            raise ValueError(f"unknown argument(s) {unknown}; the arguments are {sorted(known)}")
-        values = {}
-        for name, value in args.items():
-            kind = str(known[name].type)
-            try:
-                values[name] = (value if value is None or not isinstance(value, str) or "str" in kind
-                                else float(value) if "float" in kind else int(value))
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not a number") from None
-        spec = cls(**values)
-        spec.check()
-        return spec
-
-    def check(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"unknown topology {self.topology!r}; nanomm on Ray serves {sorted(TOPOLOGIES)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown autoscaling policy {self.policy!r}; the policies are {list(POLICIES)}")
-        if sum(x is not None for x in (self.model, self.demo, self.emulate)) != 1:
-            raise ValueError("give exactly one of model=FOLDER_OR_HUB_ID, demo=trained|random, emulate=GPU:MODEL")
-        if self.emulate is not None:
-            from nanomm.emulate import parse_emulate
-
-            parse_emulate(self.emulate)
-        if self.demo is not None:
-            from rich.console import Console
-
-            from nanomm.demo import demo_folder
-
-            if self.demo not in ("trained", "random"):
-                raise ValueError(f"demo={self.demo!r}: the demo models are 'trained' and 'random'")
-            self.model = str(demo_folder(self.demo, Console(stderr=True)))
-        elif self.model is not None:
-            from nanomm.model.loader import resolve_checkpoint
-
-            self.model = str(resolve_checkpoint(self.model))  # a missing folder or hub id fails here, once
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}")
-        if self.policy == "load":
-            for role in TOPOLOGIES[self.topology]:
-                self.capacity(role)  # raises if it cannot be known
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.emulate or ("nanomm-demo" if self.demo else self.model)
-
-    def instance(self, role: str) -> InstanceSpec:
-        """What cli.build_server takes for one replica of the role: the Starlette app of `nanomm-serve --role ROLE`
-        (encoder: the encoder service). A prefill replica starts allowing no encoder: it allows each one it leases."""
-        engine_args = {"max_num_seqs": self.max_num_seqs, "max_pixels": self.max_pixels, "emulate": self.emulate,
-                       "encoder_url": PER_REQUEST_ENCODER if role == "prefill" else None,
-                       "encoder_timeout_s": self.peer_timeout_s, "kv_handoff_timeout_s": self.kv_handoff_timeout_s}
-        model = None if self.emulate else self.model  # a folder by now (check), or None with emulate
-        return InstanceSpec(self.name, model, engine_args, peer_timeout_s=self.peer_timeout_s)
-
-    def capacity(self, role: str) -> float:
-        """One replica's capacity in its pool's load unit: given, or from the emulated device's cost model."""
-        given = {"encoder": self.encoder_capacity, "prefill": self.prefill_capacity,
-                 "decode": self.decode_capacity, "integrated": self.decode_capacity}[role]
-        if given is not None:
-            return given
-        if self.emulate is None:
-            raise ValueError(f"policy=load needs {'decode' if role == 'integrated' else role}_capacity= for a real "
-                             "model (with emulate=, the cost model gives it)")
-        from nanomm.emulate import EmulatedDevice
-
-        costs = EmulatedDevice.from_value(self.emulate).costs
-        return replica_capacity(costs, role, self.max_num_seqs, self.tpot_slo_s)
 
 
 # -- one replica: a nanomm instance on its own port ---------------------------------------------------------------
@@ -309,7 +200,8 @@ class RayRouter(Router):
     def __init__(self, topology: str, pools: dict, model_name: str, peer_timeout_s: float):
         super().__init__([], [], [], peer_timeout_s)
         self.topology, self.handles, self.model_name = topology, pools, model_name
-        self.last_pool = "decode" if topology == "epd" else "integrated"
+        self.split = "prefill" in pools  # <X>e<Y>p<Z>d: prefill, then decode; dp<N>: integrated engines
+        self.last_pool = "decode" if self.split else "integrated"
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -326,7 +218,7 @@ class RayRouter(Router):
         if isinstance(body, Response):
             return body
         path = request.url.path
-        if self.topology == "epd":
+        if self.split:
             handoff = await self._prefill(path, body)
             if isinstance(handoff, Response):
                 return handoff
@@ -400,7 +292,7 @@ class RayRouter(Router):
 def autoscaling_config(role: str, spec: AppSpec) -> dict:
     """Ray's AutoscalingConfig for one pool under spec.policy."""
     config = {"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
-              "initial_replicas": spec.initial_replicas or spec.min_replicas,
+              "initial_replicas": spec.initial_replicas_of(role),
               "upscale_delay_s": spec.upscale_delay_s, "downscale_delay_s": spec.downscale_delay_s,
               "metrics_interval_s": spec.metrics_interval_s, "look_back_period_s": spec.look_back_period_s,
               "target_ongoing_requests": spec.target_ongoing_requests}
@@ -416,7 +308,6 @@ def autoscaling_config(role: str, spec: AppSpec) -> dict:
 
 def build(spec: AppSpec):
     """The Ray Serve application for a checked spec."""
-    roles = TOPOLOGIES[spec.topology]
     resources = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}
 
     def pool(role: str, *extra):
@@ -428,11 +319,11 @@ def build(spec: AppSpec):
         return deployment.bind(role, asdict(spec), *extra)
 
     handles = {}
-    if spec.topology == "epd":
+    if spec.split:
         handles["prefill"] = pool("prefill", pool("encoder"))
         handles["decode"] = pool("decode")
     else:
-        handles[roles[0]] = pool(roles[0])
+        handles["integrated"] = pool("integrated")
     # Ray's default of 5 requests at a time would queue every request past the fifth in front of the router
     router = serve.deployment(RayRouter, name="router", ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)

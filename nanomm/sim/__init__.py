@@ -3,8 +3,7 @@
 Lessons: lessons/13-three-topologies.md (topologies, the simulator against the twin) and
 lessons/15-scaling-each-pool.md (autoscaling).
 
-- topology.py: the one topology grammar (integrated, dp<N>, <X>e<Y>pd, <X>e<Y>p<Z>d);
-- workload.py: mixes, arrivals, replayed load runs;  stats.py: the one percentile;  events.py: the clock;
+- workload.py (topologies are named in nanomm/topology.py's grammar): mixes, arrivals, replayed load runs;  stats.py: the one percentile;  events.py: the clock;
 - stages.py: the stage model (a roofline sketch per stage), with the pool search;
 - twin.py: the engine-faithful model: nanomm's scheduler on the emulated device's cost model, plus the host;
 - autoscaling.py: the twin's engines in pools that Ray Serve's policies grow and shrink.

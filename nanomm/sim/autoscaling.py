@@ -26,9 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+from nanomm.serve.app_spec import AppSpec
 from nanomm.serve.autoscaling import SLO_SHARES, LoadPolicy, LoadWindow, RequestsPolicy, SLOPolicy
 from nanomm.sim.events import EventClock
-from nanomm.sim.topology import parse_topology
+from nanomm.topology import parse_topology
 from nanomm.sim.twin import EncoderService, TwinCosts, TwinEngine, TwinRequest, outcome
 from nanomm.sim.workload import requests_from_load
 
@@ -107,7 +108,7 @@ class ScaledPool:
 
 
 def make_policy(name: str, role: str, spec) -> object:
-    """The policy Ray runs for this pool of the application `spec` (nanomm.serve.ray.AppSpec) describes."""
+    """The policy Ray runs for this pool of the application `spec` (nanomm/serve/app_spec.py's AppSpec) describes."""
     if name == "default":
         return RequestsPolicy(target=spec.target_ongoing_requests)
     if name == "load":
@@ -118,11 +119,11 @@ def make_policy(name: str, role: str, spec) -> object:
 def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, start_s: float,
              metrics_interval_s: float = 1.0, tick_s: float = 0.5) -> dict:
     """Every request through autoscaled E+P+D pools: outcomes, and each pool's replicas once a second."""
-    from nanomm.serve.ray import AppSpec
-
     spec = AppSpec(**app_args)
+    if not spec.split:
+        raise ValueError(f"topology {spec.topology!r}: the autoscaling simulator models <X>e<Y>p<Z>d applications")
     clock = EventClock()
-    config = {"initial_replicas": spec.initial_replicas or spec.min_replicas, "window_s": spec.window_s,
+    config = {"window_s": spec.window_s,
               "look_back_period_s": spec.look_back_period_s, "min_replicas": spec.min_replicas,
               "max_replicas": spec.max_replicas, "upscale_delay_s": spec.upscale_delay_s,
               "downscale_delay_s": spec.downscale_delay_s}
@@ -165,7 +166,8 @@ def simulate(requests: list, costs: TwinCosts, policy: str, app_args: dict, star
     for role, make in (("encoder", lambda window: TimedEncoderService(clock, costs, window)),
                        ("prefill", prefill_engine),
                        ("decode", decode_engine)):
-        pools[role] = ScaledPool(role, make_policy(policy, role, spec), config, clock, make, start_s)
+        pools[role] = ScaledPool(role, make_policy(policy, role, spec),
+                                 {**config, "initial_replicas": spec.initial_replicas_of(role)}, clock, make, start_s)
     _keep_encoders_listed(pools["encoder"], encoders_now)
     tracks = [TwinRequest(r) for r in requests]
     for track in tracks:

@@ -4,7 +4,7 @@ Lesson: lessons/13-three-topologies.md. Driven by `nanomm-bench simulate` (nanom
 
 A discrete-event simulation of the stages, standard library only; `nanomm/sim/twin.py` is the engine-faithful
 model that replaces the engine below with nanomm's scheduler on the emulated device's cost model. Topologies
-follow the one grammar (nanomm/sim/topology.py):
+follow the one grammar (nanomm/topology.py):
   dp<N>          N identical workers, continuous batching: each step runs every running decode plus FCFS prompt
                  chunks up to a token budget (a running decode takes one token of it); a prompt's images are
                  encoded inside the step that takes its first chunk.
@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field, fields
 from nanomm.emulate.costs import GPUS
 from nanomm.sim.events import EventClock, least_loaded
 from nanomm.sim.stats import percentile
-from nanomm.sim.topology import POOL_NAMES, SHAPES, Topology, parse_topology, topology_of
+from nanomm.topology import POOL_NAMES, SHAPES, Topology, parse_topology, topology_of
 from nanomm.sim.workload import SimRequest
 
 MODELS = {"qwen2-vl-2b": dict(lm_params=1.5e9, layers=28, kv_heads=2, head_dim=128, hidden=1536,

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from nanomm.sim.events import EventClock, least_loaded
-from nanomm.sim.topology import Topology, parse_topology
+from nanomm.topology import Topology, parse_topology
 
 HOST_KEYS = {"dp<N>": "integrated", "<X>e<Y>pd": "1e1pd", "<X>e<Y>p<Z>d": "1eNp1d"}  # HostCosts' key per shape
 
