@@ -20,6 +20,8 @@ import importlib
 import shlex
 import sys
 
+from nanomm.topology import parse_topology
+
 SUBCOMMANDS = {  # name: the module under nanomm/bench that runs it
     "load": "load",
     "simulate": "simulate",
@@ -30,6 +32,14 @@ SUBCOMMANDS = {  # name: the module under nanomm/bench that runs it
     "soak": "soak",
     "long-chats": "long_chats",
 }
+
+
+def topology_arg(text: str):
+    """--topology / --topologies: a name of the one grammar (nanomm/topology.py); a usage error names the grammar."""
+    try:
+        return parse_topology(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def module_of(name: str):

@@ -65,6 +65,7 @@ import httpx
 import torch
 from PIL import Image
 
+from nanomm.bench.cli import topology_arg
 from nanomm.bench.machine import machine_info
 from nanomm.bench.requests import WORDS, load_checkpoint, random_image
 from nanomm.engine.config import EngineConfig
@@ -623,7 +624,7 @@ def startable_topology(name: str) -> str:
     """A topology of the one grammar (nanomm/topology.py) that this tool starts: `integrated`, `1e1pd` (an
     encoder service and one engine that runs no tower) or `1e<N>p<1>d` (an encoder, N prefill instances and a
     decode instance behind the router). For argparse: its canonical name, or an error naming what it starts."""
-    topology = parse_topology(name)
+    topology = topology_arg(name)
     if topology.name == "integrated" or (topology.encoders == 1 and (
             (topology.shape == "<X>e<Y>pd" and topology.prefill == 1) or topology.decode == 1)):
         return topology.name

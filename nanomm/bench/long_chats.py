@@ -1,6 +1,8 @@
-"""Long chats on the demo model: a new picture every turn, under each old-image policy (lesson 16).
+"""Long chats on the demo model: a new picture every turn, under each old-image policy.
 
     nanomm-bench long-chats --chats 20 --turns 12 --keep-last-images 2 --json lessons/data/16-long-chats.json
+
+Lesson: lessons/16-long-conversations.md.
 
 Each chat shows a new 448x448 scene every turn and asks a question about it (graded against the scene). The
 conversation goes on with the model's own answers. Per turn and policy it records the prompt's visual tokens, the

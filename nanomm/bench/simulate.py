@@ -22,6 +22,7 @@ import json
 from contextlib import nullcontext
 from dataclasses import asdict
 
+from nanomm.bench.cli import topology_arg
 from nanomm.emulate.costs import GPUS
 from nanomm.inputs.image import DEFAULT_MAX_PIXELS
 from nanomm.sim.stages import MODELS, SimResult, StageCosts, search_pools, simulate
@@ -54,7 +55,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=0.5, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
     p.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step")
-    p.add_argument("--topologies", nargs="+", type=parse_topology,
+    p.add_argument("--topologies", nargs="+", type=topology_arg,
                    default=[parse_topology(t) for t in ("dp3", "1e2pd", "1e1p1d")],
                    help="integrated | dp<N> | <X>e<Y>pd | <X>e<Y>p<Z>d")
     p.add_argument("--search", action="store_true", help="for each shape, find the fewest workers meeting "

@@ -3,6 +3,8 @@
     nanomm-bench soak                             # 32 clients for 180 s on the tiny checkpoint
     nanomm-bench soak --clients 4 --seconds 5 --json soak.json
 
+Lesson: lessons/11-serving-under-load.md (the server under load; this holds it there for a while).
+
 The server runs as its own process (`python -m nanomm.serve.cli` on 127.0.0.1, as the load generator starts it),
 so that its memory is its own. Each client loops until the time is up: a streamed chat request about a random
 picture (one of three sizes, or none), read to [DONE], then the next. Every second the server's resident memory
