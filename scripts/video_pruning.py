@@ -29,7 +29,7 @@ from nanomm import LLM, SamplingParams, demo_checkpoint  # noqa: E402
 from nanomm.demo.evaluation import held_out_items  # noqa: E402
 from nanomm.demo.scenes import render  # noqa: E402
 from nanomm.demo.tasks import grade  # noqa: E402
-from nanomm.inputs.video import VideoInput  # noqa: E402
+from nanomm.inputs.video_io import VideoInput  # noqa: E402
 
 TASKS = ("colour", "shape", "count", "number")  # answers that motion does not change
 RATES = (0.0, 0.25, 0.5, 0.75, 0.9)

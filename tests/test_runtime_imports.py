@@ -49,7 +49,7 @@ def test_the_block_works():
     assert run.returncode != 0 and "ModuleNotFoundError: import of transformers halted" in run.stderr
 
 
-CAPABILITIES = ("nanomm.inputs.video", "nanomm.emulate", "nanomm.serve")  # each its own module, loaded on use
+CAPABILITIES = ("nanomm.inputs.video", "nanomm.inputs.video_io", "nanomm.emulate", "nanomm.serve")  # loaded on use
 
 IMAGE_PATH = textwrap.dedent(f"""
     import sys, tempfile
