@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from nanomm.accel import speed_up
-from nanomm.accel.memory_profile import profile_memory
+from nanomm.engine.memory_profile import profile_memory
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine

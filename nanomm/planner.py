@@ -28,7 +28,7 @@ The arithmetic, in the order a request meets it:
    less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
    more when the vision tower's working set for the largest image or the worst decode step is larger, plus
    what the CUDA graphs of decode steps keep; `LLM` measures it instead, with a profiling pass,
-   accel/memory_profile.py); on a CPU, a fixed budget.
+   engine/memory_profile.py); on a CPU, a fixed budget.
 
 The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
 """

@@ -447,10 +447,10 @@ def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
 
 
 def test_the_memory_profile_encodes_as_many_visual_tokens_as_the_planner_s_worst_case(ckpt):
-    """The profiling pass (accel/memory_profile.py, CUDA only) encodes the planner's worst-case image through
+    """The profiling pass (engine/memory_profile.py, CUDA only) encodes the planner's worst-case image through
     the engine's preprocessing: as many patches as the planner counts visual tokens (4 patches per token)."""
     from nanomm import LLM
-    from nanomm.accel.memory_profile import worst_case_pixels
+    from nanomm.engine.memory_profile import worst_case_pixels
     with LLM(str(ckpt), max_pixels=28 * 28 * 40) as llm:
         size, tokens = worst_case_image(llm.image_config)
         image = worst_case_pixels(llm.image_config, size)

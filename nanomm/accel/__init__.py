@@ -16,13 +16,12 @@ weights, and is tested against its own definition instead.
   so a quantized model is its own dense reference;
 - compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
 
-`speed_up` swaps those four into the model. The engine's own fast paths live here too, and the engine calls them:
+`speed_up` swaps those four into the model. The engine calls one more, which stands on the model alone too:
 - batched_attention.py: a step's decodes in one fused attention call per layer, its prompt chunks in another
-  (`ModelRunner(batched_attention=False)` attends each sequence alone, the definition; tests/test_attention.py);
-- cuda_graphs.py: decode steps recorded once and replayed with one launch (`enforce_eager=True` turns it off;
-  on a CPU the same static path runs unrecorded, tests/test_cuda_graphs.py);
-- memory_profile.py: on a GPU, the activation reserve measured by running the engine's largest steps once,
-  which engine/sizing.py leaves out of the KV pool.
+  (`ModelRunner(batched_attention=False)` attends each sequence alone, the definition; tests/test_attention.py).
+
+This folder sits below the engine and imports none of it: the fast paths that run engine steps, CUDA graphs and
+the GPU memory profile, are the engine's own (engine/cuda_graphs.py, engine/memory_profile.py).
 """
 
 from torch import nn

@@ -64,7 +64,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (accel/cuda_graphs.py; CUDA only)
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA only)
     max_seq_len_to_capture: int = 8192  # decode steps with a longer context run eagerly (vLLM's name and default)
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json

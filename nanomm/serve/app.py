@@ -480,12 +480,10 @@ def main(argv=None) -> int:
         return 0
     model, name = (None, args.served_model_name or args.emulate) if args.emulate else _model_and_name(args, console)
     if args.role == "encoder":
-        from nanomm.serve.encoder_server import EncoderServer, load_encoder
+        from nanomm.serve.encoder_server import EncoderServer, load_emulated_encoder, load_encoder
 
         if args.emulate:
-            from nanomm.emulate import EmulatedDevice
-
-            service = EmulatedDevice.from_value(args.emulate, args.emulate_cost_file).encoder_service(args.max_pixels)
+            service = load_emulated_encoder(args.emulate, args.max_pixels, args.emulate_cost_file)
         else:
             service = load_encoder(model, args.device, args.dtype, args.max_pixels)
         console.print(f"encoding for {name} on {where} (POST /v1/encode)")

@@ -164,12 +164,10 @@ def build_server(role: str, spec: AppSpec):
     """The Starlette server of `nanomm-serve --role ROLE` for this spec (encoder: the encoder service)."""
     model = spec.model  # a folder by now (AppSpec.check), or None with emulate
     if role == "encoder":
-        from nanomm.serve.encoder_server import EncoderServer, load_encoder
+        from nanomm.serve.encoder_server import EncoderServer, load_emulated_encoder, load_encoder
 
         if spec.emulate:
-            from nanomm.emulate import EmulatedDevice
-
-            service = EmulatedDevice.from_value(spec.emulate).encoder_service(spec.max_pixels)
+            service = load_emulated_encoder(spec.emulate, spec.max_pixels)
         else:
             service = load_encoder(model, max_pixels=spec.max_pixels)
         return EncoderServer(service, spec.name), set()
