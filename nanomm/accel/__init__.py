@@ -26,10 +26,8 @@ the GPU memory profile, are the engine's own (engine/cuda_graphs.py, engine/memo
 
 from torch import nn
 
-from nanomm.accel.compile import compile_decoder_layers
 from nanomm.accel.fused_layers import fuse_language_model
 from nanomm.accel.packed_linear import pack_linear_layers, packed_linear_available
-from nanomm.accel.quant import quantize_language_model
 
 
 def speed_up(model: nn.Module, *, fused_layers: bool = True, quantization: str | None = None,
@@ -39,9 +37,13 @@ def speed_up(model: nn.Module, *, fused_layers: bool = True, quantization: str |
     (CPU float32) or compile (Inductor picks its own matmuls, so the two never stack)."""
     if fused_layers:
         fuse_language_model(model)
-    if quantization is not None:
+    if quantization is not None:  # quant.py and compile.py are imported only when switched on
+        from nanomm.accel.quant import quantize_language_model
+
         quantize_language_model(model, quantization, quantization_group_size)
     if cpu_fast_linear and not compile and packed_linear_available(model.device, model.dtype):
         pack_linear_layers(model)
     if compile:
+        from nanomm.accel.compile import compile_decoder_layers
+
         compile_decoder_layers(model)
