@@ -85,7 +85,7 @@ class Chat:
         self.say(f"attached {path} to your next message")
 
     def attach_video(self, path: str) -> None:
-        from nanomm.inputs.video import load_video  # only when a video is attached
+        from nanomm.inputs.video_io import load_video  # only when a video is attached
 
         frames = len(load_video(path, path).frames)  # fail now, as attach does
         self.pending.append({"type": "video", "video": path})

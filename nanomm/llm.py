@@ -13,11 +13,11 @@ checkpoint's generation_config.json, as vLLM does.
 import contextlib
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanomm.accel import speed_up
-from nanomm.accel.memory_profile import profile_memory
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine
@@ -27,10 +27,20 @@ from nanomm.inputs.tokenizer import Tokenizer, multi_modal_data
 from nanomm.model.config import read_checkpoint_json
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
-from nanomm.planner import Plan, Workload, make_plan, plan_lines
 from nanomm.sampling import SamplingParams, generation_defaults
 
+if TYPE_CHECKING:
+    from nanomm.planner import Plan
+
 logger = logging.getLogger("nanomm")
+
+
+def profile_memory(*args):
+    """engine/memory_profile.py's `profile_memory`, imported only when a GPU's KV pool is sized (it runs the model,
+    with CUDA graphs when they are on): a CPU run never loads it."""
+    from nanomm.engine.memory_profile import profile_memory
+
+    return profile_memory(*args)
 
 
 class LLM:
@@ -80,7 +90,9 @@ class LLM:
         video_preprocessor = read_checkpoint_json(folder / "video_preprocessor_config.json", required=False)
         self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config, self.draft_model,
                                 video_preprocessor=video_preprocessor or None)
-        if logger.isEnabledFor(logging.INFO):
+        if logger.isEnabledFor(logging.INFO):  # the planner is imported only to log its plan, or when asked for one
+            from nanomm.planner import plan_lines
+
             for what, value in plan_lines(self.plan()):
                 logger.info("KV plan: %s: %s", what, value)
 
@@ -115,10 +127,12 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, self.image_config, config,
                                 make_runner=device.make_runner)
 
-    def plan(self, **workload) -> Plan:
+    def plan(self, **workload) -> "Plan":
         """The KV budget plan (planner.py) of this engine as built: its pixel cap, block size and pool.
         workload: the fields of planner.Workload (images_per_request, prompt_tokens, output_tokens,
         typical_image), each defaulting as there."""
+        from nanomm.planner import Workload, make_plan
+
         config = self.engine.config
         model_config = self.model.config if self.emulated is None else self.emulated.config  # the real model's
         return make_plan(model_config, self.image_config, model=self.model_name, dtype=self._dtype_name,

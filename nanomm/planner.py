@@ -28,7 +28,7 @@ The arithmetic, in the order a request meets it:
    less what is already used (the weights, here), less an activation reserve (here an estimate: at least 1 GiB,
    more when the vision tower's working set for the largest image or the worst decode step is larger, plus
    what the CUDA graphs of decode steps keep; `LLM` measures it instead, with a profiling pass,
-   accel/memory_profile.py); on a CPU, a fixed budget.
+   engine/memory_profile.py); on a CPU, a fixed budget.
 
 The weights' bytes are counted on PyTorch's "meta" device: the real module tree, no memory.
 """
@@ -55,7 +55,7 @@ from nanomm.model.loader import DTYPES
 from nanomm.accel.quant import quantized_layers, quantized_weight_bytes
 
 KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # the model's dtypes, and an fp8 cache
-# inputs/video.py's DEFAULT_FPS. That module (and its VideoLimits) is imported only where videos are planned: the
+# inputs/video_io.py's DEFAULT_FPS. That module (and its VideoLimits) is imported only where videos are planned: the
 # engine logs a plan at start-up, and a pictures-only engine loads no video code (tests/test_runtime_imports.py).
 DEFAULT_VIDEO_FPS = 2.0
 CONFIG_FILES = ["config.json", "preprocessor_config.json", "video_preprocessor_config.json", "generation_config.json"]
@@ -76,7 +76,7 @@ class Workload:
     def __post_init__(self):
         if check_int(self.videos_per_request, "videos_per_request", minimum=0, error=InvalidInputError) == 0:
             return  # the video fields are not used
-        from nanomm.inputs.video import VideoLimits
+        from nanomm.inputs.video_io import VideoLimits
 
         max_fps = VideoLimits().max_fps  # what load_video accepts
         if not is_finite_number(self.video_fps) or not 0 < self.video_fps <= max_fps:
@@ -391,11 +391,11 @@ def _video_lines(plan: Plan) -> list[tuple[str, str]]:
 
 
 def _video_warnings(plan: Plan) -> list[tuple[str, str]]:
-    """Clips that load_video refuses (VideoLimits, inputs/video.py): the plan counts them, the engine does not."""
+    """Clips that load_video refuses (VideoLimits, inputs/video_io.py): the plan counts them, the engine does not."""
     w, frames = plan.workload, plan.workload.video_frames
     if not frames:
         return []
-    from nanomm.inputs.video import VideoLimits
+    from nanomm.inputs.video_io import VideoLimits
 
     limits = VideoLimits()
     rows = []
@@ -528,7 +528,7 @@ def _positive_float(text: str) -> float:
 
 
 def _fps(text: str) -> float:
-    from nanomm.inputs.video import VideoLimits
+    from nanomm.inputs.video_io import VideoLimits
 
     value, max_fps = _positive_float(text), VideoLimits().max_fps
     if value > max_fps:

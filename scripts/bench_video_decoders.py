@@ -14,7 +14,7 @@ are the median of --repeats runs. A candidate that does not install or import he
 
 Candidates:
   nanomm              load_video itself: PyAV (default threads: slices), one reused RGB converter, one copy into
-                      Pillow, and the checks of nanomm/inputs/video.py
+                      Pillow, and the checks of nanomm/inputs/video_io.py
   pyav                PyAV as its docs show it: VideoFrame.to_image() per frame (a new converter each frame)
   pyav-frame-threads  nanomm's conversion with thread_type="AUTO" (frame and slice threads)
   torchcodec          torchcodec.decoders.VideoDecoder, every frame as one uint8 tensor
@@ -82,7 +82,7 @@ def decoder(name: str):
     if name == "nanomm":
         import av
 
-        from nanomm.inputs.video import load_video
+        from nanomm.inputs.video_io import load_video
 
         def decode(path, limit=None):
             if limit is not None:  # the warm-up: load_video takes the whole clip, so PyAV decodes its first frames
@@ -105,7 +105,7 @@ def decoder(name: str):
                     return [frame.to_image() for frame in frames]
                 stream.thread_type = "AUTO"
                 reformatter, images = VideoReformatter(), []
-                for frame in frames:  # as nanomm/inputs/video.py's _frame_image does it
+                for frame in frames:  # as nanomm/inputs/video_io.py's _frame_image does it
                     image = Image.new("RGB", (frame.width, frame.height))
                     plane = reformatter.reformat(frame, format="rgb24").planes[0]
                     image.frombytes(plane, "raw", ("RGB", plane.line_size, 1))

@@ -28,7 +28,7 @@ from nanomm import LLM, SamplingParams, demo_checkpoint
 from nanomm.demo.evaluation import held_out_items
 from nanomm.demo.scenes import render
 from nanomm.demo.tasks import grade
-from nanomm.inputs.video import VideoInput
+from nanomm.inputs.video_io import VideoInput
 
 TASKS = ("colour", "shape", "count", "number")  # answers that motion does not change
 RATES = (0.0, 0.25, 0.5, 0.75, 0.9)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (nanomm/accel/cuda_graphs.py): the static, padded path it records gives the dense
+"""CUDA graphs for decode (nanomm/engine/cuda_graphs.py): the static, padded path it records gives the dense
 reference's tokens, it never reads a value back to the host, and on a GPU a replay equals eager decoding."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from helpers import assert_no_leaks, random_workload, reference_tokens
 from nanomm import LLM, SamplingParams
 from nanomm.engine import attention
-from nanomm.accel.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_forward
+from nanomm.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_forward
 from nanomm.engine.sizing import batch_bucket, context_bucket, graph_context, largest_bucket
-from nanomm.accel.memory_profile import decode_step
+from nanomm.engine.memory_profile import decode_step
 from nanomm.workshop.op_count import HostSyncError, NoHostSync
 from test_engine import MAX_PIXELS, STRESS
 

@@ -230,13 +230,12 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     """1E1PD on the twin: the engine runs no tower; the service's tower takes the cost model's time; the bytes
     counted on both sides are the real model's visual tokens (256 tokens x 1536 x 2 bytes a 448x448 picture)
     while placeholders cross; the answers are the integrated twin's."""
-    from nanomm.emulate import EmulatedDevice
-    from nanomm.serve.encoder_server import EncoderServer
+    from nanomm.serve.encoder_server import EncoderServer, load_emulated_encoder
 
     params = SamplingParams(temperature=0, max_tokens=6)
     with LLM(emulate=TWIN) as whole:
         expected = [o.outputs[0].token_ids for o in whole.chat(chats(2), params, use_tqdm=False)]
-    service = EmulatedDevice.from_value(TWIN).encoder_service(sleep=slept.append)
+    service = load_emulated_encoder(TWIN, sleep=slept.append)
     with BackgroundServer(EncoderServer(service, TWIN)) as url, LLM(emulate=TWIN, encoder_url=url) as split:
         got = [o.outputs[0].token_ids for o in split.chat(chats(2), params, use_tqdm=False)]
         stats = split.stats()
@@ -250,7 +249,7 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     assert float(sent.split()[-1]) == real_bytes
     assert "nanomm_encoder_visual_tokens_total 512.0" in metrics
     costs = split.emulated.costs
-    assert service.tower_seconds == [costs.encode_seconds([1024, 1024])]  # both pictures of the step, one call
+    assert service.tower.seconds == [costs.encode_seconds([1024, 1024])]  # both pictures of the step, one call
     assert costs.transfer_seconds(real_bytes) in slept  # their link time, waited on the engine's side
 
 
@@ -270,9 +269,8 @@ def test_a_1e1p1d_handoff_on_the_twin_moves_the_real_model_s_bytes(monkeypatch):
     KV 28 layers x 2 x 2 heads x 128 x 2 a position) while placeholders cross; the decode side sleeps the KV's
     link time; the prefill instance's blocks go back to its pool."""
     from family_checks import metric
-    from nanomm.emulate import EmulatedDevice
     from nanomm.emulate.runner import EmulatedKVConnector
-    from nanomm.serve.encoder_server import EncoderServer
+    from nanomm.serve.encoder_server import EncoderServer, load_emulated_encoder
     from nanomm.serve.router import Router
 
     link_waits = []
@@ -281,7 +279,7 @@ def test_a_1e1p1d_handoff_on_the_twin_moves_the_real_model_s_bytes(monkeypatch):
     chat = {"model": TWIN, "max_tokens": 6, "temperature": 0.0, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url_of(Image.new("RGB", (448, 448), "red"))}},
         {"type": "text", "text": "what is it"}]}]}
-    service = EmulatedDevice.from_value(TWIN).encoder_service(sleep=lambda s: None)
+    service = load_emulated_encoder(TWIN, sleep=lambda s: None)
     with LLM(emulate=TWIN) as whole_llm, BackgroundServer(Server(whole_llm, ServerConfig(TWIN))) as whole_url, \
             BackgroundServer(EncoderServer(service, TWIN)) as encoder_url, \
             LLM(emulate=TWIN, encoder_url=encoder_url) as prefill, LLM(emulate=TWIN) as decode, \

@@ -24,8 +24,8 @@ from PIL import Image
 from helpers import (assert_no_leaks, chat_prompt, data_url, png_header_only, random_image, reference_tokens,
                      run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.inputs import video as video_module
-from nanomm.inputs.video import VideoInput, VideoLimits, load_video
+from nanomm.inputs import video_io as video_module
+from nanomm.inputs.video_io import VideoInput, VideoLimits, load_video
 from nanomm.tools.random_checkpoint import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

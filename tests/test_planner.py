@@ -273,7 +273,8 @@ def test_without_videos_the_plan_is_the_pictures_plan():
 
 def test_the_planner_s_video_tokens_are_the_video_processor_s():
     """The planner's arithmetic against the real processor (inputs/video.py) on tiny clips."""
-    from nanomm.inputs.video import DEFAULT_FPS, load_video, preprocess_video
+    from nanomm.inputs.video import preprocess_video
+    from nanomm.inputs.video_io import DEFAULT_FPS, load_video
 
     assert DEFAULT_VIDEO_FPS == DEFAULT_FPS
     _, hub_images = load_configs(QWEN2_VL_2B)
@@ -301,7 +302,7 @@ def test_qwen3_vl_video_tokens_and_times_are_the_engine_s(tmp_path, capsys):
     visual tokens, and its visual and text tokens together, are what the engine expands a clip to (the real Qwen
     tokenizer, so the times cost what they cost there). The worst-case frame reaches the plan's count too."""
     from hf_checkpoints import make_hf_checkpoint
-    from nanomm.inputs.video import VideoInput
+    from nanomm.inputs.video_io import VideoInput
 
     folder = make_hf_checkpoint(tmp_path / "qwen3", "qwen3_vl", tokenizer="qwen")
     config, images = load_configs(folder)
@@ -446,10 +447,10 @@ def test_the_readme_shows_the_planner_s_output_for_qwen2_vl_2b():
 
 
 def test_the_memory_profile_encodes_as_many_visual_tokens_as_the_planner_s_worst_case(ckpt):
-    """The profiling pass (accel/memory_profile.py, CUDA only) encodes the planner's worst-case image through
+    """The profiling pass (engine/memory_profile.py, CUDA only) encodes the planner's worst-case image through
     the engine's preprocessing: as many patches as the planner counts visual tokens (4 patches per token)."""
     from nanomm import LLM
-    from nanomm.accel.memory_profile import worst_case_pixels
+    from nanomm.engine.memory_profile import worst_case_pixels
     with LLM(str(ckpt), max_pixels=28 * 28 * 40) as llm:
         size, tokens = worst_case_image(llm.image_config)
         image = worst_case_pixels(llm.image_config, size)

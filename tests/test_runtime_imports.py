@@ -51,7 +51,7 @@ def test_the_block_works():
     assert run.returncode != 0 and "ModuleNotFoundError: import of transformers halted" in run.stderr
 
 
-CAPABILITIES = ("nanomm.inputs.video", "nanomm.emulate", "nanomm.serve")  # each its own module, loaded on use
+CAPABILITIES = ("nanomm.inputs.video", "nanomm.inputs.video_io", "nanomm.emulate", "nanomm.serve")  # loaded on use
 
 IMAGE_PATH = textwrap.dedent(f"""
     import sys, tempfile
@@ -74,3 +74,37 @@ def test_the_image_path_imports_no_other_capability():
     an old-picture policy) loads none of them."""
     run = subprocess.run([sys.executable, "-c", IMAGE_PATH], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "image path ok", run.stderr[-3000:]
+
+
+CLOSURE_GOAL = 8_000  # lines of nanomm source a served image chat loads (issue 64: each lever imported when on)
+
+CLOSURE = textwrap.dedent("""
+    import sys
+    from PIL import Image
+    from nanomm import LLM, SamplingParams
+    with LLM(sys.argv[1], device="cpu", max_model_len=256, num_kv_blocks=32) as llm:
+        conversation = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48), "red")},
+                                                     {"type": "text", "text": "What colour is it?"}]}]
+        llm.chat(conversation, SamplingParams(temperature=0, max_tokens=2))
+    import nanomm.chat, nanomm.serve.app
+    for name, module in sorted(sys.modules.items()):
+        if name.split(".")[0] == "nanomm" and getattr(module, "__file__", None):
+            with open(module.__file__, encoding="utf-8") as f:
+                print(sum(1 for _ in f), name)
+""")
+
+
+def test_the_image_path_loads_what_it_runs(tmp_path):
+    """One picture chatted about through `LLM` on CPU, then the terminal chat and the server imported: the nanomm
+    source loaded stays under the goal. The planner, the trace, speculation and its draft runner, quantization,
+    CUDA graphs and the memory profile, compression and the long-chat policies are each loaded when configured or
+    called, not on this path. The checkpoint is written beforehand, in this process: its writer is no runtime."""
+    from nanomm.tools.random_checkpoint import make_checkpoint
+
+    folder = make_checkpoint(str(tmp_path / "ckpt"), preset="tiny")
+    run = subprocess.run([sys.executable, "-c", CLOSURE, str(folder)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sizes = {name: int(lines) for lines, name in (row.split() for row in run.stdout.splitlines())}
+    total = sum(sizes.values())
+    biggest = ", ".join(f"{name} {lines}" for name, lines in sorted(sizes.items(), key=lambda kv: -kv[1])[:25])
+    assert total <= CLOSURE_GOAL, f"{total:,} lines loaded ({len(sizes)} modules); the biggest: {biggest}"

@@ -13,7 +13,7 @@ import transformers
 from helpers import assert_engine_matches_reference, assert_no_leaks, random_image
 from nanomm import LLM, SamplingParams
 from nanomm.errors import InvalidInputError
-from nanomm.inputs.video import VideoInput
+from nanomm.inputs.video_io import VideoInput
 from nanomm.reference import whole_media
 from test_model_parity import oracle_greedy, steps_fed_the_same_tokens
 

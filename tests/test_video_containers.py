@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from nanomm.errors import InvalidInputError
-from nanomm.inputs import video as video_module
+from nanomm.inputs import video_io as video_module
 from nanomm.inputs.image import ImageProcessorConfig
-from nanomm.inputs.video import VideoLimits, load_video, preprocess_video
+from nanomm.inputs.video import preprocess_video
+from nanomm.inputs.video_io import VideoLimits, load_video
 from nanomm.tools.hf_files import preprocessor_config
 from nanomm.tools.weights import model_spec
 

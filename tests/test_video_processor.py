@@ -1,4 +1,5 @@
-"""nanomm.inputs.video: transformers' Qwen2VLVideoProcessor bit for bit, and untrusted clips refused early.
+"""Videos: transformers' Qwen2VLVideoProcessor bit for bit (nanomm.inputs.video), untrusted clips refused early
+(nanomm.inputs.video_io).
 
 The expected pixel_values and video_grid_thw come from transformers itself: scripts/workshop/make_video_fixtures.py
 runs the real Qwen2VLVideoProcessor (it needs torchvision, so in a side environment) and wrote tests/data/video/.
@@ -19,8 +20,8 @@ from safetensors.torch import load_file
 
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig, preprocess_image
-from nanomm.inputs.video import (DEFAULT_FPS, ProcessedVideo, VideoInput, VideoLimits, load_video,
-                                 preprocess_video)
+from nanomm.inputs.video import ProcessedVideo, preprocess_video
+from nanomm.inputs.video_io import DEFAULT_FPS, VideoInput, VideoLimits, load_video
 from nanomm.inputs.video_settings import VideoSettings
 from nanomm.tools.hf_files import preprocessor_config
 from nanomm.tools.weights import model_spec

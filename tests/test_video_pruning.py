@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 from helpers import assert_engine_matches_reference, assert_no_leaks
 from nanomm import LLM, SamplingParams
 from nanomm.errors import InvalidInputError
-from nanomm.inputs.video import VideoInput
+from nanomm.inputs.video_io import VideoInput
 from nanomm.inputs.video_pruning import kept_per_patch
 from nanomm.reference import whole_media
 from test_video import MAX_PIXELS, clip, video_prompt

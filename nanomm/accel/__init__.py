@@ -16,21 +16,18 @@ weights, and is tested against its own definition instead.
   so a quantized model is its own dense reference;
 - compile.py: each decoder layer through torch.compile (`compile=True`; off by default).
 
-`speed_up` swaps those four into the model. The engine's own fast paths live here too, and the engine calls them:
+`speed_up` swaps those four into the model. The engine calls one more, which stands on the model alone too:
 - batched_attention.py: a step's decodes in one fused attention call per layer, its prompt chunks in another
-  (`ModelRunner(batched_attention=False)` attends each sequence alone, the definition; tests/test_attention.py);
-- cuda_graphs.py: decode steps recorded once and replayed with one launch (`enforce_eager=True` turns it off;
-  on a CPU the same static path runs unrecorded, tests/test_cuda_graphs.py);
-- memory_profile.py: on a GPU, the activation reserve measured by running the engine's largest steps once,
-  which engine/sizing.py leaves out of the KV pool.
+  (`ModelRunner(batched_attention=False)` attends each sequence alone, the definition; tests/test_attention.py).
+
+This folder sits below the engine and imports none of it: the fast paths that run engine steps, CUDA graphs and
+the GPU memory profile, are the engine's own (engine/cuda_graphs.py, engine/memory_profile.py).
 """
 
 from torch import nn
 
-from nanomm.accel.compile import compile_decoder_layers
 from nanomm.accel.fused_layers import fuse_language_model
 from nanomm.accel.packed_linear import pack_linear_layers, packed_linear_available
-from nanomm.accel.quant import quantize_language_model
 
 
 def speed_up(model: nn.Module, *, fused_layers: bool = True, quantization: str | None = None,
@@ -40,9 +37,13 @@ def speed_up(model: nn.Module, *, fused_layers: bool = True, quantization: str |
     (CPU float32) or compile (Inductor picks its own matmuls, so the two never stack)."""
     if fused_layers:
         fuse_language_model(model)
-    if quantization is not None:
+    if quantization is not None:  # quant.py and compile.py are imported only when switched on
+        from nanomm.accel.quant import quantize_language_model
+
         quantize_language_model(model, quantization, quantization_group_size)
     if cpu_fast_linear and not compile and packed_linear_available(model.device, model.dtype):
         pack_linear_layers(model)
     if compile:
+        from nanomm.accel.compile import compile_decoder_layers
+
         compile_decoder_layers(model)

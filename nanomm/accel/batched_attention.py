@@ -13,7 +13,7 @@ softmax and values, the scores in float32 inside the kernel and never written ou
 it. A step of 32 decodes is then a handful of kernels per layer instead of 32 small attention calls; the price is
 the padding, which a fused paged kernel (vLLM's PagedAttention, FlashInfer) avoids. What every layer reads (the
 rows to gather, the additive mask) is derived once per step (`BatchLayout`), and it never reads a value back to
-the host, so a CUDA graph can record it (accel/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends
+the host, so a CUDA graph can record it (engine/cuda_graphs.py). `ModelRunner(batched_attention=False)` attends
 every sequence alone, the definition; tests/test_attention.py holds the two equal.
 
 Prompt chunks are long and few, so they are padded the other way: into one (runs, heads, longest chunk,

@@ -15,11 +15,12 @@ What the twin is made of: the model's module tree on PyTorch's meta device (shap
 built from its real config.json (shipped in emulate/models/); the demo model's tokenizer, whose special tokens
 the tree takes over (so its stand-in logits are 619 wide, not 151,936: sampling stays cheap). Prompts are
 therefore counted in the demo tokenizer's tokens, pictures in the real model's visual tokens.
-It serves an integrated engine, an encoder service (`EmulatedDevice.encoder_service`) and an engine that uses one
-(1E1PD), and prefill and decode instances (a router in front of them needs no model): placeholders cross the
-wire, one element a visual token or a KV position, and both sides count the bytes the real model's tensors
-would take, and the receiver sleeps the link's time for them. Nothing on the image path imports this package:
-`LLM` imports it only when `emulate` is given.
+It serves an integrated engine, an encoder service (its tower an `EmulatedTower`, which the server's encoder role
+runs: serve/encoder_server.py's `load_emulated_encoder`) and an engine that uses one (1E1PD), and prefill and
+decode instances (a router in front of them needs no model): placeholders cross the wire, one element a visual
+token or a KV position, and both sides count the bytes the real model's tensors would take, and the receiver
+sleeps the link's time for them. This package imports nothing of the server. Nothing on the image path imports
+it: `LLM` imports it only when `emulate` is given.
 """
 
 import math
@@ -89,6 +90,26 @@ def model_shape(config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape
 
 # -- the twin ------------------------------------------------------------------------------------------------------
 
+class EmulatedTower:
+    """What `nanomm-serve --role encoder --emulate GPU:MODEL` encodes with: each call takes the cost model's time
+    and sends placeholders, and its sent bytes are counted as the real visual tokens would weigh (the engine's
+    side waits their link time: `EmulatedRemoteEncoder`). The real service (its cache, checks and counters) runs
+    around it."""
+
+    def __init__(self, costs: CostModel, sleep=time.sleep):
+        self.costs, self.sleep = costs, sleep
+        self.seconds: list[float] = []  # the last 1,000 calls' times, for the tests
+
+    def __call__(self, images: list) -> list[VisualTokens]:
+        seconds = self.costs.encode_seconds([math.prod(im.grid_thw) for im in images])
+        self.seconds = (self.seconds + [seconds])[-1000:]
+        self.sleep(seconds)
+        return [VisualTokens(wire_placeholder(im.num_tokens), None) for im in images]
+
+    def counted_bytes(self, answer: bytes, images: list) -> int:
+        return sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
+
+
 def parse_emulate(value: str) -> tuple[str, str]:
     """"GPU:MODEL" -> (gpu, model), each one the twin knows; else a ValueError naming the known ones."""
     gpu, sep, model = str(value).strip().lower().partition(":")
@@ -144,27 +165,10 @@ class EmulatedDevice:
         their link time is slept."""
         return EmulatedKVConnector(self.costs, timeout_s)
 
-    def encoder_service(self, max_pixels: int | None = None, sleep=time.sleep):
-        """What `nanomm-serve --role encoder --emulate GPU:MODEL` serves: the real service (its cache, checks and
-        counters) over the twin's model tree and the real model's image processor, its tower taking the cost
-        model's time and sending placeholders, its sent bytes counted as the real visual tokens would weigh (the
-        engine's side waits their link time: `EmulatedRemoteEncoder`)."""
-        from nanomm.serve.encoder_server import EncoderService  # the server extra, only for this role
-
-        image_config = self.image_config if max_pixels is None else replace(self.image_config, max_pixels=max_pixels)
-
-        def tower(images: list) -> list[VisualTokens]:
-            seconds = self.costs.encode_seconds([math.prod(im.grid_thw) for im in images])
-            service.tower_seconds = (service.tower_seconds + [seconds])[-1000:]  # the last calls', for the tests
-            sleep(seconds)
-            return [VisualTokens(wire_placeholder(im.num_tokens), None) for im in images]
-
-        def counted_bytes(answer: bytes, images: list) -> int:
-            return sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
-
-        service = EncoderService(self.twin_model(), image_config, tower=tower, counted_bytes=counted_bytes)
-        service.tower_seconds = []
-        return service
+    def tower(self, sleep=time.sleep) -> "EmulatedTower":
+        """The encoder role's tower on this device (serve/encoder_server.py's `load_emulated_encoder` serves it
+        over the twin's model tree and the real model's image processor)."""
+        return EmulatedTower(self.costs, sleep)
 
     def size(self, config, image_config) -> tuple:
         """The engine's config with what depends on the model filled in, as `engine.sizing.size_engine` does for a

@@ -11,15 +11,19 @@ so. `None` fields are resolved once the model is loaded (`LLM` does it): the mod
 pool that fits the memory.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
-from nanomm.engine.speculative import SpeculativeConfig
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
 from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, OldImagePolicy, check_keep_last_images,
                                       parse_old_image_policy)
-from nanomm.accel.quant import QUANTIZATION_METHODS
 from nanomm.errors import check_int, is_finite_number
+
+if TYPE_CHECKING:  # speculative.py and accel/quant.py are imported only when their lever is asked for
+    from nanomm.engine.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -64,7 +68,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder or hub id to take the tokenizer from; None: the model's
     download_dir: str | None = None  # where hub downloads go; None: the Hugging Face cache
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget grows to fit)
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (accel/cuda_graphs.py; CUDA only)
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py; CUDA only)
     max_seq_len_to_capture: int = 8192  # decode steps with a longer context run eagerly (vLLM's name and default)
     generation_config: str = "auto"  # "auto": sampling defaults from the checkpoint's generation_config.json;
     #                                  "vllm": vLLM's own defaults; or a folder holding a generation_config.json
@@ -125,10 +129,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        if isinstance(self.speculative, dict):
-            self.speculative = SpeculativeConfig.from_dict(self.speculative)
-        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
+        if self.speculative is not None:
+            from nanomm.engine.speculative import SpeculativeConfig
+
+            if isinstance(self.speculative, dict):
+                self.speculative = SpeculativeConfig.from_dict(self.speculative)
+            elif not isinstance(self.speculative, SpeculativeConfig):
+                SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
 
     def _translate_vllm_arguments(self) -> None:
         """vLLM's argument names and values -> the fields the engine reads."""
@@ -164,9 +171,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "
                              f"{self.kv_cache_dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS} (weight-only, quantized "
-                             f"at load), got {self.quantization!r}")
+        if self.quantization is not None:
+            from nanomm.accel.quant import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS} (weight-only, "
+                                 f"quantized at load), got {self.quantization!r}")
         if check_int(self.quantization_group_size, "quantization_group_size") % 2:
             raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         self.visual_token_compression = parse_policy(self.visual_token_compression)  # InvalidInputError if bad

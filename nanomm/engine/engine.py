@@ -393,8 +393,8 @@ def _make_proposer(config: EngineConfig, draft_model: Qwen2VL | None, target: Qw
 
 
 def _decode_graphs(model: Qwen2VL, kv_cache, config: EngineConfig):
-    """CUDA graphs of the decode step (accel/cuda_graphs.py), captured up to the longest context asked for."""
-    from nanomm.accel.cuda_graphs import DecodeGraphs
+    """CUDA graphs of the decode step (cuda_graphs.py), captured up to the longest context asked for."""
+    from nanomm.engine.cuda_graphs import DecodeGraphs
     from nanomm.engine.sizing import graph_context
 
     longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)

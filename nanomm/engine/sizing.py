@@ -6,7 +6,7 @@ Lesson: lessons/04-paged-kv-cache.md, section 6 (plan the pool before you buy th
 `LLM` sizes the engine it builds with `size_engine`; `nanomm-plan` (planner.py) predicts the same numbers from a
 checkpoint's config alone, through the same functions, so the plan and the engine cannot disagree
 (tests/test_planner.py holds them to it; a draft model's KV, which shares the engine's pool, is the engine's alone). The one difference is the reserve on a GPU: the plan estimates it from
-arithmetic (`estimated_reserve`), the engine measures it with a profiling pass (accel/memory_profile.py), as
+arithmetic (`estimated_reserve`), the engine measures it with a profiling pass (engine/memory_profile.py), as
 vLLM's profile run does. On a CPU the pool has a fixed budget and nothing is profiled.
 
 The rule for the pool, in the order it is applied:
@@ -153,7 +153,7 @@ class Reserve:
 def estimated_reserve(config: ModelConfig, image_config: ImageProcessorConfig, dtype: str, kv_dtype: str,
                       max_num_seqs: int, max_model_len: int, block_size: int, cuda_graphs: bool,
                       max_seq_len_to_capture: int) -> Reserve:
-    """The reserve from arithmetic, for the plan (the engine measures it instead: accel/memory_profile.py)."""
+    """The reserve from arithmetic, for the plan (the engine measures it instead: engine/memory_profile.py)."""
     vision = vision_peak_bytes(config, worst_case_image(image_config)[1], dtype)  # the tower sees every token
     decode = decode_step_bytes(config, max_num_seqs, max_model_len, dtype, kv_dtype, MAX_BATCHED_QUERIES)
     graphs = 0
@@ -165,7 +165,7 @@ def estimated_reserve(config: ModelConfig, image_config: ImageProcessorConfig, d
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CUDA-graph buckets (accel/cuda_graphs.py records one graph per bucket)
+# CUDA-graph buckets (engine/cuda_graphs.py records one graph per bucket)
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -201,7 +201,7 @@ def size_engine(config, models: list, image_config: ImageProcessorConfig, profil
     """An `EngineConfig` with what depends on the loaded models filled in: the context length, the token and
     encoder budgets, and the KV pool (num_kv_blocks). models: the target, then a draft model if any (its KV
     shares the pool). profile_memory: on a GPU, the function that measures the activation reserve by running the
-    model (`accel.memory_profile.profile_memory`, which `LLM` passes in: sizing runs nothing itself, and so
+    model (`engine.memory_profile.profile_memory`, which `LLM` passes in: sizing runs nothing itself, and so
     imports nothing from accel/ that imports the engine back). Returns (that config, how the memory was split: a
     dict for `LLM.stats()`)."""
     model = models[0]
@@ -240,7 +240,7 @@ def sized_config(config, max_model_len: int, token_budget: int, num_kv_blocks: i
 def _kv_budget(config, model, image_config: ImageProcessorConfig, max_model_len: int, token_budget: int,
                memory: dict, profile_memory) -> int:
     """Bytes for the KV pool (`kv_pool_budget`). On a GPU: what is free of the utilisation share once the weights
-    are loaded, less the reserve that a profiling pass measures (accel/memory_profile.py): the activations of
+    are loaded, less the reserve that a profiling pass measures (engine/memory_profile.py): the activations of
     the engine's largest step (token_budget tokens against max_model_len), the worst image's encode, and, with
     CUDA graphs, what the largest graph's decode step keeps. Elsewhere: the fixed budget. How it was split
     lands in `memory`."""

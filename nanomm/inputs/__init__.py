@@ -5,5 +5,6 @@ template, `image_io.py` loads untrusted images safely, `image.py` resizes and pa
 `pool.py` does the image work on worker threads (lesson 07); `compression.py` says how many visual tokens an image
 keeps and which (lesson 10), and its `encode_visual_tokens` is the encode stage: the vision tower, then the policy.
 `old_images.py` says what a long chat's older pictures become: kept, dropped, downscaled or compressed (lesson 16).
-`video.py` loads clips safely and makes their frames into temporal patches (lesson 17); only a video imports it.
+`video_io.py` loads clips safely and `video.py` makes their frames into temporal patches (lesson 17); only a video
+imports them.
 """

@@ -95,7 +95,7 @@ def _decoding(name: str):
 @contextlib.contextmanager
 def decode_errors(name: str, what: str, expected: str):
     """Pillow's (or a decoder's) exceptions on bad data -> an InvalidInputError naming the input: `what` is it
-    ("the image"), `expected` what it should have been. Shared by images and videos (inputs/video.py)."""
+    ("the image"), `expected` what it should have been. Shared by images and videos (inputs/video_io.py)."""
     try:
         yield
     except InvalidInputError:

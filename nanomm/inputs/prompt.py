@@ -80,7 +80,7 @@ class ValidatedPrompt:
     pixel_kwargs: dict
     compression: CompressionPolicy | None = None  # the request's, else the engine's default
     old_images: OldImages = OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # for downscale and compress
-    raw_videos: list = field(default_factory=list)  # clips for nanomm.inputs.video.load_video, in prompt order
+    raw_videos: list = field(default_factory=list)  # clips for nanomm.inputs.video_io.load_video, in prompt order
     video_settings: object = None  # with videos: the engine's VideoSettings with the request's VIDEO_KEYS applied
 
 
@@ -217,10 +217,11 @@ class InputProcessor:
         return [next(pictures_left) if pad == image_pad else next(videos_left) for pad in pads], pads
 
     def _preprocess_video(self, clip, validated: ValidatedPrompt, name: str):
-        """One video's frames, decoded, sampled and made into temporal patches (inputs/video.py, imported only for
-        videos), under the engine's video settings and what the request changed, and compressed as its pictures
+        """One video's frames, decoded, sampled and made into temporal patches (inputs/video_io.py and video.py,
+        imported only for videos), under the engine's video settings and what the request changed, and compressed as its pictures
         are, patch by patch (unless pruned)."""
-        from nanomm.inputs.video import load_video, preprocess_video
+        from nanomm.inputs.video import preprocess_video
+        from nanomm.inputs.video_io import load_video
 
         video = preprocess_video(load_video(clip, name), self.image_config, settings=validated.video_settings,
                                  name=name)

@@ -56,7 +56,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class VideoPart:
-    """A chat's video, in `apply_chat_template`'s list of media: a clip for `nanomm.inputs.video.load_video`."""
+    """A chat's video, in `apply_chat_template`'s list of media: a clip for `nanomm.inputs.video_io.load_video`."""
     source: object
 
 

@@ -59,14 +59,11 @@ def build_server(role: str, spec: InstanceSpec):
 
 def _encoder_service(spec: InstanceSpec):
     """The vision tower an encoder instance serves: the model's, or the emulated device's."""
+    from nanomm.serve.encoder_server import load_emulated_encoder, load_encoder
+
     args = spec.engine_args
     if args.get("emulate"):
-        from nanomm.emulate import EmulatedDevice
-
-        device = EmulatedDevice.from_value(args["emulate"], args.get("emulate_cost_file"))
-        return device.encoder_service(args.get("max_pixels"))
-    from nanomm.serve.encoder_server import load_encoder
-
+        return load_emulated_encoder(args["emulate"], args.get("max_pixels"), args.get("emulate_cost_file"))
     return load_encoder(spec.model, args.get("device"), args.get("dtype"), args.get("max_pixels"))
 
 

@@ -248,3 +248,18 @@ def load_encoder(folder: str, device: str | None = None, dtype: str | None = Non
 
         video_config = VideoSettings.for_model(model.config.model_type, image_config, video_file).pixels
     return EncoderService(model, image_config, video_config=video_config)
+
+
+def load_emulated_encoder(emulate: str, max_pixels: int | None = None, cost_file: str | None = None,
+                          sleep=time.sleep) -> EncoderService:
+    """`--role encoder --emulate GPU:MODEL`: the real service over the twin's model tree and the real model's image
+    processor, its tower the emulated device's (nanomm/emulate: the cost model's time, placeholders sent, the real
+    visual tokens' bytes counted). The tower is `service.tower`, its call times `service.tower.seconds`."""
+    from dataclasses import replace
+
+    from nanomm.emulate import EmulatedDevice  # only for this role
+
+    device = EmulatedDevice.from_value(emulate, cost_file)
+    image_config = device.image_config if max_pixels is None else replace(device.image_config, max_pixels=max_pixels)
+    tower = device.tower(sleep)
+    return EncoderService(device.twin_model(), image_config, tower=tower, counted_bytes=tower.counted_bytes)

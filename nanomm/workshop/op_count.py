@@ -74,7 +74,7 @@ class NoHostSync(TorchDispatchMode):
     """Raise on anything that makes the host wait for a value on the device: `.item()`, `int(t)`, `bool(t)`,
     `nonzero`, boolean-mask indexing (its result's size is a device value), and `.tolist()` (which bypasses
     the dispatcher, so it is patched for the duration). This is what a CUDA graph cannot record; on a CPU it
-    checks the region before a GPU ever runs it (nanomm/accel/cuda_graphs.py)."""
+    checks the region before a GPU ever runs it (nanomm/engine/cuda_graphs.py)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__

@@ -17,7 +17,7 @@ from one launch. The price is that everything must stay still between replays:
   recorded first, so that the smaller ones fit in the memory it leaves (recorded smallest first, each larger
   step would add its own). Their logits go to one static buffer of the largest batch, so that the kept graphs
   do not each keep a (batch, vocab) output. The KV pool is sized after a profiling pass that runs the largest
-  bucket's step (accel/memory_profile.py).
+  bucket's step (engine/memory_profile.py).
 - **Addresses.** Inputs are copied into the same static buffers before every replay (one host-to-device copy:
   they are views of the front of one flat buffer, which every bucket shares). The KV cache never moves.
 - **Padding.** Padding rows are decodes of token 0 that write their key and value to a scratch slot, one block

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from nanomm.accel.batched_attention import MAX_BATCHED_QUERIES, build_decode_batch
-from nanomm.accel.cuda_graphs import StaticDecodeInputs, decode_forward
+from nanomm.engine.cuda_graphs import StaticDecodeInputs, decode_forward
 from nanomm.engine.attention import PagedAttention, StepMetadata
 from nanomm.engine.kv_cache import allocate_kv_cache
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
