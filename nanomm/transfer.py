@@ -171,6 +171,7 @@ class RemoteEncoder:
 
 class KVConnector(ABC):
     """Both ends of a KV transfer: the prefill instance's body (`export`), the decode instance's `pull`."""
+    media_type = MEDIA_TYPE  # what `export`'s body is
 
     def export(self, tensors: dict[str, torch.Tensor], from_token: int, num_tokens: int) -> tuple[bytes, int]:
         """The body a parked request's KV leaves in, and the bytes it counts as sent."""

@@ -1,4 +1,5 @@
-"""Docs that cannot drift: the README's module map matches the package file for file, every nanomm file, function
+"""Docs that cannot drift: the package's module map (nanomm/README.md) matches the package file for file, the
+README maps every folder and links the map, every nanomm file, function
 and class that a lesson or the README names exists, and no doc reads as a diary (dates, sessions, "today")."""
 
 import ast
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "lessons").glob("*.md")) + [ROOT / "README.md"]
-PROSE_DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md"] + sorted((ROOT / "lessons").glob("*.md"))
+MODULE_MAP = ROOT / "nanomm" / "README.md"
+DOCS = sorted((ROOT / "lessons").glob("*.md")) + [ROOT / "README.md", MODULE_MAP]
+PROSE_DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", MODULE_MAP] + sorted((ROOT / "lessons").glob("*.md"))
 MAP_ROW = re.compile(r"^\| `(nanomm/[a-z0-9_/]+\.py)` \|", re.M)
 CODE_PATH = re.compile(r"nanomm/[a-z0-9_/]+\.py")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
@@ -47,8 +49,15 @@ def test_the_front_docs_stay_short(doc, limit):
 
 
 def test_module_map_lists_every_file():
-    errors = module_map_errors((ROOT / "README.md").read_text(encoding="utf-8"), package_files())
-    assert not errors, f"README module map, one table row per nanomm/ file: {errors}"
+    errors = module_map_errors(MODULE_MAP.read_text(encoding="utf-8"), package_files())
+    assert not errors, f"nanomm/README.md's module map, one table row per nanomm/ file: {errors}"
+
+
+def test_the_readme_maps_every_folder_and_links_the_file_map():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    folders = sorted(p.name for p in (ROOT / "nanomm").iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert "](nanomm/README.md)" in readme
+    assert len(folders) >= 10 and [f for f in folders if f"`nanomm/{f}/`" not in readme] == []
 
 
 def test_the_module_map_check_catches_drift():
@@ -99,7 +108,7 @@ def defined_names() -> tuple[set[str], dict[str, set[str]]]:
     names, members = set(), {}
     for path in (ROOT / "nanomm").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             if isinstance(node, ast.ClassDef):
                 members.setdefault(node.name, set()).update(_member_names(node))

@@ -76,7 +76,10 @@ def test_the_image_path_imports_no_other_capability():
     assert run.returncode == 0 and run.stdout.strip() == "image path ok", run.stderr[-3000:]
 
 
-CLOSURE_GOAL = 8_000  # lines of nanomm source a served image chat loads (issue 64: each lever imported when on)
+CLOSURE_GOAL = 8_000  # lines of nanomm source a served image chat loads: each lever is imported when it is on
+LEVERS_OFF = ("nanomm.planner", "nanomm.engine.speculative", "nanomm.engine.draft", "nanomm.accel.quant",
+              "nanomm.accel.compile", "nanomm.engine.cuda_graphs", "nanomm.engine.memory_profile",
+              "nanomm.engine.handoff", "nanomm.engine.parallel_sampling", "nanomm.transfer", "nanomm.emulate")
 
 CLOSURE = textwrap.dedent("""
     import sys
@@ -96,9 +99,11 @@ CLOSURE = textwrap.dedent("""
 
 def test_the_image_path_loads_what_it_runs(tmp_path):
     """One picture chatted about through `LLM` on CPU, then the terminal chat and the server imported: the nanomm
-    source loaded stays under the goal. The planner, the trace, speculation and its draft runner, quantization,
-    CUDA graphs and the memory profile, compression and the long-chat policies are each loaded when configured or
-    called, not on this path. The checkpoint is written beforehand, in this process: its writer is no runtime."""
+    source loaded stays under the goal, and none of the levers that are off is loaded (the planner, speculation and
+    its draft runner, quantization, torch.compile, CUDA graphs and the memory profile, the prefill/decode handoff
+    and its transport, parallel sampling, the emulated device). The step trace's null object, compression's
+    policy and the long-chat policies still load: every prompt passes through them. The checkpoint is written
+    beforehand, in this process: its writer is no runtime."""
     from nanomm.tools.random_checkpoint import make_checkpoint
 
     folder = make_checkpoint(str(tmp_path / "ckpt"), preset="tiny")
@@ -108,3 +113,4 @@ def test_the_image_path_loads_what_it_runs(tmp_path):
     total = sum(sizes.values())
     biggest = ", ".join(f"{name} {lines}" for name, lines in sorted(sizes.items(), key=lambda kv: -kv[1])[:25])
     assert total <= CLOSURE_GOAL, f"{total:,} lines loaded ({len(sizes)} modules); the biggest: {biggest}"
+    assert not [name for name in sizes if name.startswith(LEVERS_OFF)]

@@ -10,7 +10,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
 from helpers import (assert_no_leaks, chat_prompt, force_first_token, random_image, reference_tokens,
                      run_to_completion)
 from nanomm import LLM, InvalidInputError, SamplingParams
-from nanomm.engine import engine as engine_module
+from nanomm.engine import speculative
 from nanomm.reference import generate as reference_generate
 from nanomm.sampling import adjust_logits, probabilities
 
@@ -190,13 +190,13 @@ def test_sampled_verification_uses_each_positions_history(ckpt, monkeypatch):
     params = SamplingParams(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.02, top_k=40,
                             top_p=0.9, max_tokens=16, seed=3)
     seen = []
-    accept = engine_module.sample_and_verify.__globals__["accept_sampled"]
+    accept = speculative.accept_sampled
 
     def recording(proposed, p, q, generator):
         seen.append((list(proposed), p.clone()))
         return accept(proposed, p, q, generator)
 
-    monkeypatch.setitem(engine_module.sample_and_verify.__globals__, "accept_sampled", recording)
+    monkeypatch.setattr(speculative, "accept_sampled", recording)  # what the sampler calls for proposals
     raw_rows = []
     run = llm.engine.runner.run
 

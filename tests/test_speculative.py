@@ -17,7 +17,8 @@ from nanomm.tools.random_checkpoint import make_checkpoint
 from nanomm.errors import CheckpointError
 from nanomm.reference import generate as reference_generate
 from nanomm.sampling import probabilities
-from nanomm.engine.speculative import Proposal, SpeculativeConfig, accept_greedy, accept_sampled, ngram_lookup
+from nanomm.engine.sampler import accept_greedy
+from nanomm.engine.speculative import Proposal, SpeculativeConfig, accept_sampled, ngram_lookup
 
 MAX_PIXELS = 28 * 28 * 16
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)

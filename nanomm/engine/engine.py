@@ -4,7 +4,7 @@ Lesson: lessons/05-continuous-batching.md.
 
 One `step()` = pick up requests whose images are ready (intake.py) -> propose speculative tokens
 (speculative.py, draft.py) -> schedule (scheduler.py) -> run the model once over every scheduled chunk
-(model_runner.py) -> sample and verify (speculative.py) -> commit, stream, finish (output_processor.py).
+(model_runner.py) -> sample and verify (sampler.py) -> commit, stream, finish (output_processor.py).
 `nanomm.llm.LLM` is the offline API on top.
 """
 
@@ -19,7 +19,6 @@ import torch
 
 from nanomm.engine.config import EngineConfig
 from nanomm.engine.encoder_cache import EncoderCache, encoder_cache_key
-from nanomm.engine.handoff import KVHandoffs
 from nanomm.engine.intake import RequestIntake
 from nanomm.engine.kv_cache import BlockManager, allocate_kv_cache
 from nanomm.engine.model_runner import ImagesUnavailable, ModelRunner
@@ -27,7 +26,7 @@ from nanomm.engine.output_processor import OutputProcessor
 from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.sizing import kv_bytes_per_token
-from nanomm.engine.speculative import SampledTokens, proposal_budget, sample_and_verify
+from nanomm.engine.sampler import SampledTokens, sample_and_verify
 from nanomm.engine.trace import make_trace
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
@@ -39,7 +38,8 @@ from nanomm.model.qwen2_vl import Qwen2VL
 from nanomm.outputs import RequestMetrics, RequestOutput
 from nanomm.sampling import SamplingParams
 
-if TYPE_CHECKING:  # a lever, imported where it is turned on (as the others are)
+if TYPE_CHECKING:  # levers, imported where they are turned on (as the others are)
+    from nanomm.engine.handoff import KVHandoffs
     from nanomm.engine.parallel_sampling import ParallelSampling
 
 
@@ -83,12 +83,21 @@ class LLMEngine:
                                     self.block_manager, config.max_model_len)
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
-        self.handoffs = KVHandoffs(self)  # prefill here, decode there (handoff.py)
+        self._handoffs: KVHandoffs | None = None  # prefill here, decode there: made when first used (handoff.py)
         self.parallel: ParallelSampling | None = None  # requests with n > 1, from the first one (parallel_sampling.py)
         self.requests: dict[str, Request] = {}  # scheduled and not finished
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
         self.lm_busy_s = 0.0  # the steps that ran chunks, less their encodes: the language model's busy time
+
+    @property
+    def handoffs(self) -> KVHandoffs:
+        """Prefill here, decode there (handoff.py): made on a split engine's first use, never on an integrated one."""
+        if self._handoffs is None:
+            from nanomm.engine.handoff import KVHandoffs
+
+            self._handoffs = KVHandoffs(self)
+        return self._handoffs
 
     # -- requests in ---------------------------------------------------------------------------------------
 
@@ -123,7 +132,8 @@ class LLMEngine:
         try:
             self._queue(request_id, prompt, params, prepared, arrival)
         except BaseException:
-            self.handoffs.marked.pop(request_id, None)  # refused: a later request with this id is not marked
+            if self._handoffs is not None:  # refused: a later request with this id is not marked
+                self._handoffs.marked.pop(request_id, None)
             raise
         return request_id
 
@@ -190,10 +200,11 @@ class LLMEngine:
                                  num_prompt_tokens=len(prepared.token_ids),
                                  num_visual_tokens=prepared.num_visual_tokens,
                                  num_encoded_visual_tokens=sum(im.num_encoded_tokens for im in prepared.images))
+        marked = self._handoffs.marked if self._handoffs is not None else {}  # a prefill instance's hand-offs
         return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                        params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
-                       completion_index=completion_index, hands_off=request_id in self.handoffs.marked,
-                       encoder_url=self.handoffs.marked.get(request_id))
+                       completion_index=completion_index, hands_off=request_id in marked,
+                       encoder_url=marked.get(request_id))
 
     def _add_to_scheduler(self, request: Request, running: bool = False) -> None:
         """running: its prompt KV is already in its blocks (a decode instance's transferred request)."""
@@ -259,7 +270,8 @@ class LLMEngine:
         self.step_s += elapsed
         self._charge_step(ran, elapsed - (self.runner.encode_s - encode_s_before))
         self.trace.counters(self.block_manager, self.encoder_cache)
-        self.handoffs.forget_marks(outputs)
+        if self._handoffs is not None:
+            self._handoffs.forget_marks(outputs)
         return outputs if self.parallel is None else self.parallel.merge(outputs)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
@@ -306,6 +318,8 @@ class LLMEngine:
         for request in running:
             request.spec_token_ids, request.spec_token_probs = [], None
         decoding = [r for r in running if r.num_remaining == 1 and r.output_token_ids]  # not the prefill's last chunk
+        from nanomm.engine.speculative import proposal_budget
+
         k = self.config.speculative.num_speculative_tokens
         budgets = [proposal_budget(r, k, self.config.max_model_len) for r in decoding]
         for request, proposal in zip(decoding, self.proposer.propose(decoding, budgets)):
@@ -357,7 +371,7 @@ class LLMEngine:
                                                      self.model.dtype, self.config.kv_cache_dtype),
             "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
             "quantization": self.config.quantization,
-            "kv_requests_parked": len(self.handoffs.parked),
+            "kv_requests_parked": len(self._handoffs.parked) if self._handoffs is not None else 0,
             **self.scheduler.stats(),
             "steps": self.num_steps,
             "computed_tokens": self.num_computed_tokens,

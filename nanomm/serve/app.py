@@ -31,12 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanomm.engine.handoff import Handoff
 from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop
 from nanomm.serve.metrics import ServerMetrics
-from nanomm.transfer import MEDIA_TYPE, HttpKVConnector
 
 
 @dataclass
@@ -65,13 +63,11 @@ class Server:
         self.llm, self.config = llm, config
         self.metrics = ServerMetrics(config.gpu_hourly_price)
         self.metrics.latest_stats = llm.engine.stats()  # /metrics has the pool's size before the first step
-        self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished)
+        self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished,
+                                      parks_kv=config.role == "prefill")
         self.defaults = llm.get_default_sampling_params()
         self.encoder_urls = set(config.encoder_urls)  # a prefill instance's: the encoders its requests may name
-        # the emulated device's connector moves placeholders and counts the real KV's bytes (nanomm/emulate)
-        emulated = getattr(llm, "emulated", None)
-        self.kv_connector = (HttpKVConnector(config.kv_pull_timeout_s) if emulated is None
-                             else emulated.kv_connector(config.kv_pull_timeout_s))
+        self.kv_connector = _kv_connector(llm, config) if config.role in ("prefill", "decode") else None
         routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
@@ -133,7 +129,7 @@ class Server:
         if self.engine_loop.num_requests >= self.config.max_pending_requests:
             return _error("the server is at capacity; retry shortly", 503, {"Retry-After": "1"})
         deadline = time.monotonic() + self.config.request_timeout_s
-        if isinstance(transfer, Handoff):  # a decode instance takes over a prefilled request
+        if transfer is not None and self.config.role == "decode":  # a decode instance takes over a prefilled request
             outputs = await self._take_over(parsed, transfer)
             if isinstance(outputs, Response):
                 return outputs
@@ -201,6 +197,8 @@ class Server:
             return params
         if role != "decode":
             raise InvalidInputError(f"this instance's role is {role!r}: only a decode instance takes a handoff")
+        from nanomm.engine.handoff import Handoff  # a split engine's part, loaded by its roles only
+
         return Handoff.from_json(params, self.llm.model.config.text.vocab_size)
 
     async def _prefill_only(self, parsed: protocol.ChatRequest, params: dict, deadline: float) -> Response:
@@ -213,7 +211,7 @@ class Server:
             return out
         return JSONResponse({"id": parsed.id, "object": "kv_handoff", "kv_transfer_params": out.kv_transfer_params})
 
-    async def _take_over(self, parsed: protocol.ChatRequest, handoff: Handoff):
+    async def _take_over(self, parsed: protocol.ChatRequest, handoff):
         """Take this instance's cached prefix of the prompt, pull the rest of its KV from the prefill instance,
         then hand the request to the engine. The outputs' queue, or an error Response (the blocks freed)."""
         cached = await asyncio.wrap_future(self.engine_loop.call(
@@ -253,7 +251,7 @@ class Server:
         self.engine_loop.call(lambda engine: engine.handoffs.free_blocks(block_table))  # engine thread, not awaited
         body, num_bytes = await asyncio.to_thread(self.kv_connector.export, tensors, int(from_token), num_tokens)
         self.metrics.kv_transfer_bytes.labels(direction="sent").inc(num_bytes)
-        return Response(body, media_type=MEDIA_TYPE)
+        return Response(body, media_type=self.kv_connector.media_type)
 
     async def _next(self, outputs: asyncio.Queue, deadline: float, request_id: str, client: Request | None = None):
         """The request's next output, or an error Response (bad input, timeout, a client gone: then aborted)."""
@@ -314,6 +312,17 @@ class Server:
 def _is_prefill_instruction(params: dict) -> bool:
     """{"do_remote_decode": true[, "encoder_url"]}: what the router sends a prefill instance."""
     return params.get("do_remote_decode") is True and set(params) <= {"do_remote_decode", "encoder_url"}
+
+
+def _kv_connector(llm, config: ServerConfig):
+    """A prefill or decode instance's KV transport (transfer.py); the emulated device's moves placeholders and
+    counts the real KV's bytes (nanomm/emulate)."""
+    emulated = getattr(llm, "emulated", None)
+    if emulated is not None:
+        return emulated.kv_connector(config.kv_pull_timeout_s)
+    from nanomm.transfer import HttpKVConnector
+
+    return HttpKVConnector(config.kv_pull_timeout_s)
 
 
 def _carries_handoff(body: dict) -> bool:

@@ -28,8 +28,9 @@ IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a command before 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] = lambda stats: None,
-                 on_finished: Callable[[RequestOutput], None] = lambda out: None):
+                 on_finished: Callable[[RequestOutput], None] = lambda out: None, parks_kv: bool = False):
         self.engine = engine
+        self.parks_kv = parks_kv  # a prefill instance: parked KV that no decode instance takes expires here
         # Called on the engine thread: after every step with engine.stats(), and with every finished output
         # (aborted ones included, whose callbacks are gone).
         self.on_step, self.on_finished = on_step, on_finished
@@ -67,7 +68,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            if self.engine.handoffs.expire():  # a decode peer never came: its KV blocks are free again
+            if self.parks_kv and self.engine.handoffs.expire():  # a decode peer never came: its KV blocks are free
                 self.on_step(self.engine.stats())
             busy = self.engine.has_unfinished_requests()
             self._take_commands(wait_s=0.0 if busy else IDLE_WAIT_S)
