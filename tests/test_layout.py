@@ -175,6 +175,12 @@ def test_every_node_has_a_floor():
     assert len(floor) == sum(len(nodes) for nodes in FLOORS)  # each node on one floor
 
 
+def test_no_circle_between_modules():
+    """No module of the package imports one that imports it back, however far round (lazy imports included)."""
+    graph = module_graph()
+    assert len(graph) > 100 and import_cycles(graph) == []
+
+
 def test_no_circle_between_folders():
     """The folders (and top-level modules) import each other without a circle, lazy imports included."""
     folders = folder_graph(module_graph())
