@@ -30,6 +30,7 @@ A peer that is down, slow past its timeout, or answers with an error is a `PeerE
 """
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -147,6 +148,7 @@ class RemoteEncoder:
         self.levels = levels  # 1 + a DeepStack model's extra levels
         self.bytes_sent = self.bytes_received = 0
         self.wait_s = 0.0
+        self._counting = threading.Lock()  # encodes may run on several threads at once (encode-ahead)
 
     def encode(self, images: list, url: str | None = None) -> list[VisualTokens]:
         """The images' visual tokens from the service at url (None: this engine's default)."""
@@ -156,11 +158,16 @@ class RemoteEncoder:
                                          headers={"Content-Type": MEDIA_TYPE})
         start = time.perf_counter()
         answer = fetch(request, self.timeout_s, peer)
-        self.wait_s += time.perf_counter() - start
-        self.bytes_sent += len(body)
-        self.bytes_received += len(answer)
+        with self._counting:
+            self.wait_s += time.perf_counter() - start
+            self.bytes_sent += len(body)
+            self.bytes_received += self.received_bytes(answer, images)
         tokens = read_encode_response(answer, images, self.hidden_size, self.dtype, peer, self.levels)
         return [VisualTokens(t.embeds.to(self.device), t.coords) for t in tokens]
+
+    def received_bytes(self, answer: bytes, images: list) -> int:
+        """The bytes an answer counts as received: its own."""
+        return len(answer)
 
     def stats(self) -> dict:
         return {"visual_token_bytes_received": self.bytes_received, "encoder_request_bytes_sent": self.bytes_sent,

@@ -92,7 +92,10 @@ def lever_matches_reference(folder, lever: str, max_pixels: int, monkeypatch) ->
         assert hits > 0
 
 
-QUANTIZED_LOGITS_ATOL = 0.05  # the most a quantized engine's logit moves from the reference's in a mixed batch
+# The most a quantized engine's logit moves from the reference's in a mixed batch, where a last-bit float32
+# difference meets the layers' bfloat16 rounding: up to 0.0625 seen on an Intel Xeon (AMX; the int4 kernel path),
+# 0.05 on an AMD EPYC (Zen 4). A wrong quantization moves the logits far more.
+QUANTIZED_LOGITS_ATOL = 0.08
 
 
 def assert_quantized_engine_tracks_reference(llm, prompts, params_list) -> int:

@@ -56,9 +56,9 @@ def test_the_slo_policy_grows_in_proportion_and_shrinks_by_one():
 
 def test_capacity_from_the_cost_model_is_what_one_replica_keeps_up_with():
     costs = EmulatedDevice.from_value("h200:qwen2-vl-2b").costs
-    # an encoder: 1024-token pictures back to back; a prefill replica: each one's encode (it waits), then prefill
+    # an encoder: 1024-token pictures back to back; a prefill replica: each one's prefill (its tokens came ahead)
     assert replica_capacity(costs, "encoder", 64) * costs.encode_seconds([4096]) == pytest.approx(1024)
-    per_picture = costs.encode_seconds([4096]) + costs.step_seconds([(1024, 1024)])
+    per_picture = costs.step_seconds([(1024, 1024)])
     assert replica_capacity(costs, "prefill", 64) * per_picture == pytest.approx(1024)
     # a decode replica: the most sequences whose step fits the TPOT target, and no more
     slow = EmulatedDevice.from_value("l4:qwen2.5-vl-3b").costs

@@ -243,14 +243,15 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     real_bytes = 2 * 256 * 1536 * 2
     assert got == expected
     assert stats["visual_tokens_encoded"] == 0 and len(split.engine.runner.encode_seconds) == 0  # no local tower
+    assert split.engine.runner.encode_s == 0.0  # and no step waited for the service: the tokens came ahead
     assert stats["visual_token_bytes_received"] == real_bytes
     sent = next(line for line in metrics.splitlines()
                 if line.startswith('nanomm_visual_token_transfer_bytes_total{direction="sent"}'))
     assert float(sent.split()[-1]) == real_bytes
     assert "nanomm_encoder_visual_tokens_total 512.0" in metrics
     costs = split.emulated.costs
-    assert service.tower.seconds == [costs.encode_seconds([1024, 1024])]  # both pictures of the step, one call
-    assert costs.transfer_seconds(real_bytes) in slept  # their link time, waited on the engine's side
+    assert service.tower.seconds == [costs.encode_seconds([1024])] * 2  # each request's picture, fetched ahead
+    assert slept.count(costs.transfer_seconds(real_bytes // 2)) >= 2  # each one's link time, waited by the engine
 
 
 

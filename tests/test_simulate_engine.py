@@ -102,10 +102,23 @@ def test_the_prefix_cache_skips_the_cached_blocks_and_the_encoder_cache_the_pict
     assert outcomes[1][0] == pytest.approx(0.001 + 35e-5)
 
 
-def test_an_encoder_service_is_waited_for_inside_the_step_with_its_link_time():
+def test_an_encoder_service_s_answer_and_its_link_time_come_before_the_request_s_first_step():
     (outcome,), device = run("1e1pd", [picture(tokens=40, prompt_text=25, output=1)])
     link = 0.001 + 40 * 1000 * 1e-9  # the visual tokens' bytes
     assert outcome[0] == pytest.approx((0.1 + 160e-6) + link + 0.001 + 65e-5)
+
+
+def test_no_step_waits_on_a_remote_encode():
+    """Encode-ahead on the twin: a text request decodes while a picture's request waits off the step for the
+    encoder service (it arrives as the text decodes), so each of the text's steps costs its own tokens alone, and
+    the picture's TTFT is its encode, its link and its own step. (Waited for inside a step, one of the text's
+    tokens would come 100 ms late.)"""
+    (text_out, picture_out), device = run("1e1pd", [text(0, prompt=20, output=5),
+                                                    picture(1, arrival=0.002, tokens=40, prompt_text=25, output=1)])
+    assert text_out[1] == pytest.approx(0.001 + 1e-5)  # TPOT: one decode's step, every time
+    assert all(len(step) == 1 for step in device.steps)  # no step ran both: the text finished before the tokens
+    link = 0.001 + 40 * 1000 * 1e-9
+    assert picture_out[0] == pytest.approx((0.1 + 160e-6) + link + 0.001 + 65e-5)
 
 
 def test_prefill_then_decode_adds_the_kv_link_and_the_decode_instance_s_first_step():

@@ -78,12 +78,13 @@ class EmulatedRemoteEncoder(RemoteEncoder):
         self.costs, self.wait = costs, wait
 
     def encode(self, images: list, url: str | None = None) -> list[VisualTokens]:
-        received = self.bytes_received
         tokens = super().encode(images, url)
-        real = sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
-        self.bytes_received = received + real
-        self.wait(self.costs.transfer_seconds(real))
+        self.wait(self.costs.transfer_seconds(self.received_bytes(b"", images)))
         return tokens
+
+    def received_bytes(self, answer: bytes, images: list) -> int:
+        """The real visual tokens' bytes, where placeholders crossed."""
+        return sum(im.num_tokens for im in images) * self.costs.shape.visual_token_bytes
 
 
 class EmulatedKVConnector(HttpKVConnector):

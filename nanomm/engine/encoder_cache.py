@@ -37,6 +37,7 @@ class CacheEntry:
     embeds: torch.Tensor  # (tokens, hidden), or a DeepStack model's (1 + levels, tokens, hidden)
     coords: torch.Tensor | None = None  # (3, tokens) grid (t, h, w) of a compressed image's tokens (compression.py)
     holders: int = 0  # running requests whose prefill still needs these tokens
+    fetched_s: float | None = None  # fetched ahead for a request (encode_ahead.py): the wait, until it is charged
 
     @property
     def num_tokens(self) -> int:
@@ -60,9 +61,9 @@ class EncoderCache:
     def lookup(self, key: str) -> torch.Tensor | None:
         """The cached tokens (and a hit), or None (and a miss); a hit becomes the most recently used."""
         entry = self.entries.get(key)
-        if entry is None:
+        if entry is None or entry.fetched_s is not None:  # fetched ahead: the request found it missing
             self.misses += 1
-            return None
+            return None if entry is None else entry.embeds
         self.hits += 1
         self.entries.move_to_end(key)
         return entry.embeds
@@ -71,12 +72,19 @@ class EncoderCache:
         """A request served by an encode another request of the same step triggered: a hit for this one."""
         self.hits += 1
 
-    def add(self, key: str, embeds: torch.Tensor, coords: torch.Tensor | None = None) -> None:
-        """Insert freshly encoded tokens (and, for a compressed image, their grid coordinates). No eviction here:
-        the engine trims at the end of the step."""
+    def add(self, key: str, embeds: torch.Tensor, coords: torch.Tensor | None = None,
+            fetched_s: float | None = None) -> None:
+        """Insert freshly encoded tokens (and, for a compressed image, their grid coordinates; for tokens fetched
+        ahead of a request, the wait). No eviction here: the engine trims at the end of the step."""
         if key not in self.entries:
-            self.entries[key] = CacheEntry(embeds, coords)
+            self.entries[key] = CacheEntry(embeds, coords, fetched_s=fetched_s)
             self.num_tokens += embeds.shape[-2]
+
+    def take_fetch_time(self, key: str) -> float | None:
+        """The wait for tokens fetched ahead, once (the request they were fetched for is charged it); else None."""
+        entry = self.entries[key]
+        seconds, entry.fetched_s = entry.fetched_s, None
+        return seconds
 
     def hold(self, key: str) -> None:
         """A running request will need this entry's tokens: it is not evicted until released."""

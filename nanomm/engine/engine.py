@@ -80,7 +80,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_num_encoder_tokens,
                                    config.enable_chunked_prefill, self.trace)
         self.intake = RequestIntake(self.processor, PreprocessPool(config.num_preprocess_workers),
-                                    self.block_manager, config.max_model_len)
+                                    self.block_manager, config.max_model_len, _encode_ahead(self))
         self.output_processor = OutputProcessor(tokenizer, config.max_model_len)
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
         self._handoffs: KVHandoffs | None = None  # prefill here, decode there: made when first used (handoff.py)
@@ -159,7 +159,7 @@ class LLMEngine:
                 return
         if prepared.arrival_time is None:
             prepared.arrival_time = arrival
-        self._admit(request_id, prepared, params)
+        self.intake.ready(request_id, prepared, params, self._admit)
 
     def _new_request_id(self) -> str:
         while True:  # skip ids a caller chose for their own requests
@@ -414,6 +414,16 @@ def _decode_graphs(model: Qwen2VL, kv_cache, config: EngineConfig):
     longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
     return DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
                         config.max_num_seqs, longest)
+
+
+def _encode_ahead(engine: LLMEngine):
+    """With an encoder service, a request's visual tokens are fetched off the step (encode_ahead.py); None when the
+    tower runs here, inside the step."""
+    if engine.runner.remote_encoder is None:
+        return None
+    from nanomm.engine.encode_ahead import encode_ahead_for
+
+    return encode_ahead_for(engine)
 
 
 def _remote_encoder(model: Qwen2VL, config: EngineConfig):

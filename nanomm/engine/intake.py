@@ -4,7 +4,9 @@ are ready before any model step (a request aborted while preprocessing, an image
 Lesson: lessons/07-encoder-cache.md (the worker pool and the TTFT breakdown).
 
 Nothing here touches the KV pool or the scheduler: a request enters them only once its images are ready, through
-the `admit` callback the engine passes to `collect`. So a prompt that fails here has allocated nothing.
+the `admit` callback the engine passes to `collect`. So a prompt that fails here has allocated nothing. With an
+encoder service, ready means preprocessed and its visual tokens fetched (encode_ahead.py): that wait is here too,
+off the engine's step.
 """
 
 import time
@@ -19,10 +21,12 @@ from nanomm.sampling import SamplingParams
 
 class RequestIntake:
     def __init__(self, processor: InputProcessor, pool: PreprocessPool, block_manager: BlockManager,
-                 max_model_len: int):
+                 max_model_len: int, encode_ahead=None):
         self.processor, self.pool, self.block_manager = processor, pool, block_manager
         self.max_model_len = max_model_len
+        self.encode_ahead = encode_ahead  # an EncodeAhead with an encoder service; None: the tower is in the step
         self.preprocessing: dict[str, tuple[ValidatedPrompt, SamplingParams, float]] = {}  # id -> its job's inputs
+        self.encoding: dict[str, tuple] = {}  # id -> (validated or None, prepared, params) while its tokens come
         self.early_outputs: list[RequestOutput] = []  # aborts and preprocessing errors, reported by the next step
 
     def prepare(self, validated: ValidatedPrompt, params: SamplingParams) -> PreparedPrompt:
@@ -61,22 +65,43 @@ class RequestIntake:
         self.early_outputs.append(final_output(request_id, validated, "error", message, arrival))
 
     def collect(self, wait_s: float, admit) -> None:
-        """Hand every finished preprocessing job to `admit(request_id, prepared, params)`; a job that failed, or
-        whose admission raised, becomes an error output for its request alone."""
-        for request_id, result in self.pool.poll(wait_s):
+        """Hand every request that is ready to `admit(request_id, prepared, params)`: preprocessed, and with an
+        encoder service its visual tokens in. A job that failed, or whose admission raised, becomes an error
+        output for its request alone."""
+        fetching = self.encode_ahead is not None and self.encode_ahead.has_pending()
+        for request_id, result in self.pool.poll(0.0 if fetching else wait_s):
             validated, params, arrival = self.preprocessing.pop(request_id)
             if isinstance(result, PreparedPrompt):
                 result.arrival_time = arrival
-                try:
-                    admit(request_id, result, params)
-                    continue
-                except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's alone
-                    result = exc
-            message = str(result) if isinstance(result, InvalidInputError) else f"{validated.name}: {result!r}"
-            self.fail(request_id, validated, message, arrival)
+                self.ready(request_id, result, params, admit, validated)
+                continue
+            self.fail(request_id, validated, _message(result, validated.name), arrival)
+        if fetching:
+            self.encode_ahead.wait(wait_s)  # an idle engine waits for the tokens instead of spinning
+            self.encode_ahead.admit_landed(self.encoding, admit, self.early_outputs)
+
+    def ready(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, admit,
+              validated: ValidatedPrompt | None = None) -> None:
+        """A preprocessed request: admitted now, or once the encoder service's tokens for it are in. Admitted now,
+        an admission that raises is this request's error alone when it came from the pool (validated given), and
+        raises to the caller otherwise."""
+        if self.encode_ahead is not None and self.encode_ahead.start(request_id, prepared):
+            self.encoding[request_id] = (validated, prepared, params)
+            return
+        try:
+            admit(request_id, prepared, params)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's alone
+            if validated is None:
+                raise
+            self.fail(request_id, validated, _message(exc, validated.name), prepared.arrival_time)
 
     def cancel(self, request_id: str) -> bool:
-        """Abort a request still preprocessing (its output says "abort"); False if it is not preprocessing."""
+        """Abort a request still preprocessing or waiting for its visual tokens (its output says "abort"); False
+        if it is neither."""
+        if request_id in self.encoding and self.encode_ahead.cancel(request_id):
+            _, prepared, _ = self.encoding.pop(request_id)
+            self.early_outputs.append(self.encode_ahead.ended(request_id, prepared, None, "abort"))
+            return True
         if request_id not in self.preprocessing:
             return False
         self.pool.cancel(request_id)
@@ -94,13 +119,16 @@ class RequestIntake:
         self.early_outputs = [o for o in self.early_outputs if o.request_id not in request_ids]
 
     def has_pending(self) -> bool:
-        return bool(self.preprocessing or self.early_outputs)
+        return bool(self.preprocessing or self.encoding or self.early_outputs)
 
     def stats(self) -> dict:
-        return {"preprocess_queue": len(self.pool)}
+        ahead = self.encode_ahead.stats() if self.encode_ahead is not None else {}
+        return {"preprocess_queue": len(self.pool), **ahead}
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.encode_ahead is not None:
+            self.encode_ahead.close()
 
 
 def final_output(request_id: str, validated: ValidatedPrompt, reason: str, error: str | None,
@@ -109,3 +137,8 @@ def final_output(request_id: str, validated: ValidatedPrompt, reason: str, error
     completion = CompletionOutput(0, [], "", reason, error=error)
     metrics = RequestMetrics(arrival_time=arrival, e2e_s=time.perf_counter() - arrival)
     return RequestOutput(request_id, validated.text, list(validated.token_ids), [completion], True, metrics)
+
+
+def _message(error: Exception, name: str) -> str:
+    """What the caller reads of a request's failure: our own errors as they are, anything else with its type."""
+    return str(error) if isinstance(error, InvalidInputError) else f"{name}: {error!r}"

@@ -229,13 +229,17 @@ class ModelRunner:
                   if span.overlaps(chunk.start, chunk.end) and i not in chunk.request.held_images]
         to_encode, urls = {}, {}  # cache key -> ProcessedImage, in order; -> the encoder service its request names
         cache_hits = []  # per needed image: served without an encode of its own
+        fetched = {}  # cache key -> the wait for its tokens, fetched ahead for this request (encode_ahead.py)
         for request, i in needed:
             key = request.image_keys[i]
             if key in to_encode:  # another request of this step shows the same picture: one encode serves both
                 self.encoder_cache.count_shared_hit()
                 cache_hits.append(True)
             elif self.encoder_cache.lookup(key) is not None:
-                cache_hits.append(True)
+                wait = self.encoder_cache.take_fetch_time(key)
+                if wait is not None:
+                    fetched[key] = wait
+                cache_hits.append(wait is None)
             else:
                 to_encode[key] = request.prompt.images[i]
                 urls[key] = getattr(request, "encoder_url", None)  # a draft's sequence names none
@@ -260,9 +264,9 @@ class ModelRunner:
                 start += share[key]
         for (request, i), cache_hit in zip(needed, cache_hits):  # each is charged for the images encoded for it
             key = request.image_keys[i]
-            encode_s = share.pop(key, 0.0)
+            encode_s = share.pop(key, 0.0) or fetched.pop(key, 0.0)
             request.record_image_ready(cache_hit, encode_s, on_this_device=self.remote_encoder is None)
-            if encode_s:
+            if encode_s and key in began:  # encoded in this step (a wait fetched ahead was no step's)
                 self.trace.encoded(request, began[key], encode_s)
             self.encoder_cache.hold(key)
             request.held_images[i] = key

@@ -128,16 +128,14 @@ def replica_capacity(costs, role: str, max_num_seqs: int, tpot_slo_s: float = 0.
     """One replica's capacity in its pool's load unit, from a cost model (nanomm/emulate/costs.py's CostModel):
 
     - encoder: visual tokens per second, encoding pictures of `picture_tokens` (4 patches a token) one by one;
-    - prefill: visual tokens per second, prefilling such pictures one by one. A prefill instance waits for its
-      encoder service inside its step (transfer.py's RemoteEncoder is synchronous), so each picture costs it
-      the encode and the prefill;
+    - prefill: visual tokens per second, prefilling such pictures one by one. Its pictures' tokens come from the
+      encoder service ahead of its steps (engine/encode_ahead.py), so each costs it the prefill alone;
     - decode, integrated: the running sequences whose decode step, at `context_tokens` each, fits the TPOT
       target (at most max_num_seqs)."""
     if role == "encoder":
         return picture_tokens / costs.encode_seconds([4 * picture_tokens])
     if role == "prefill":
-        encode = costs.encode_seconds([4 * picture_tokens])
-        return picture_tokens / (encode + costs.step_seconds([(picture_tokens, picture_tokens)]))
+        return picture_tokens / costs.step_seconds([(picture_tokens, picture_tokens)])
     sequences = 1
     while sequences < max_num_seqs and costs.step_seconds([(1, context_tokens)] * (sequences + 1)) <= tpot_slo_s:
         sequences += 1

@@ -18,8 +18,9 @@ leaves out, never in a formula. What it models, as the engine does (engine/sched
   request's record names) skip work;
 - the KV pool: blocks of block_size positions; a step that needs blocks the pool lacks preempts the newest
   running request, which is recomputed from the start (a transferred request cannot be: it fails);
-- an encoder service: one job (a step's pictures) at a time, first come first served; the engine that sent it
-  waits for the answer and its link time inside its step, as nanomm's model runner does;
+- an encoder service: one job (a request's pictures) at a time, first come first served; a request reaching an
+  engine sends its pictures there first and waits off the step for the answer and its link time (encode-ahead,
+  as nanomm's engine does), so no step of the engine waits on a remote encode;
 - the router (<X>e<Y>p<Z>d): each request goes to the prefill instance with the least outstanding visual tokens (the
   first of equals), charged until its handoff, as `Router` picks; decode instances by their running requests;
 - prefill then decode: a prompt's KV crosses the link to the decode instance, whose next step emits the
@@ -186,8 +187,33 @@ class TwinEngine:
         return len(self.waiting) + len(self.running)
 
     def submit(self, track: TwinRequest) -> None:
-        self.waiting.append(track)
-        self._start()
+        """A prompt to run. With an encoder service, its pictures the cache lacks go there first, and the request
+        waits off the step until they have crossed (encode-ahead, as nanomm's engine/encode_ahead.py)."""
+        missing = self._missing_pictures(track) if self.encoders else []
+        if not missing:
+            self.waiting.append(track)
+            self._start()
+            return
+
+        def landed() -> None:
+            for index in missing:
+                track.encoded.add(index)
+                self.cached_pictures.add(self._key(track, index))
+            self.waiting.append(track)
+            self._start()
+
+        encoder = min(self.encoders, key=lambda e: e.load())
+        encoder.submit([track.request.image_tokens[i] for i in missing], landed)
+
+    def _missing_pictures(self, track: TwinRequest) -> list[int]:
+        """The indexes of the request's pictures that neither the cache nor an earlier picture of it holds."""
+        missing, keys = [], set()
+        for index in range(len(track.request.image_tokens)):
+            key = self._key(track, index)
+            if key not in self.cached_pictures and key not in keys:
+                missing.append(index)
+                keys.add(key)
+        return missing
 
     def admit_transferred(self, track: TwinRequest) -> None:
         """A decode instance: the prompt's KV arrived; it decodes from the next step."""
@@ -222,7 +248,7 @@ class TwinEngine:
             self.clock.at(started + host + device, self._done, chunks, started)
         elif self.role == "integrated":
             self.clock.at(started + host + self.costs.encode_s(tokens) + device, self._done, chunks, started)
-        else:  # the host's part, then the encoder service's answer (waited for inside the step), then the forward
+        else:  # pictures not fetched ahead (none, with an unbounded cache): the service's answer, in the step
             def forward():
                 self.clock.at(self.clock.now + device, self._done, chunks, started)
 
