@@ -426,3 +426,24 @@ def test_a_decode_instance_checks_a_continuations_fields_and_handoff_and_only_it
             for url, body, words in cases:
                 answer = httpx.post(url + path, json=body, timeout=30)
                 assert answer.status_code == 400 and words in answer.json()["error"]["message"], (path, answer.text)
+
+
+def test_every_role_reports_its_host_cpu(ckpt):
+    """nanomm_host_cpu_seconds_total on the engine's server, the encoder service and the router: this process's
+    CPU seconds (in a test, all three share one process), which grow with the work it does."""
+    def cpu_seconds(url: str) -> float:
+        line = next(line for line in httpx.get(url + "/metrics").text.splitlines()
+                    if line.startswith("nanomm_host_cpu_seconds_total "))
+        return float(line.split()[-1])
+
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", num_preprocess_workers=0)
+    with BackgroundServer(EncoderServer(load_encoder(str(ckpt)), "m")) as encoder, \
+            BackgroundServer(Server(llm, ServerConfig("m"))) as engine, \
+            BackgroundServer(Router([encoder], [engine], [engine], 5.0)) as router:
+        before = {name: cpu_seconds(url) for name, url in (("encoder", encoder), ("engine", engine),
+                                                           ("router", router))}
+        llm.generate([chat_prompt("a few words", [random_image(112, 112, 3)])] * 2, GREEDY, use_tqdm=False)
+        after = {name: cpu_seconds(url) for name, url in (("encoder", encoder), ("engine", engine),
+                                                          ("router", router))}
+    assert all(0 < before[name] < after[name] for name in before), (before, after)
+    llm.close()

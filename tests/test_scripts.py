@@ -159,6 +159,8 @@ def test_load_split_engine_smallest(tmp_path):
     assert run["transfer_bytes_per_request"]["kv received"] == moved["decode"]["kv received"] / 3
     assert run["server_ttft_stages_s"]["transfer"] > 0  # from the decode instance, which finishes the requests
     assert len(run["records"]) == 3 and all(r["error"] is None for r in run["records"])
+    cpu = run["cpu_ms_per_request_by_process"]  # the host's cost of a request, for each process of the cluster
+    assert set(cpu) == {"load", "encoder", "prefill", "decode", "router"} and all(ms > 0 for ms in cpu.values())
 
 
 def test_measure_stage_costs_quick_feeds_the_simulator(tmp_path):

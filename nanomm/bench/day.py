@@ -5,10 +5,11 @@
 Lesson: lessons/15-scaling-each-pool.md.
 
 For each policy: a local Ray cluster (on 127.0.0.1) serves `nanomm.serve.ray:app topology=1e1p1d` on emulated GPUs;
-the load generator's `day` trace (nanomm/bench/load.py) (chat, then image-heavy pages, then long answers) is sent open-loop; every second
-the Ray controller's replica count of each pool is recorded. Reported per policy: the share of requests within
-the SLOs (TTFT and TPOT), by phase and overall; each pool's replica-seconds (a replica counts from the moment Ray
-starts it until it stops, as a GPU would be held); and each pool's most replicas in each phase.
+the load generator's `day` trace (nanomm/bench/load.py: chat, then image-heavy pages, then long answers) is sent
+open-loop; every second the Ray controller's replica count of each pool is recorded. Reported per policy: the
+share of requests within the SLOs (TTFT and TPOT), by phase and overall; each pool's replica-seconds (a replica
+counts from the moment Ray starts it until it stops, as a GPU would be held); and each pool's most replicas in
+each phase.
 """
 
 import argparse

@@ -792,6 +792,13 @@ def cpu_shares(before: dict | None, after: dict | None, wall_s: float) -> dict[s
     return {name: (after[name] - before[name]) / (wall_s * usable_cores()) for name in before}
 
 
+def cpu_ms_per_request(before: dict | None, after: dict | None, completed: int) -> dict[str, float] | None:
+    """Each process's CPU milliseconds per answered request in a run: the host's cost of a request, by role."""
+    if before is None or after is None or completed < 1:
+        return None
+    return {name: 1000 * (after[name] - before[name]) / completed for name in before}
+
+
 def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
           pids: dict[str, int] | None = None) -> list[dict]:
     """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
@@ -817,7 +824,8 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
                                        on_start=start_counting, pictures=args.pictures))
         wall_s = time.monotonic() - window["start"]
         cpu_before, cpu_after = window["cpu"], cpu_seconds(list(processes.values()))
-        by_process = cpu_shares(window["each"], process_cpu_seconds(processes), wall_s)
+        each_after = process_cpu_seconds(processes)
+        by_process = cpu_shares(window["each"], each_after, wall_s)
         summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
         summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(stages_url))
         moved = transfer_delta(role_urls, moved_before)
@@ -828,8 +836,13 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
         summary["cpu_share_by_process"] = by_process
         summary["cluster_cpu_share"] = None if by_process is None else sum(by_process.values())
+        summary["cpu_ms_per_request_by_process"] = cpu_ms_per_request(window["each"], each_after,
+                                                                      summary["completed"])
         summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))
+        if summary["cpu_ms_per_request_by_process"]:
+            log("  CPU a request: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in
+                                                summary["cpu_ms_per_request_by_process"].items()))
         results.append(summary)
     return results
 

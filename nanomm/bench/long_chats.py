@@ -125,6 +125,7 @@ def main(args) -> int:
     table = summarize(by_policy)
     print(markdown(table))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("module", "parser")}, "table": table, "chats": by_policy}, indent=1))
+        arguments = {k: v for k, v in vars(args).items() if k not in ("module", "parser")}
+        Path(args.json).write_text(json.dumps({"args": arguments, "table": table, "chats": by_policy}, indent=1))
     llm.close()
     return 0

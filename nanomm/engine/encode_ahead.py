@@ -44,7 +44,8 @@ class EncodeAhead:
         """encode(images, url) -> their VisualTokens from the encoder service at url (None: the default), the
         model runner's remote encode; it raises ImagesUnavailable when the service fails. cache_key(image) -> its
         encoder-cache key. adopt(request_id, {image index: cache key}) -> whether the admitted request took
-        those holds (False: a request with n > 1 completions, or one already gone). encoder_url_of(request_id) -> the encoder service its router named, or None: the default."""
+        those holds (False: a request with n > 1 completions, or one already gone). encoder_url_of(request_id) ->
+        the encoder service its router named, or None: the default."""
         self.encode, self.encoder_cache = encode, encoder_cache
         self.cache_key, self.adopt, self.encoder_url_of = cache_key, adopt, encoder_url_of
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="nanomm-encode-ahead")

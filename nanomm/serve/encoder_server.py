@@ -43,7 +43,7 @@ from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.compression import encode_visual_tokens, parse_policy
 from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage
 from nanomm.serve import protocol
-from nanomm.serve.metrics import LATENCY_BUCKETS
+from nanomm.serve.metrics import LATENCY_BUCKETS, HostCPUCollector
 from nanomm.transfer import PREPROCESSING_KEYS
 from nanomm.transfer import MEDIA_TYPE, pack, unpack
 
@@ -75,6 +75,7 @@ class EncoderService:
         self.busy_seconds = Counter("nanomm_encoder_busy_seconds", "seconds the tower encoded (its rate is the "
                                     "encoder's utilisation)", registry=self.registry)
         self.registry.register(_CacheCollector(self.cache))
+        self.registry.register(HostCPUCollector())
 
     def encode(self, body: bytes) -> bytes:
         images = self.read_request(body)

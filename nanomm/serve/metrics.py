@@ -15,9 +15,12 @@ stages), lessons/06-prefix-caching.md (the hit rates).
   `rate(nanomm_encoder_busy_seconds_total[1m])` is the encoder's utilisation, the LM's likewise.
 - What a split engine moves (lesson 13): visual tokens this instance's tower encoded, visual-token bytes
   received from an encoder service, KV bytes sent to or received from a peer, requests parked for a decode peer.
+- Every role's host CPU: `rate(nanomm_host_cpu_seconds_total[1m])`, the cores the process keeps busy.
 
 Every metric lives in this object's own registry (no global state): two servers in one process do not mix.
 """
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -91,6 +94,7 @@ class ServerMetrics:
         for direction in ("sent", "received"):
             self.kv_transfer_bytes.labels(direction=direction)
         self.registry.register(_EngineStatsCollector(self))
+        self.registry.register(HostCPUCollector())
 
     def record_finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -114,6 +118,14 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class HostCPUCollector:
+    """This process's CPU seconds, user and system, read at scrape time; every role registers one."""
+    def collect(self):
+        family = CounterMetricFamily("nanomm_host_cpu_seconds", "CPU seconds this process used, user and system")
+        family.add_metric([], time.process_time())
+        yield family
 
 
 class _EngineStatsCollector:

@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanomm.serve import protocol
-from nanomm.serve.metrics import LATENCY_BUCKETS
+from nanomm.serve.metrics import LATENCY_BUCKETS, HostCPUCollector
 
 PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14 x 14 patches, 2 x 2 of them merged into one token
 
@@ -103,6 +103,7 @@ class Router:
         self.ttft = Histogram("nanomm_time_to_first_token_seconds", "arrival at the router -> first token out",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(self.pools))
+        self.registry.register(HostCPUCollector())
         self.client: httpx.AsyncClient | None = None
         routes = [Route("/v1/chat/completions", self.route, methods=["POST"]),
                   Route("/v1/completions", self.route, methods=["POST"]),

@@ -3,7 +3,8 @@
 Lessons: lessons/13-three-topologies.md (topologies, the simulator against the twin) and
 lessons/15-scaling-each-pool.md (autoscaling).
 
-- workload.py (topologies are named in nanomm/topology.py's grammar): mixes, arrivals, replayed load runs;  stats.py: the one percentile;  events.py: the clock;
+- workload.py: mixes, arrivals, replayed load runs (topologies are named in nanomm/topology.py's grammar);
+- stats.py: the one percentile;  events.py: the clock;
 - stages.py: the stage model (a roofline sketch per stage), with the pool search;
 - twin.py: the engine-faithful model: nanomm's scheduler on the emulated device's cost model, plus the host;
 - autoscaling.py: the twin's engines in pools that Ray Serve's policies grow and shrink.
