@@ -14,6 +14,7 @@ class RequestMetrics:
     queue_s: float = 0.0  # pixels ready -> first scheduled (waiting for a seat, KV blocks, or, in LLM.generate,
     #                       for the other prompts' preprocessing)
     encode_s: float = 0.0  # vision encoder time spent on this request's images (0 on an encoder-cache hit)
+    encode_ahead_s: float = 0.0  # the part of encode_s waited for an encoder service before it was scheduled
     prefill_s: float = 0.0  # first scheduled -> first token, encoding excluded (steps shared with other requests,
     #                         and steps it waited on the encoder budget, count here)
     transfer_s: float = 0.0  # a decode instance: pulling the prompt's KV from the prefill instance that ran it

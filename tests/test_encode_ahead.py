@@ -69,7 +69,10 @@ def test_other_requests_step_while_a_remote_encode_is_outstanding(ckpt, encoder_
         answer = next(o for o in late if o.finished)
         text_answer = next(o for o in early if o.finished)
         assert engine.runner.encode_s == 0.0  # no step encoded: the tokens were in the cache when it was scheduled
-        assert answer.metrics.encoder_cache_hits == 0 and answer.metrics.encode_s > 0  # charged its wait
+        m = answer.metrics
+        assert m.encoder_cache_hits == 0 and m.encode_s == m.encode_ahead_s > 0  # charged its wait, off the step
+        assert min(m.preprocess_s, m.queue_s, m.prefill_s) >= 0  # the stages still add up to TTFT, none negative
+        assert m.preprocess_s + m.queue_s + m.encode_s + m.prefill_s + m.transfer_s == pytest.approx(m.ttft_s)
         assert engine.stats()["requests_encoded_ahead"] == 1
         assert_no_leaks(llm)
     assert [text_answer.outputs[0].token_ids, answer.outputs[0].token_ids] == integrated_tokens(ckpt, [text, picture])

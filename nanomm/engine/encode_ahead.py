@@ -171,7 +171,9 @@ def encode_ahead_for(engine) -> EncodeAhead:
             return False
         for i, key in held.items():
             request.held_images[i] = key
-            request.record_image_ready(False, engine.encoder_cache.take_fetch_time(key) or 0.0, on_this_device=False)
+            wait = engine.encoder_cache.take_fetch_time(key) or 0.0
+            request.record_image_ready(False, wait, on_this_device=False)
+            request.metrics.encode_ahead_s += wait  # waited before it was scheduled: not queue, not prefill
         return True
 
     return EncodeAhead(encode, engine.encoder_cache, engine.encoder_cache_key_for, adopt, encoder_url_of)

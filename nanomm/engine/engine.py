@@ -27,7 +27,7 @@ from nanomm.engine.request import Request, Status
 from nanomm.engine.scheduler import ScheduledChunk, Scheduler
 from nanomm.engine.sizing import kv_bytes_per_token
 from nanomm.engine.sampler import SampledTokens, sample_and_verify
-from nanomm.engine.trace import make_trace
+from nanomm.engine.null_trace import NoTrace
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.old_images import OldImages
@@ -67,7 +67,7 @@ class LLMEngine:
         kv_cache = allocate_kv_cache(text.num_hidden_layers, config.num_kv_blocks + use_graphs, config.block_size,
                                      text.num_key_value_heads, text.head_dim, model.dtype, model.device,
                                      config.kv_cache_dtype)
-        self.trace = make_trace(config.trace_path)  # the step timeline, or nothing (trace.py)
+        self.trace = _step_trace(config.trace_path) if config.trace_path else NoTrace()  # trace.py, when asked
         graphs = _decode_graphs(model, kv_cache, config) if use_graphs else None
         remote_encoder = None if config.encoder_url is None else _remote_encoder(model, config)
         if make_runner is None:
@@ -414,6 +414,12 @@ def _decode_graphs(model: Qwen2VL, kv_cache, config: EngineConfig):
     longest = graph_context(config.max_model_len, config.max_seq_len_to_capture)
     return DecodeGraphs(model, kv_cache, config.block_size, config.num_kv_blocks * config.block_size,
                         config.max_num_seqs, longest)
+
+
+def _step_trace(path):
+    from nanomm.engine.trace import StepTrace  # a lever: loaded when a trace is asked for
+
+    return StepTrace(path)
 
 
 def _encode_ahead(engine: LLMEngine):

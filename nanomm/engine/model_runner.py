@@ -26,7 +26,7 @@ from nanomm.engine.attention import PagedAttention, PrefillSequence, StepMetadat
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_fp8 import Fp8KVCache
 from nanomm.engine.scheduler import ScheduledChunk
-from nanomm.engine.trace import NoTrace
+from nanomm.engine.null_trace import NoTrace
 from nanomm.errors import PeerError
 from nanomm.inputs.compression import encode_visual_tokens
 from nanomm.model.qwen2_vl import Qwen2VL

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from nanomm.engine.encoder_cache import EncoderCache
 from nanomm.engine.kv_cache import BlockManager
 from nanomm.engine.request import Request, Sequence, Status
-from nanomm.engine.trace import NoTrace
+from nanomm.engine.null_trace import NoTrace
 
 
 @dataclass

@@ -151,26 +151,8 @@ class StepTrace:
                             "args": args})
 
 
-class NoTrace:
-    """What the engine holds when nothing is traced: every call does nothing."""
-
-    def span(self, name: str, **args):
-        return contextlib.nullcontext()
-
-    def __getattr__(self, name):
-        return _ignore
-
-
-def _ignore(*args, **kwargs) -> None:
-    return None
-
-
 def _meta(pid: int, tid: int | None, name: str, value, key: str = "name") -> dict:
     event = {"ph": "M", "name": name, "pid": pid, "args": {key: value}}
     if tid is not None:
         event["tid"] = tid
     return event
-
-
-def make_trace(path) -> StepTrace | NoTrace:
-    return NoTrace() if path is None else StepTrace(path)
