@@ -37,6 +37,11 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # proposals verified
     num_accepted_tokens: int = 0  # proposals the target accepted
 
+    def queue_and_prefill(self, ready_time: float, now: float) -> tuple[float, float]:
+        """queue_s and prefill_s at the first token (now): an encode waited for before the first step is neither."""
+        ahead, scheduled = self.encode_ahead_s, self.first_scheduled_time
+        return scheduled - ready_time - ahead, now - scheduled - (self.encode_s - ahead)
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -92,8 +92,8 @@ class Handoff:
 def make_handoff(request, first_token: int, first_logprobs: dict | None, prompt_logprobs) -> Handoff:
     """A prefilled request's handoff (engine/request.py's Request), the moment its first token is sampled."""
     m, prompt, now = request.metrics, request.prompt, time.perf_counter()
-    stages = dict(preprocess_s=m.preprocess_s, queue_s=m.first_scheduled_time - prompt.ready_time,
-                  encode_s=m.encode_s, prefill_s=now - m.first_scheduled_time - m.encode_s)
+    queue_s, prefill_s = m.queue_and_prefill(prompt.ready_time, now)
+    stages = dict(preprocess_s=m.preprocess_s, queue_s=queue_s, encode_s=m.encode_s, prefill_s=prefill_s)
     return Handoff(uuid.uuid4().hex, list(prompt.token_ids),
                    [(s.start, s.length, s.content_hash) for s in prompt.image_spans], prompt.rope_delta,
                    first_token, logprob_entries(first_logprobs), prompt_logprob_entries(prompt_logprobs),

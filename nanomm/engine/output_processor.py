@@ -124,8 +124,7 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             metrics.ttft_s = now - metrics.arrival_time
-            metrics.queue_s = metrics.first_scheduled_time - request.prompt.ready_time - metrics.encode_ahead_s
-            metrics.prefill_s = now - metrics.first_scheduled_time - (metrics.encode_s - metrics.encode_ahead_s)
+            metrics.queue_s, metrics.prefill_s = metrics.queue_and_prefill(request.prompt.ready_time, now)
         if finished:
             metrics.e2e_s = now - metrics.arrival_time
             num_out = len(request.output_token_ids)
