@@ -26,9 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nanomm.engine.encoder_cache import EncoderCache
-from nanomm.errors import InvalidInputError, PeerError
+from nanomm.engine.intake import error_message, final_output
+from nanomm.errors import PeerError
 from nanomm.inputs.prompt import PreparedPrompt
-from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -125,17 +125,9 @@ class EncodeAhead:
                     self.hand_over(request_id, prepared, admitted=False)
                     error = exc
             error = getattr(error, "cause", error)  # ImagesUnavailable: the service's PeerError
-            message = str(error) if isinstance(error, (InvalidInputError, PeerError)) else f"{request_id}: {error!r}"
-            outputs.append(self.ended(request_id, prepared, message, "error", getattr(error, "status", 400)))
-
-    @staticmethod
-    def ended(request_id: str, prepared: PreparedPrompt, error: str | None, reason: str,
-              status: int = 400) -> RequestOutput:
-        """The one output of a request that ended while its tokens came (an abort, or an error)."""
-        completion = CompletionOutput(0, [], "", reason, error=error, error_status=status)
-        metrics = RequestMetrics(arrival_time=prepared.arrival_time,
-                                 e2e_s=time.perf_counter() - prepared.arrival_time)
-        return RequestOutput(request_id, prepared.text, list(prepared.token_ids), [completion], True, metrics)
+            status = error.status if isinstance(error, PeerError) else 400
+            outputs.append(final_output(request_id, prepared, "error", error_message(error, f"request {request_id}"),
+                                        prepared.arrival_time, status))
 
     def wait(self, timeout_s: float) -> None:
         """Until a fetch is done, or timeout_s."""

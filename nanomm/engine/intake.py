@@ -12,7 +12,7 @@ off the engine's step.
 import time
 
 from nanomm.engine.kv_cache import BlockManager
-from nanomm.errors import InvalidInputError
+from nanomm.errors import InvalidInputError, PeerError
 from nanomm.inputs.pool import PreprocessPool
 from nanomm.inputs.prompt import InputProcessor, PreparedPrompt, ValidatedPrompt
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -75,7 +75,7 @@ class RequestIntake:
                 result.arrival_time = arrival
                 self.ready(request_id, result, params, admit, validated)
                 continue
-            self.fail(request_id, validated, _message(result, validated.name), arrival)
+            self.fail(request_id, validated, error_message(result, validated.name), arrival)
         if fetching:
             self.encode_ahead.wait(wait_s)  # an idle engine waits for the tokens instead of spinning
             self.encode_ahead.admit_landed(self.encoding, admit, self.early_outputs)
@@ -93,14 +93,14 @@ class RequestIntake:
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this request's alone
             if validated is None:
                 raise
-            self.fail(request_id, validated, _message(exc, validated.name), prepared.arrival_time)
+            self.fail(request_id, validated, error_message(exc, validated.name), prepared.arrival_time)
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request still preprocessing or waiting for its visual tokens (its output says "abort"); False
         if it is neither."""
         if request_id in self.encoding and self.encode_ahead.cancel(request_id):
             _, prepared, _ = self.encoding.pop(request_id)
-            self.early_outputs.append(self.encode_ahead.ended(request_id, prepared, None, "abort"))
+            self.early_outputs.append(final_output(request_id, prepared, "abort", None, prepared.arrival_time))
             return True
         if request_id not in self.preprocessing:
             return False
@@ -131,14 +131,14 @@ class RequestIntake:
             self.encode_ahead.close()
 
 
-def final_output(request_id: str, validated: ValidatedPrompt, reason: str, error: str | None,
-                 arrival: float) -> RequestOutput:
-    """The one output of a request that ended before it was scheduled."""
-    completion = CompletionOutput(0, [], "", reason, error=error)
+def final_output(request_id: str, prompt: ValidatedPrompt | PreparedPrompt, reason: str,
+                 error: str | None, arrival: float, status: int = 400) -> RequestOutput:
+    """The one output of a request that ended before it was scheduled (status: an error's, over HTTP)."""
+    completion = CompletionOutput(0, [], "", reason, error=error, error_status=status)
     metrics = RequestMetrics(arrival_time=arrival, e2e_s=time.perf_counter() - arrival)
-    return RequestOutput(request_id, validated.text, list(validated.token_ids), [completion], True, metrics)
+    return RequestOutput(request_id, prompt.text, list(prompt.token_ids), [completion], True, metrics)
 
 
-def _message(error: Exception, name: str) -> str:
+def error_message(error: Exception, name: str) -> str:
     """What the caller reads of a request's failure: our own errors as they are, anything else with its type."""
-    return str(error) if isinstance(error, InvalidInputError) else f"{name}: {error!r}"
+    return str(error) if isinstance(error, (InvalidInputError, PeerError)) else f"{name}: {error!r}"
