@@ -792,20 +792,36 @@ def cpu_shares(before: dict | None, after: dict | None, wall_s: float) -> dict[s
     return {name: (after[name] - before[name]) / (wall_s * usable_cores()) for name in before}
 
 
+HOST_CPU_METRIC = "nanomm_host_cpu_seconds_total"
+
+
+def host_cpu_seconds(urls: dict[str, str]) -> dict[str, float]:
+    """Each role's CPU seconds so far, from its own clock (nanomm_host_cpu_seconds_total, exact where /proc counts
+    10 ms ticks), and the load generator's own as "load"."""
+    seconds = {"load": time.process_time()}
+    for role, url in urls.items():
+        samples = read_metrics(url).samples.get(HOST_CPU_METRIC, {})
+        if () in samples:
+            seconds[role] = samples[()]
+    return seconds
+
+
 def cpu_ms_per_request(before: dict | None, after: dict | None, completed: int) -> dict[str, float] | None:
     """Each process's CPU milliseconds per answered request in a run: the host's cost of a request, by role."""
     if before is None or after is None or completed < 1:
         return None
-    return {name: 1000 * (after[name] - before[name]) / completed for name in before}
+    return {name: 1000 * (after[name] - before[name]) / completed for name in before if name in after}
 
 
 def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
-          pids: dict[str, int] | None = None) -> list[dict]:
+          started: dict[str, tuple] | None = None) -> list[dict]:
     """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
-    that finishes requests (its TTFT stage histograms); pids: the processes started here, by role, for the CPU
-    each used (the load generator's own is counted too) and other_cpu_share."""
-    role_urls, stages_url = role_urls or {}, stages_url or url
-    processes = {"load": os.getpid(), **(pids or {})}
+    that finishes requests (its TTFT stage histograms); started: the processes started here, {role: (process,
+    url)}, for the CPU each used (the load generator's own is counted too) and other_cpu_share."""
+    role_urls, stages_url, started = role_urls or {}, stages_url or url, started or {}
+    pids = {role: process.pid for role, (process, _) in started.items()}
+    cpu_urls = {role: role_url for role, (_, role_url) in started.items()}
+    processes = {"load": os.getpid(), **pids}
     mix = parse_mix(args.mix)
     asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix), max_tokens=2, seed=0,
                          content_seed=-1))  # warm-up: one-off costs (first kernels, allocations) paid here
@@ -818,6 +834,7 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         def start_counting():  # once the bodies are made: the CPU the run itself takes
             window["cpu"], window["start"] = cpu_seconds(list(processes.values())), time.monotonic()
             window["each"] = process_cpu_seconds(processes)
+            window["clocks"] = host_cpu_seconds(cpu_urls)
 
         records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
                                        seed=args.seed, content_seed=args.seed + 1 + i,  # new pictures per rate
@@ -836,7 +853,7 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
         summary["cpu_share_by_process"] = by_process
         summary["cluster_cpu_share"] = None if by_process is None else sum(by_process.values())
-        summary["cpu_ms_per_request_by_process"] = cpu_ms_per_request(window["each"], each_after,
+        summary["cpu_ms_per_request_by_process"] = cpu_ms_per_request(window["clocks"], host_cpu_seconds(cpu_urls),
                                                                       summary["completed"])
         summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))
@@ -1011,8 +1028,7 @@ def main(args) -> int:
         elif args.trace:
             results = run_trace(url, args, log)
         else:
-            results = sweep(url, args, log, role_urls, stages_url,
-                            {role: process.pid for role, (process, _) in started.items()})
+            results = sweep(url, args, log, role_urls, stages_url, started)
     finally:
         stop_servers(started)
     if args.sessions is not None:
