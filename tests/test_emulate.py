@@ -13,7 +13,7 @@ from PIL import Image
 from nanomm import LLM, SamplingParams
 from nanomm.emulate.runner import EmulatedRunner
 from nanomm.emulate.costs import GPUS, CostModel, Efficiency, Gpu, ModelShape
-from nanomm.emulate import model_folder
+from nanomm.emulate import load_configs, model_folder, model_shape
 from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.testing import BackgroundServer
 
@@ -84,6 +84,18 @@ def test_the_cost_model_by_hand():
     assert costs.transfer_seconds(10**6) == pytest.approx(1e-3 + 1e-4)
 
 
+HUB_PARAMETERS = {  # each model's size as its hub page states it (safetensors, billions, three figures)
+    "qwen2-vl-2b": 2.21, "qwen2.5-vl-3b": 3.75, "qwen3-vl-2b": 2.13, "qwen3-vl-4b": 4.44}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_PARAMETERS))
+def test_each_shipped_config_makes_a_model_of_its_published_size(name):
+    """The shipped config.json files are the real ones: the language model (its head tied to the embedding) and
+    the tower add up to the hub's parameter count."""
+    shape = model_shape(load_configs(name)[0])
+    assert round((shape.lm_params + shape.vision_params) / 1e9, 2) == HUB_PARAMETERS[name]
+
+
 def test_a_cost_file_replaces_the_defaults_it_names(tmp_path):
     costs = CostModel(GPUS["h200"], ModelShape(*[1] * 12))
     path = tmp_path / "measured.json"
@@ -137,7 +149,7 @@ def test_a_small_kv_budget_preempts_and_the_answers_do_not_change(slept):
 @pytest.mark.parametrize("value", ["h300:qwen2-vl-2b", "h200:llama-3-8b", "h200", "qwen2-vl-2b:h200", ""])
 def test_a_bad_emulate_value_is_an_error_naming_the_known_ones(value):
     with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'l4'\] and MODEL one of "
-                                         r"\['qwen2-vl-2b', 'qwen2.5-vl-3b', 'qwen3-vl-2b'\]"):
+                                         r"\['qwen2-vl-2b', 'qwen2.5-vl-3b', 'qwen3-vl-2b', 'qwen3-vl-4b'\]"):
         LLM(emulate=value)
 
 

@@ -44,6 +44,7 @@ MODELS = {  # the name --emulate takes -> the hub id whose config.json and prepr
     "qwen2-vl-2b": "Qwen/Qwen2-VL-2B-Instruct",
     "qwen2.5-vl-3b": "Qwen/Qwen2.5-VL-3B-Instruct",
     "qwen3-vl-2b": "Qwen/Qwen3-VL-2B-Instruct",
+    "qwen3-vl-4b": "Qwen/Qwen3-VL-4B-Instruct",  # the model of vLLM's EPD experiment (lesson 13)
 }
 WEIGHT_DTYPE = torch.bfloat16  # what the emulated GPU serves in
 
