@@ -177,7 +177,7 @@ async def encoder_cache_probe(base: str, picture: dict, record) -> None:
     body = {"model": "load", "stream": True, "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Something else first."}, picture]}]}
     async with load.httpx.AsyncClient(base_url=base, timeout=60) as http:
-        await load.send_one(http, body, record, lambda: 0.0)
+        await load.send_one(http, json.dumps(body).encode(), record, lambda: 0.0)
 
 
 def test_chat_sessions_against_a_server_send_the_conversation_and_hit_the_prefix_cache(monkeypatch, tmp_path):
@@ -189,7 +189,7 @@ def test_chat_sessions_against_a_server_send_the_conversation_and_hit_the_prefix
     sent = []  # (session, turn, body) of every request, as sent
 
     async def spy(http, body, record, clock, texts=None):
-        sent.append((getattr(record, "session", None), getattr(record, "turn", None), body))
+        sent.append((getattr(record, "session", None), getattr(record, "turn", None), json.loads(body)))
         await send_one(http, body, record, clock, texts)
 
     send_one = load.send_one

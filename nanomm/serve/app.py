@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from nanomm.errors import InvalidInputError, PeerError
 from nanomm.serve import protocol
-from nanomm.serve.engine_loop import EngineLoop
+from nanomm.serve.engine_loop import EngineLoop, OutputMailbox
 from nanomm.serve.metrics import ServerMetrics
 
 
@@ -66,6 +66,7 @@ class Server:
         self.engine_loop = EngineLoop(llm.engine, on_step=self._keep_stats, on_finished=self.metrics.record_finished,
                                       parks_kv=config.role == "prefill")
         self.defaults = llm.get_default_sampling_params()
+        self.mailbox: OutputMailbox | None = None  # made on the event loop, by the first request
         self.encoder_urls = set(config.encoder_urls)  # a prefill instance's: the encoders its requests may name
         self.kv_connector = _kv_connector(llm, config) if config.role in ("prefill", "decode") else None
         routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -173,8 +174,11 @@ class Server:
         add(engine): how the engine takes it (default: add_request)."""
         outputs: asyncio.Queue = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
+        if self.mailbox is None or self.mailbox.event_loop is not event_loop:
+            self.mailbox = OutputMailbox(event_loop)
+        mailbox = self.mailbox
         add = add or (lambda engine: engine.add_request(parsed.prompt, parsed.params, request_id=parsed.id))
-        self.engine_loop.admit(parsed.id, add, lambda item: event_loop.call_soon_threadsafe(outputs.put_nowait, item))
+        self.engine_loop.admit(parsed.id, add, lambda item: mailbox.post(outputs, item))
         return outputs
 
     # -- prefill here, decode there (engine/handoff.py, transfer.py) --------------------------------
@@ -256,6 +260,9 @@ class Server:
     async def _next(self, outputs: asyncio.Queue, deadline: float, request_id: str, client: Request | None = None):
         """The request's next output, or an error Response (bad input, timeout, a client gone: then aborted)."""
         while True:
+            if not outputs.empty():  # already here: no timer, no task
+                item = outputs.get_nowait()
+                break
             wait_s = min(deadline - time.monotonic(), self.config.disconnect_poll_s)
             try:
                 item = await asyncio.wait_for(outputs.get(), timeout=max(wait_s, 0.0))
@@ -279,34 +286,46 @@ class Server:
         return item
 
     async def _stream(self, parsed: protocol.ChatRequest, out, outputs: asyncio.Queue, deadline: float):
-        """Server-sent events: one chunk per engine output, a usage chunk, then [DONE]. A disconnect cancels
-        this generator at its await; `finally` then aborts the request."""
+        """Server-sent events: one chunk per engine output, a usage chunk, then [DONE]. The chunks of outputs
+        that are already waiting go out in one write (a client that reads slower than the engine steps costs one
+        send, not one a token). A disconnect cancels this generator at its await; `finally` then aborts it."""
         logprobs_sent: dict[int, int] = {}  # completion index -> logprob entries already streamed
         done: set[int] = set()
+        events: list[str] = []
         try:
             while True:
-                choices = []
-                for c in out.outputs:
-                    if c.index in done or not (c.delta_token_ids or c.finish_reason or c.index not in logprobs_sent):
-                        continue
-                    choices.append(protocol.delta_choice(parsed, c, logprobs_sent.get(c.index, 0),
-                                                         c.index not in logprobs_sent))
-                    logprobs_sent[c.index] = len(c.logprobs or [])
-                    if c.finish_reason:
-                        done.add(c.index)
-                if choices:
-                    yield _event(protocol.chunk(parsed, self.config.model_name, choices))
+                events += self._events(parsed, out, logprobs_sent, done)
                 if out.finished:
-                    yield _event(protocol.chunk(parsed, self.config.model_name, [], protocol.usage(out)))
-                    yield "data: [DONE]\n\n"
+                    yield "".join(events)
                     return
+                if events and outputs.empty():  # about to wait: send what is ready
+                    yield "".join(events)
+                    events = []
                 out = await self._next(outputs, deadline, parsed.id)
-                if isinstance(out, Response):  # timed out (already aborted)
-                    yield "data: " + out.body.decode() + "\n\n"
+                if isinstance(out, Response):  # timed out, or failed (already aborted)
+                    yield "".join(events) + "data: " + out.body.decode() + "\n\n"
                     return
         finally:
             if not isinstance(out, Response) and not out.finished:
                 self.engine_loop.abort(parsed.id)
+
+    def _events(self, parsed: protocol.ChatRequest, out, logprobs_sent: dict[int, int], done: set[int]) -> list[str]:
+        """The server-sent events one engine output makes: a chunk of the completions' news; at the end a usage
+        chunk and [DONE]."""
+        choices = []
+        for c in out.outputs:
+            if c.index in done or not (c.delta_token_ids or c.finish_reason or c.index not in logprobs_sent):
+                continue
+            choices.append(protocol.delta_choice(parsed, c, logprobs_sent.get(c.index, 0),
+                                                 c.index not in logprobs_sent))
+            logprobs_sent[c.index] = len(c.logprobs or [])
+            if c.finish_reason:
+                done.add(c.index)
+        events = [_event(protocol.chunk(parsed, self.config.model_name, choices))] if choices else []
+        if out.finished:
+            events += [_event(protocol.chunk(parsed, self.config.model_name, [], protocol.usage(out))),
+                       "data: [DONE]\n\n"]
+        return events
 
 
 def _is_prefill_instruction(params: dict) -> bool:

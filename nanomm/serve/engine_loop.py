@@ -8,13 +8,15 @@ through queues, the pattern vLLM's AsyncLLM and SGLang's tokenizer manager follo
 
 - handlers put commands ("add this request", "abort that one") on a thread-safe queue;
 - the engine thread drains it between steps, steps, and hands each request's outputs to the callback that came
-  with it (the server's callback moves them onto the handler's asyncio queue with `call_soon_threadsafe`).
+  with it (the server's callback posts them to an `OutputMailbox`, which moves them onto the handlers' asyncio
+  queues: one wake-up of the event loop for all the outputs of a step, not one a request).
 
 An error from `add_request` (bad input) goes to the same callback, as the exception itself. `call` runs any
 function on the engine thread and returns a Future of its result: how a prefill instance's KV route reads a
 parked request's blocks, and how a decode instance takes its cached prefix, without racing the steps.
 """
 
+import asyncio
 import queue
 import threading
 from concurrent.futures import Future
@@ -131,3 +133,28 @@ class EngineLoop:
         if out.finished:
             del self._callbacks[out.request_id]
         callback(out)
+
+
+class OutputMailbox:
+    """Outputs from the engine thread to an event loop's queues, in batches: the first post since the loop last
+    emptied the mailbox wakes it (`call_soon_threadsafe`), later ones ride along. A step that finishes a token for
+    a hundred streams costs the event loop one wake-up, not a hundred."""
+
+    def __init__(self, event_loop: asyncio.AbstractEventLoop):
+        self.event_loop = event_loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, outputs: asyncio.Queue, item) -> None:
+        """From any thread: put item on outputs, on the event loop's thread."""
+        with self._lock:
+            self._pending.append((outputs, item))
+            wake = len(self._pending) == 1
+        if wake:
+            self.event_loop.call_soon_threadsafe(self._empty)
+
+    def _empty(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for outputs, item in pending:
+            outputs.put_nowait(item)
