@@ -273,7 +273,7 @@ def test_every_topology_of_the_grammar_starts_its_pools_and_names_each_instance(
     assert not any("--host" in cmd for cmd in commands.values())  # nanomm-serve's default: 127.0.0.1
 
 
-@pytest.mark.parametrize("name, words", [("3e2pd", "at most 2 encoder"), ("2e", "unknown topology"),
+@pytest.mark.parametrize("name, words", [("3e2pd", "of 3 encoders at most 2 would work"), ("2e", "unknown topology"),
                                          ("dp0", "every count at least 1")])
 def test_a_topology_the_load_generator_cannot_start_is_a_clear_error(name, words):
     with pytest.raises(argparse.ArgumentTypeError, match=words):

@@ -666,8 +666,8 @@ def startable_topology(name: str) -> str:
     topology = topology_arg(name)
     if topology.shape == "<X>e<Y>pd" and topology.encoders > topology.prefill:
         raise argparse.ArgumentTypeError(
-            f"{name!r}: each of its {topology.prefill} engine(s) takes its images to one encoder, so at most "
-            f"{topology.prefill} encoder(s) would work: ask for {topology.prefill}e{topology.prefill}pd or fewer")
+            f"{name!r}: each engine takes its images to one encoder, so of {topology.encoders} encoders at most "
+            f"{topology.prefill} would work: ask for {topology.prefill}e{topology.prefill}pd or fewer encoders")
     return topology.name
 
 
