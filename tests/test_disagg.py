@@ -21,7 +21,8 @@ from nanomm.errors import PeerError
 from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
-from nanomm.serve.testing import BackgroundServer
+from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens
+from nanomm.serve.testing import BackgroundServer, free_local_port
 from nanomm.transfer import HttpKVConnector, expect
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -404,6 +405,76 @@ def test_the_router_sends_the_decode_instance_no_pictures_and_it_answers_as_one_
         assert "messages" not in sent and "prompt" not in sent and "transfer_id" in sent["kv_transfer_params"]
         assert {k: v for k, v in sent.items() if k != "kv_transfer_params"} == \
             {k: v for k, v in client_body.items() if k not in ("messages", "prompt")}
+
+
+def test_a_pool_picks_the_instance_holding_the_least_work_and_goes_round_among_equals():
+    pool = Pool("engine", ["http://a/", "http://b", "http://c"])
+    assert pool.urls == ["http://a", "http://b", "http://c"]
+    assert [pool.pick(work) for work in (10, 3, 5)] == ["http://a", "http://b", "http://c"]
+    assert pool.pick(1) == "http://b"  # holds 3 of 10, 3, 5
+    pool.done("http://a", 10)
+    assert pool.pick(2) == "http://a" and pool.outstanding == {"http://a": 2, "http://b": 4, "http://c": 5}
+    for url in pool.urls:
+        pool.done(url, pool.outstanding[url])
+    assert pool.routed == {"http://a": 2, "http://b": 2, "http://c": 1} and pool.pick(1) == "http://c"
+
+
+def test_a_request_brings_its_prompt_tokens_as_its_work():
+    buffer = io.BytesIO()
+    random_image(112, 84, 1).save(buffer, "PNG")
+    chat = {"messages": [{"role": "system", "content": "x" * 8}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}}, {"type": "text", "text": "y" * 4}]}]}
+    assert estimated_visual_tokens(chat) == 4 * 3  # 112 x 84 pixels: 4 x 3 tokens of 28 x 28
+    assert estimated_prompt_tokens(chat) == 12 + 3  # and 12 characters of text
+    assert estimated_prompt_tokens({"prompt": "z" * 40}) == 10 and estimated_prompt_tokens({"prompt": ""}) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(encoder_urls=["http://e"]), dict(prefill_urls=["http://p"])])
+def test_a_router_of_whole_engines_takes_no_split_pools(bad):
+    pools = {"encoder_urls": [], "prefill_urls": [], "decode_urls": [], **bad}
+    with pytest.raises(ValueError, match="not both"):
+        Router(**pools, engine_urls=["http://engine"])
+
+
+def test_a_router_of_whole_engines_passes_each_request_through_and_uses_every_engine(ckpt):
+    """dp2: each request, chat or completion, streamed or not, goes whole and unchanged to one engine, and its
+    answer comes back as an integrated engine's (greedy: the same tokens); one request at a time still reaches
+    both engines (the least loaded, then the one sent fewer)."""
+    buffer = io.BytesIO()
+    random_image(112, 84, 8).save(buffer, "PNG")
+    sampling = {"model": "m", "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    chat = {**sampling, "logprobs": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(buffer.getvalue())}}, {"type": "text", "text": "what"}]}]}
+    completion = {**sampling, "logprobs": 1, "prompt": "the cat sat on the mat"}
+    requests = [(path, {**body, "stream": stream}) for stream in (False, True)
+                for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion))]
+    engines = [Server(make_llm(ckpt), ServerConfig("m")) for _ in range(2)]
+    received = []
+    for engine in engines:
+        engine.app = recorded = RecordedBodies(engine.app)
+        received.append(recorded.bodies)
+    with BackgroundServer(Server(make_llm(ckpt), ServerConfig("m"))) as whole_url, \
+            BackgroundServer(engines[0]) as first_url, BackgroundServer(engines[1]) as second_url, \
+            BackgroundServer(Router([], [], [], engine_urls=[first_url, second_url])) as router_url:
+        for path, body in requests:
+            whole, routed = answer_of(whole_url, path, body), answer_of(router_url, path, body)
+            assert routed["logprobs"] == pytest.approx(whole["logprobs"], abs=1e-5), path
+            del routed["logprobs"], whole["logprobs"]
+            assert routed == whole and len(whole["tokens"]) == 5, path
+        metrics = httpx.get(router_url + "/metrics").text
+    assert [len(bodies) for bodies in received] == [2, 2]
+    sent = [json.loads(raw) for bodies in received for raw in bodies]
+    assert sorted(sent, key=json.dumps) == sorted((body for _, body in requests), key=json.dumps)  # unchanged
+    for url in (first_url, second_url):
+        assert f'nanomm_router_routed_total{{role="engine",url="{url}"}} 2.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_engine_that_is_gone_is_a_502_from_a_router_of_whole_engines(stream):
+    gone = f"http://127.0.0.1:{free_local_port()}"
+    with BackgroundServer(Router([], [], [], peer_timeout_s=5.0, engine_urls=[gone])) as url:
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "hi", "stream": stream}, timeout=30)
+    assert answer.status_code == 502 and f"the engine instance at {gone} failed" in answer.json()["error"]["message"]
 
 
 def test_a_decode_instance_checks_a_continuations_fields_and_handoff_and_only_it_takes_one(ckpt):

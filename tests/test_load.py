@@ -4,6 +4,7 @@ visual tokens each picture size must give, the client's TTFT no shorter than the
 chat sessions (--sessions: the conversation each turn sends, and a run whose prefix-cache hits and KV figures are
 checked by hand); and the soak's memory summary (nanomm/bench/soak.py) on a hand-made curve."""
 
+import argparse
 import asyncio
 import json
 import random
@@ -244,3 +245,36 @@ def test_chat_sessions_against_a_server_send_the_conversation_and_hit_the_prefix
     assert (kv["budget_tokens"], kv["kv_bytes_per_token"], kv["peak_tokens_per_session"]) == (budget, per_token,
                                                                                              max(peaks))
     assert kv["sessions_in_budget"] == budget // max(peaks) and kv["budget_bytes"] == budget * per_token
+
+
+def flag_values(command: list[str], flag: str) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command) if arg == flag]
+
+
+def test_every_topology_of_the_grammar_starts_its_pools_and_names_each_instance():
+    """No process started: the commands themselves. Engines behind the router for dp<N> and <X>e<Y>pd (each with
+    one encoder, round robin), a split engine's pools all named to the router, and 1e1pd without a router."""
+    commands, front = load.topology_commands("dp2", ["ck"], "m", [])
+    assert (sorted(commands), front) == (["integrated 1", "integrated 2", "router"], "router")
+    assert flag_values(commands["router"], "--engine-url") == [load.url_of(commands[f"integrated {i}"]) for i in (1, 2)]
+    commands, front = load.topology_commands("2e3pd", ["ck"], "m", [])
+    assert (sorted(commands), front) == (["encoder 1", "encoder 2", "lm 1", "lm 2", "lm 3", "router"], "router")
+    encoders = [load.url_of(commands[f"encoder {i}"]) for i in (1, 2)]
+    assert [flag_values(commands[f"lm {i}"], "--encoder-url") for i in (1, 2, 3)] == [[encoders[0]], [encoders[1]],
+                                                                                        [encoders[0]]]
+    assert len(flag_values(commands["router"], "--engine-url")) == 3 and "--encoder-url" not in commands["router"]
+    commands, front = load.topology_commands("2e2p2d", ["ck"], "m", [])
+    assert (len(commands), front) == (7, "router")
+    assert {role: len(flag_values(commands["router"], f"--{role}-url")) for role in ("encoder", "prefill", "decode")} \
+        == {"encoder": 2, "prefill": 2, "decode": 2}
+    assert flag_values(commands["prefill 2"], "--encoder-url") == [load.url_of(commands[f"encoder {i}"]) for i in (1, 2)]
+    assert sorted(load.topology_commands("1e1pd", ["ck"], "m", [])[0]) == ["encoder", "lm"]
+    assert sorted(load.topology_commands("integrated", ["ck"], "m", [])[0]) == ["integrated"]
+    assert not any("--host" in cmd for cmd in commands.values())  # nanomm-serve's default: 127.0.0.1
+
+
+@pytest.mark.parametrize("name, words", [("3e2pd", "of 3 encoders at most 2 would work"), ("2e", "unknown topology"),
+                                         ("dp0", "every count at least 1")])
+def test_a_topology_the_load_generator_cannot_start_is_a_clear_error(name, words):
+    with pytest.raises(argparse.ArgumentTypeError, match=words):
+        load.startable_topology(name)

@@ -163,6 +163,25 @@ def test_load_split_engine_smallest(tmp_path):
     assert set(cpu) == {"load", "encoder", "prefill", "decode", "router"} and all(ms > 0 for ms in cpu.values())
 
 
+@pytest.mark.parametrize("topology, engines, others", [
+    ("dp2", ["integrated 1", "integrated 2"], []), ("1e2pd", ["lm 1", "lm 2"], ["encoder"])])
+def test_load_behind_the_router_reaches_every_engine(tmp_path, topology, engines, others):
+    """--topology dp2 or 1e2pd: two engines (with an encoder service, or their own towers) behind the router;
+    every request is answered, and by the engines' own counters each one finished some of them."""
+    results = run_bench("load", [*SMALL, "--topology", topology, "--instance-threads", "1", "--mix", "1x56x56:1",
+                                  "--rate", "50", "--num-requests", "4", "--max-tokens", "3"], tmp_path)
+    (run,) = results["results"]
+    assert results["topology"] == topology and (run["requests"], run["completed"], run["errors"]) == (4, 4, 0)
+    finished = run["requests_finished_by_process"]
+    assert set(finished) == set(engines) and sum(finished.values()) == 4 and min(finished.values()) >= 1, finished
+    assert run["server_ttft_stages_s"]["ttft"] > 0  # both engines' histograms, added up
+    cpu = run["cpu_ms_per_request_by_process"]
+    assert set(cpu) == {"load", "router", *engines, *others} and all(ms > 0 for ms in cpu.values())
+    if others:  # each engine's pictures went to the one encoder service
+        moved = run["transfer_bytes"]
+        assert moved["encoder"]["visual sent"] == sum(moved[e]["visual received"] for e in engines) > 0
+
+
 def test_measure_stage_costs_quick_feeds_the_simulator(tmp_path):
     """--quick on the demo model: every cost the simulator's StageCosts needs, in a file its --costs reads."""
     cmd = [sys.executable, "-m", "nanomm.bench", "stage-costs", "--quick", "--threads", "1", "--json", "costs.json"]

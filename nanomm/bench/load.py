@@ -20,13 +20,19 @@ new (no encoder-cache hits) and every answer is `--max-tokens` long (ignore_eos)
 - visual tokens per second, offered (the rate x the visual tokens per request) and served;
 - where the server says TTFT went: the mean of each stage (preprocess, queue, encode, prefill, and a decode
   instance's KV transfer), from /metrics;
-- the bytes that moved between instances (visual tokens, KV), read from every instance's /metrics.
+- the bytes that moved between instances (visual tokens, KV), read from every instance's /metrics;
+- the requests each instance finished (its own nanomm_requests_total): how the router spread the load.
 
 Without `--url` the servers are started here, each as its own process (`python -m nanomm.serve.cli`), so that
 the load generator and the engines do not share an interpreter, on free ports of 127.0.0.1; `--topology` says
-which: `integrated` (one engine), `1e1pd` (an encoder service and one engine that runs no vision tower),
-`1e1p1d` or `1e2p1d` (an encoder, one or two prefill instances and a decode instance behind the router, which
-takes the load). All of them are stopped at the end. Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
+which, in the one grammar (nanomm/topology.py): `integrated` (one engine); `dp<N>` (N integrated engines behind
+the router); `1e1pd` (an encoder service and one engine that runs no vision tower, which takes the load itself);
+`<X>e<Y>pd` (X encoders and Y such engines behind the router, engine i started with encoder i mod X, so X <= Y);
+`<X>e<Y>p<Z>d` (X encoders, Y prefill instances and Z decode instances behind the router, which picks the
+encoder of each request). The router sends each request to its pool's least loaded instance (serve/router.py).
+Each process is named by its role, numbered where a pool has several (`integrated 2`, `lm 1`, `prefill 2`): the
+per-process figures (CPU, bytes moved, requests finished) use those names. All of them are stopped at the end.
+Not a test: the smallest runs are in tests/test_scripts.py, and nothing asserts a
 timing. The JSON holds every request as the client saw it (`records`), so a run can be replayed elsewhere
 (the simulator in lesson 13 replays them).
 
@@ -358,6 +364,39 @@ def ttft_stage_sums(url: str) -> dict[str, tuple[float, float]]:
             for stage, name in names.items() if f"{name}_sum" in samples}
 
 
+def ttft_stage_sums_of(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """ttft_stage_sums added up over several instances (a pool that finishes requests: every engine of dp<N>)."""
+    sums = {}
+    for url in urls:
+        for stage, (total, count) in ttft_stage_sums(url).items():
+            total_before, count_before = sums.get(stage, (0.0, 0.0))
+            sums[stage] = (total_before + total, count_before + count)
+    return sums
+
+
+FINISHED_METRIC = "nanomm_requests_total"
+
+
+def finished_requests(urls: dict[str, str]) -> dict[str, float]:
+    """Each instance's finished requests so far, by its own count (nanomm_requests_total, every finish reason; a
+    prefill instance's handoffs too); instances without that counter (encoders, the router) are left out."""
+    finished = {}
+    for role, url in urls.items():
+        samples = read_metrics(url).samples
+        if FINISHED_METRIC in samples:
+            finished[role] = sum(samples[FINISHED_METRIC].values())
+    return finished
+
+
+def finishing_urls(started: dict[str, tuple], front_url: str) -> list[str]:
+    """The instances that finish requests, whose /metrics time the TTFT stages: the decode instances if there are
+    any, else the engines (all but encoders and the router); `front_url` for a server not started here."""
+    kinds = {name: name.split()[0] for name in started}
+    decodes = [url for name, (_, url) in started.items() if kinds[name] == "decode"]
+    engines = [url for name, (_, url) in started.items() if kinds[name] not in ("encoder", "router")]
+    return decodes or engines or [front_url]
+
+
 def mean_stages(before: dict, after: dict) -> dict[str, float]:
     """The mean of each TTFT stage over the requests that finished between two /metrics reads."""
     means = {}
@@ -641,41 +680,62 @@ def server_command(port: int, role_args: list[str]) -> list[str]:
 
 
 def startable_topology(name: str) -> str:
-    """A topology of the one grammar (nanomm/topology.py) that this tool starts: `integrated`, `1e1pd` (an
-    encoder service and one engine that runs no tower) or `1e<N>p<1>d` (an encoder, N prefill instances and a
-    decode instance behind the router). For argparse: its canonical name, or an error naming what it starts."""
+    """A topology of the one grammar (nanomm/topology.py) that this tool starts: any but <X>e<Y>pd with more
+    encoders than engines (each such engine is started with one encoder, round robin, so encoders past the Y-th
+    would serve nobody). For argparse: its canonical name, or an error saying why not."""
     topology = topology_arg(name)
-    if topology.name == "integrated" or (topology.encoders == 1 and (
-            (topology.shape == "<X>e<Y>pd" and topology.prefill == 1) or topology.decode == 1)):
-        return topology.name
-    raise argparse.ArgumentTypeError(f"{name!r}: this tool starts integrated, 1e1pd and 1e<N>p1d clusters")
+    if topology.shape == "<X>e<Y>pd" and topology.encoders > topology.prefill:
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: each engine takes its images to one encoder, so of {topology.encoders} encoders at most "
+            f"{topology.prefill} would work: ask for {topology.prefill}e{topology.prefill}pd or fewer encoders")
+    return topology.name
+
+
+def instance_commands(role: str, count: int, role_args) -> dict[str, list[str]]:
+    """{name: command} of `count` instances of a role on fresh 127.0.0.1 ports, named `role` when alone and
+    `role 1`, `role 2` ... otherwise; role_args(i): the i-th instance's nanomm-serve arguments."""
+    names = [role] if count == 1 else [f"{role} {i + 1}" for i in range(count)]
+    return {name: server_command(free_local_port(), role_args(i)) for i, name in enumerate(names)}
+
+
+def url_flags(flag: str, commands: dict[str, list[str]]) -> list[str]:
+    """`flag URL` for each instance: how a router or a prefill instance is told of a pool."""
+    return [arg for command in commands.values() for arg in (flag, url_of(command))]
 
 
 def topology_commands(topology: str, model_args: list[str], model: str, extra: list[str],
                       peer_timeout_s: float = 600.0) -> tuple[dict[str, list[str]], str]:
-    """({role: its nanomm-serve command}, the role that takes the load) on fresh 127.0.0.1 ports. model_args: what
-    names the model to nanomm-serve (a checkpoint folder, or `--emulate GPU:MODEL`). `extra` goes to every
-    instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree)."""
+    """({name: its nanomm-serve command}, the name of the instance that takes the load) on fresh 127.0.0.1 ports.
+    model_args: what names the model to nanomm-serve (a checkpoint folder, or `--emulate GPU:MODEL`). `extra`
+    goes to every instance that loads the model (an encoder takes the engine's --max-pixels, so the two agree).
+    Names: `integrated`, `encoder`, `lm` (an engine with an encoder service), `prefill`, `decode` and `router`,
+    numbered (`integrated 1`, `lm 2`) where a pool has several."""
     shape = parse_topology(startable_topology(topology))
-    num_prefills = shape.prefill if shape.decode else 0
-    prefills = [f"prefill {i + 1}" if num_prefills > 1 else "prefill" for i in range(num_prefills)]
-    ports = {role: free_local_port() for role in ("encoder", *prefills, "decode", "router", "integrated")}
-    url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     served = [*model_args, "--served-model-name", model, *extra]
-    if shape.name == "integrated":
-        return {"integrated": server_command(ports["integrated"], served)}, "integrated"
-    encoder = server_command(ports["encoder"], [*served, "--role", "encoder"])
-    if not shape.decode:  # one engine whose images go to the encoder service
-        return {"encoder": encoder, "lm": server_command(
-            ports["integrated"], [*served, "--encoder-url", url["encoder"]])}, "lm"
-    prefill_urls = [a for role in prefills for a in ("--prefill-url", url[role])]
-    return {"encoder": encoder,
-            **{role: server_command(ports[role], [*served, "--role", "prefill", "--encoder-url", url["encoder"]])
-               for role in prefills},
-            "decode": server_command(ports["decode"], [*served, "--role", "decode"]),
-            "router": server_command(ports["router"], [
-                "--role", "router", "--encoder-url", url["encoder"], *prefill_urls,
-                "--decode-url", url["decode"], "--peer-timeout", str(peer_timeout_s)])}, "router"
+
+    def router(pool_flags: list[str]) -> dict[str, list[str]]:
+        return {"router": server_command(free_local_port(), ["--role", "router", "--peer-timeout",
+                                                              str(peer_timeout_s), *pool_flags])}
+
+    if shape.shape == "dp<N>":
+        engines = instance_commands("integrated", shape.prefill, lambda i: served)
+        if shape.prefill == 1:
+            return engines, "integrated"
+        return {**engines, **router(url_flags("--engine-url", engines))}, "router"
+    encoders = instance_commands("encoder", shape.encoders, lambda i: [*served, "--role", "encoder"])
+    encoder_urls = [url_of(command) for command in encoders.values()]
+    if shape.shape == "<X>e<Y>pd":  # each engine takes one encoder, round robin
+        engines = instance_commands("lm", shape.prefill,
+                                    lambda i: [*served, "--encoder-url", encoder_urls[i % len(encoder_urls)]])
+        if shape.prefill == 1:  # 1e1pd: the engine takes the load itself
+            return {**encoders, **engines}, "lm"
+        return {**encoders, **engines, **router(url_flags("--engine-url", engines))}, "router"
+    prefills = instance_commands("prefill", shape.prefill,
+                                 lambda i: [*served, "--role", "prefill", *url_flags("--encoder-url", encoders)])
+    decodes = instance_commands("decode", shape.decode, lambda i: [*served, "--role", "decode"])
+    split = [*url_flags("--encoder-url", encoders), *url_flags("--prefill-url", prefills),
+             *url_flags("--decode-url", decodes)]
+    return {**encoders, **prefills, **decodes, **router(split)}, "router"
 
 
 def url_of(command: list[str]) -> str:
@@ -833,22 +893,24 @@ def cpu_ms_per_request(before: dict | None, after: dict | None, completed: int) 
     return {name: 1000 * (after[name] - before[name]) / completed for name in before if name in after}
 
 
-def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_url: str | None = None,
+def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stage_urls: list[str] | None = None,
           started: dict[str, tuple] | None = None) -> list[dict]:
-    """One run per rate against `url`. role_urls: every instance, for the bytes moved; stages_url: the instance
-    that finishes requests (its TTFT stage histograms); started: the processes started here, {role: (process,
-    url)}, for the CPU each used (the load generator's own is counted too) and other_cpu_share."""
-    role_urls, stages_url, started = role_urls or {}, stages_url or url, started or {}
+    """One run per rate against `url`. role_urls: every instance, for the bytes moved and the requests each
+    finished; stage_urls: the instances that finish requests (their TTFT stage histograms, added up); started:
+    the processes started here, {role: (process, url)}, for the CPU each used (the load generator's own is counted
+    too) and other_cpu_share."""
+    role_urls, stage_urls, started = role_urls or {}, stage_urls or [url], started or {}
     pids = {role: process.pid for role, (process, _) in started.items()}
     cpu_urls = {role: role_url for role, (_, role_url) in started.items()}
     processes = {"load": os.getpid(), **pids}
     mix = parse_mix(args.mix)
-    asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix), max_tokens=2, seed=0,
-                         content_seed=-1))  # warm-up: one-off costs (first kernels, allocations) paid here
+    asyncio.run(run_load(url, args.model, mix, rate=1e6, num_requests=len(mix) * len(stage_urls), max_tokens=2,
+                         seed=0, content_seed=-1))  # warm-up, of every engine: one-off costs paid here
     results = []
     for i, rate in enumerate(args.rate):
-        before = ttft_stage_sums(stages_url)
+        before = ttft_stage_sums_of(stage_urls)
         moved_before = {role: transfer_bytes(u) for role, u in role_urls.items()}
+        finished_before = finished_requests(role_urls)
         window = {}
 
         def start_counting():  # once the bodies are made: the CPU the run itself takes
@@ -864,7 +926,9 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         each_after = process_cpu_seconds(processes)
         by_process = cpu_shares(window["each"], each_after, wall_s)
         summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
-        summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums(stages_url))
+        summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums_of(stage_urls))
+        summary["requests_finished_by_process"] = {
+            role: count - finished_before.get(role, 0.0) for role, count in finished_requests(role_urls).items()}
         moved = transfer_delta(role_urls, moved_before)
         summary["transfer_bytes"] = moved
         summary["transfer_bytes_per_request"] = {
@@ -880,6 +944,9 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stages_u
         if summary["cpu_ms_per_request_by_process"]:
             log("  CPU a request: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in
                                                 summary["cpu_ms_per_request_by_process"].items()))
+        if len(summary["requests_finished_by_process"]) > 1:
+            log("  requests finished: " + ", ".join(f"{name} {count:g}" for name, count in
+                                                     summary["requests_finished_by_process"].items()))
         results.append(summary)
     return results
 
@@ -945,8 +1012,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-url", action="append", default=[],
                    help="with --url: another instance whose /metrics has transfer bytes to report (repeatable)")
     p.add_argument("--topology", default="integrated", type=startable_topology,
-                   help="what to start without --url: one engine, encoder + engine, or encoder + prefill + "
-                        "decode behind the router")
+                   help="what to start without --url: integrated, dp<N>, <X>e<Y>pd (X <= Y) or <X>e<Y>p<Z>d "
+                        "(nanomm/topology.py); several instances are put behind the router")
     p.add_argument("--model", default="load", help="the model name the server serves")
     p.add_argument("--preset", default="tiny"), p.add_argument("--cache-dir", default="checkpoints/load")
     which = p.add_mutually_exclusive_group()
@@ -1040,15 +1107,15 @@ def main(args) -> int:
         url = started[front][1]
     else:
         role_urls = {"front": url, **role_urls}
-    stages_url = started["decode"][1] if "decode" in started else url  # the instance that finishes requests
+    stage_urls = finishing_urls(started, url)
     log = lambda line: print(line, flush=True)  # noqa: E731
     try:
         if args.sessions is not None:
-            chat = run_chat(url, args, log, stages_url, kv_here)
+            chat = run_chat(url, args, log, stage_urls[0], kv_here)
         elif args.trace:
             results = run_trace(url, args, log)
         else:
-            results = sweep(url, args, log, role_urls, stages_url, started)
+            results = sweep(url, args, log, role_urls, stage_urls, started)
     finally:
         stop_servers(started)
     if args.sessions is not None:

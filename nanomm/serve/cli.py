@@ -33,6 +33,7 @@ class InstanceSpec:
     peer_timeout_s: float = 30.0  # the router's, and a decode instance's KV pull
     max_body_bytes: int = 32 * 2**20
     server_options: dict = field(default_factory=dict)  # more of ServerConfig (max_pending_requests, media_root ...)
+    engine_urls: tuple[str, ...] = ()  # the router's pool of engines that take whole requests (dp<N>, <X>e<Y>pd)
 
 
 def build_server(role: str, spec: InstanceSpec):
@@ -42,7 +43,7 @@ def build_server(role: str, spec: InstanceSpec):
         from nanomm.serve.router import Router
 
         return Router(list(spec.encoder_urls), list(spec.prefill_urls), list(spec.decode_urls), spec.peer_timeout_s,
-                      spec.max_body_bytes)
+                      spec.max_body_bytes, engine_urls=list(spec.engine_urls))
     if role == "encoder":
         from nanomm.serve.encoder_server import EncoderServer
 
@@ -79,6 +80,9 @@ def parse_args(argv=None):
                         "per request, the first is this engine's default)")
     p.add_argument("--prefill-url", action="append", default=[], metavar="URL", help="router: a prefill instance")
     p.add_argument("--decode-url", action="append", default=[], metavar="URL", help="router: a decode instance")
+    p.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="router: an engine that takes whole requests, integrated or with its own --encoder-url "
+                        "(dp<N>, <X>e<Y>pd; instead of --prefill-url and --decode-url)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds a peer may stay silent (a KV pull, an encode, a stream) before it is an error")
     p.add_argument("--kv-handoff-timeout", type=float, default=30.0,
@@ -165,7 +169,13 @@ def _refuse_a_model_where_none_loads(args) -> None:
     if args.emulate and (args.model or args.demo or args.device or args.dtype):
         raise SystemExit("nanomm-serve --emulate loads no model: drop the model, --demo, --device and --dtype")
     if args.role == "router" and (args.model or args.demo):
-        raise SystemExit("nanomm-serve --role router loads no model: give it --prefill-url and --decode-url")
+        raise SystemExit("nanomm-serve --role router loads no model: give it --prefill-url and --decode-url, "
+                         "or --engine-url")
+    if args.engine_url and args.role != "router":
+        raise SystemExit("--engine-url is the router's: an engine takes --encoder-url")
+    if args.role == "router" and args.engine_url and (args.prefill_url or args.decode_url or args.encoder_url):
+        raise SystemExit("nanomm-serve --role router: --engine-url (whole requests, each engine with its own "
+                         "--encoder-url) or --prefill-url and --decode-url (a split engine), not both")
 
 
 def instance_spec(args, console) -> InstanceSpec:
@@ -179,7 +189,8 @@ def instance_spec(args, console) -> InstanceSpec:
     server_options = {"max_pending_requests": args.max_pending_requests, "request_timeout_s": args.request_timeout,
                       "media_root": args.allowed_local_media_path, "gpu_hourly_price": args.gpu_hourly_price}
     return InstanceSpec(name, model, engine_args(args), tuple(args.encoder_url), tuple(args.prefill_url),
-                        tuple(args.decode_url), args.peer_timeout, int(args.max_body_mib * 2**20), server_options)
+                        tuple(args.decode_url), args.peer_timeout, int(args.max_body_mib * 2**20), server_options,
+                        tuple(args.engine_url))
 
 
 def engine_args(args) -> dict:
@@ -209,6 +220,8 @@ def _model_and_name(args, console) -> tuple[str, str]:
 
 def _what_is_served(args, server) -> str:
     where = f"http://{args.host}:{args.port}"
+    if args.role == "router" and args.engine_url:
+        return f"routing on {where}: whole requests to the engines {args.engine_url}"
     if args.role == "router":
         return (f"routing on {where}: prefill {args.prefill_url}, decode {args.decode_url}, "
                 f"encoders {args.encoder_url or '(the prefill instances own)'}")

@@ -1,12 +1,17 @@
-"""`nanomm-serve --role router`: one OpenAI endpoint in front of encoder, prefill and decode pools.
+"""`nanomm-serve --role router`: one OpenAI endpoint in front of a split engine's pools, or of whole engines.
 
     nanomm-serve --role router --port 8000 --encoder-url http://127.0.0.1:8001 \\
                  --prefill-url http://127.0.0.1:8002 --decode-url http://127.0.0.1:8003
+    nanomm-serve --role router --port 8000 --engine-url http://127.0.0.1:8001 --engine-url http://127.0.0.1:8002
 
 Lesson: lessons/13-three-topologies.md.
 
-A chat or completion request goes through the split engine in two hops, the way vLLM's disaggregation proxy
-sends it:
+With `--engine-url` (topologies dp<N> and <X>e<Y>pd) each request goes whole, in one hop, to one engine: an
+integrated engine, or one started with its own `--encoder-url` (the router names no encoder to it). The engine's
+answer, streamed or not, is passed through to the client unchanged.
+
+With `--prefill-url` and `--decode-url` (<X>e<Y>p<Z>d) a chat or completion request goes through the split
+engine in two hops, the way vLLM's disaggregation proxy sends it:
 
 1. to a prefill instance, with `kv_transfer_params: {"do_remote_decode": true, "encoder_url": E}`: it checks
    the request (a 400 comes straight back to the client), has its images encoded by the encoder service E,
@@ -16,28 +21,25 @@ sends it:
    (transfer.py), replays the first token and streams or returns the answer, which the router
    passes through to the client unchanged.
 
-Each pool is balanced by its outstanding work, each URL's sum over the requests it holds now: visual tokens
-for encoders and prefill instances (estimated from the images' sizes as 28 x 28 pixels a token, since the
-router loads no model), running sequences for decode instances.
+Each pool is balanced by its outstanding work, each URL's sum over the requests it holds now (router_pools.py;
+the router loads no model, so the work is estimated from the body): visual tokens for encoders and prefill
+instances (the images' sizes at 28 x 28 pixels a token), running sequences for decode instances, and for whole
+engines the prompt's tokens (those visual tokens plus the text at about 4 characters a token), held until the
+answer ends. Among equals the instance sent the fewest requests so far gets the next. /metrics has each
+instance's outstanding work and the requests sent to it (nanomm_router_routed_total).
 
 Failures never hang a client: an empty pool is a 503 at once; a peer that refuses, resets or says nothing for
 `peer_timeout_s` is a 502 or 504 (within a stream: an error event, then the stream ends). The prefill side frees
 the KV of a handoff nobody took, after its own timeout.
 """
 
-import base64
-import binascii
 import contextlib
-import io
 import json
-import math
 import time
-from dataclasses import dataclass, field
 
 import httpx
-from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,45 +47,7 @@ from starlette.routing import Route
 
 from nanomm.serve import protocol
 from nanomm.serve.metrics import LATENCY_BUCKETS, HostCPUCollector
-
-PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14 x 14 patches, 2 x 2 of them merged into one token
-
-
-@dataclass
-class Pool:
-    """One role's instances and the work each holds now."""
-    role: str
-    urls: list[str]
-    outstanding: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.urls = [u.rstrip("/") for u in self.urls]
-        self.outstanding = {u: 0.0 for u in self.urls}
-
-    def pick(self, work: float) -> str:
-        """The instance with the least outstanding work (the first of equals), charged `work` until `done`."""
-        url = min(self.urls, key=self.outstanding.__getitem__)
-        self.outstanding[url] += work
-        return url
-
-    def done(self, url: str, work: float) -> None:
-        self.outstanding[url] -= work
-
-
-def estimated_visual_tokens(body: dict) -> float:
-    """The visual tokens of a chat request's data-URL images, from their sizes alone (headers are enough)."""
-    tokens = 0.0
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else []:
-            url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
-            if isinstance(url, str) and url.startswith("data:") and "," in url:
-                try:
-                    width, height = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size
-                    tokens += max(1, math.ceil(width / 28) * math.ceil(height / 28))
-                except (binascii.Error, OSError, ValueError):
-                    tokens += 1  # the prefill instance will name what is wrong with it
-    return tokens
+from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens
 
 
 def continuation_fields(body: dict) -> dict:
@@ -92,10 +56,18 @@ def continuation_fields(body: dict) -> dict:
 
 
 class Router:
+    """The router's routes over its pools: `engine_urls` (whole requests), or encoder, prefill and decode URLs."""
+
     def __init__(self, encoder_urls: list[str], prefill_urls: list[str], decode_urls: list[str],
-                 peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20):
-        self.pools = {role: Pool(role, urls) for role, urls in
-                      (("encoder", encoder_urls), ("prefill", prefill_urls), ("decode", decode_urls))}
+                 peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20, engine_urls: list[str] = ()):
+        if engine_urls and (encoder_urls or prefill_urls or decode_urls):
+            raise ValueError("a router sends whole requests to engines (--engine-url, each with its own "
+                             "--encoder-url if any) or splits them (--prefill-url, --decode-url), not both")
+        self.whole = bool(engine_urls)
+        roles = [("engine", engine_urls)] if self.whole else \
+            [("encoder", encoder_urls), ("prefill", prefill_urls), ("decode", decode_urls)]
+        self.pools = {role: Pool(role, list(urls)) for role, urls in roles}
+        self.answering = self.pools["engine" if self.whole else "decode"]  # the pool whose answers go to clients
         self.peer_timeout_s, self.max_body_bytes = peer_timeout_s, max_body_bytes
         self.registry = CollectorRegistry()
         self.requests = Counter("nanomm_router_requests", "requests routed, by outcome", ["outcome"],
@@ -124,29 +96,31 @@ class Router:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        if not self.pools["decode"].urls:
-            return self._fail("no decode instance is configured", 503)
+        pool = self.answering
+        if not pool.urls:
+            return self._fail(f"no {pool.role} instance is configured", 503)
         try:
-            answer = await self.client.get(self.pools["decode"].urls[0] + "/v1/models")
+            answer = await self.client.get(pool.urls[0] + "/v1/models")
         except httpx.HTTPError as exc:
-            return self._fail(f"the decode instance did not answer ({type(exc).__name__})", 502)
+            return self._fail(f"the {pool.role} instance did not answer ({type(exc).__name__})", 502)
         return Response(answer.content, answer.status_code, media_type="application/json")
 
     async def route(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        for role in ("prefill", "decode"):
-            if not self.pools[role].urls:
+        for role, pool in self.pools.items():
+            if role != "encoder" and not pool.urls:
                 return self._fail(f"the router has no {role} instance", 503)
         body = await self._read_body(request)
         if isinstance(body, Response):
             return body
-        handoff = await self._prefill(request.url.path, body)
+        path = request.url.path
+        if self.whole:
+            return await self._pass_through(self.pools["engine"], path, body, arrival, estimated_prompt_tokens(body))
+        handoff = await self._prefill(path, body)
         if isinstance(handoff, Response):
             return handoff
         decode_body = {**continuation_fields(body), "kv_transfer_params": handoff}
-        if body.get("stream"):
-            return await self._stream_from_decode(request.url.path, decode_body, arrival)
-        return await self._answer_from_decode(request.url.path, decode_body, arrival)
+        return await self._pass_through(self.pools["decode"], path, decode_body, arrival, work=1)
 
     async def _read_body(self, request: Request) -> dict | Response:
         """The client's JSON object, or the error to answer with (413 past max_body_bytes, 400 not an object)."""
@@ -184,34 +158,39 @@ class Router:
         handoff["remote_url"] = prefill  # where the decode instance pulls the KV from
         return handoff
 
-    async def _answer_from_decode(self, path: str, body: dict, arrival: float) -> Response:
-        decodes = self.pools["decode"]
-        decode = decodes.pick(1)
+    async def _pass_through(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
+        """The last hop: `body` to the pool's least loaded instance, charged `work` until its answer ends; the
+        answer, streamed or not, goes back to the client as it comes."""
+        if body.get("stream"):
+            return await self._stream_from(pool, path, body, arrival, work)
+        return await self._answer_from(pool, path, body, arrival, work)
+
+    async def _answer_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
+        url = pool.pick(work)
         try:
-            answer = await self.client.post(decode + path, json=body)
+            answer = await self.client.post(url + path, json=body)
         except httpx.HTTPError as exc:
-            return self._peer_failed("decode", decode, exc)
+            return self._peer_failed(pool.role, url, exc)
         finally:
-            decodes.done(decode, 1)
+            pool.done(url, work)
         self.requests.labels(outcome=str(answer.status_code)).inc()
         if answer.status_code == 200:
             self.ttft.observe(time.perf_counter() - arrival)
         return Response(answer.content, answer.status_code, media_type="application/json")
 
-    async def _stream_from_decode(self, path: str, body: dict, arrival: float) -> Response:
-        """Hop 2, streamed: the decode instance's events passed through as they come; a peer that dies or goes
-        quiet for peer_timeout_s ends the stream with an error event."""
-        decodes = self.pools["decode"]
-        decode = decodes.pick(1)
+    async def _stream_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
+        """The instance's events passed through as they come; a peer that dies or goes quiet for peer_timeout_s
+        ends the stream with an error event."""
+        url = pool.pick(work)
         try:
-            upstream = await self.client.send(self.client.build_request("POST", decode + path, json=body), stream=True)
+            upstream = await self.client.send(self.client.build_request("POST", url + path, json=body), stream=True)
         except httpx.HTTPError as exc:
-            decodes.done(decode, 1)
-            return self._peer_failed("decode", decode, exc)
+            pool.done(url, work)
+            return self._peer_failed(pool.role, url, exc)
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            decodes.done(decode, 1)
+            pool.done(url, work)
             self.requests.labels(outcome=str(upstream.status_code)).inc()
             return Response(content, upstream.status_code, media_type="application/json")
 
@@ -226,11 +205,11 @@ class Router:
                 self.requests.labels(outcome="200").inc()
             except httpx.HTTPError as exc:
                 self.requests.labels(outcome="peer_failed").inc()
-                message = f"the decode instance at {decode} failed mid-stream ({type(exc).__name__}: {exc})"
+                message = f"the {pool.role} instance at {url} failed mid-stream ({type(exc).__name__}: {exc})"
                 yield f"data: {json.dumps(protocol.error_body(message, 502))}\n\n".encode()
             finally:
                 await upstream.aclose()
-                decodes.done(decode, 1)
+                pool.done(url, work)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -248,9 +227,13 @@ class _PoolCollector:
         self.pools = pools
 
     def collect(self):
-        family = GaugeMetricFamily("nanomm_router_outstanding_work", "work each instance holds now: visual tokens "
-                                   "(encoder, prefill) or sequences (decode)", labels=["role", "url"])
+        work = GaugeMetricFamily("nanomm_router_outstanding_work", "work each instance holds now: visual tokens "
+                                 "(encoder, prefill), sequences (decode) or prompt tokens (engine)",
+                                 labels=["role", "url"])
+        routed = CounterMetricFamily("nanomm_router_routed", "requests sent to each instance", labels=["role", "url"])
         for role, pool in self.pools.items():
-            for url, work in pool.outstanding.items():
-                family.add_metric([role, url], work)
-        yield family
+            for url in pool.urls:
+                work.add_metric([role, url], pool.outstanding[url])
+                routed.add_metric([role, url], pool.routed[url])
+        yield work
+        yield routed

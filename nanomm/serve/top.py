@@ -44,7 +44,7 @@ from nanomm.serve.metrics import TTFT_STAGES
 MONITORING = Path(__file__).parent / "monitoring"
 MONITORING_FILES = ("rules.yml", "rules_test.yml", "dashboard.json", "prometheus.yml")
 ROUTER_METRIC = "nanomm_router_outstanding_work"
-POOL_ORDER = ("encoder", "prefill", "decode")
+POOL_ORDER = ("encoder", "prefill", "decode", "engine")
 TTFT = "nanomm_time_to_first_token_seconds"
 FRAME_WIDTH = 120  # --once into a pipe or a file: lines this long, not wrapped at 80
 
@@ -125,7 +125,7 @@ def parse_metrics(url: str, text: str, taken_at: float, role: str | None = None)
 
 
 def router_instances(router: Snapshot) -> list[tuple[str, str, float]]:
-    """(role, url, outstanding work) of each instance a router names, pool by pool (encoder, prefill, decode)."""
+    """(role, url, outstanding work) of each instance a router names, pool by pool (encoder, prefill, decode; or engine)."""
     seen, instances = set(), []
     for labels, work in router.samples.get(ROUTER_METRIC, {}).items():
         role, url = dict(labels).get("role", "?"), dict(labels).get("url", "")
