@@ -38,6 +38,8 @@ class Gpu:
 
 GPUS = {  # FLOP/s and bytes/s: the vendors' datasheets (SXM parts); memory: the total nvidia-smi reports, in GiB
     "h100": Gpu("NVIDIA H100 SXM", 989e12, 3.35e12, 81559 / 1024),
+    # the H800 is the H100 sold into China with a narrower NVLink (400 GB/s, not 900): the same FLOP/s and HBM
+    "h800": Gpu("NVIDIA H800 SXM", 989e12, 3.35e12, 81559 / 1024),
     "h200": Gpu("NVIDIA H200 SXM", 989e12, 4.8e12, 143771 / 1024),  # nanomm's own H200 run (BENCHMARKS.md)
     "a100": Gpu("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 81920 / 1024),
     "l4": Gpu("NVIDIA L4", 121e12, 300e9, 23034 / 1024),
@@ -59,6 +61,7 @@ class ModelShape:
     vision_window_patches: int  # patches a windowed block attends within (0: every block sees the whole image)
     vision_full_blocks: int  # blocks that attend over the whole image (all of them when not windowed)
     visual_token_bytes: int  # one visual token as it crosses to the language model
+    lm_head_params: int = 0  # part of lm_params, multiplied only for the rows that sample (0: on every row)
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,26 @@ class CostModel:
 
     def step_seconds(self, runs: list[tuple[int, int]]) -> float:
         """One forward of the language model over runs of (new tokens, context length after them): a prompt
-        chunk or a decode each. Nothing runs: no time."""
+        chunk or a decode each, with the host's work around it. Nothing runs: no time."""
         if not runs:
             return 0.0
-        s, e = self.shape, self.efficiency
+        return self.efficiency.step_floor_s + self.step_kernel_seconds(runs)
+
+    def step_kernel_seconds(self, runs: list[tuple[int, int]]) -> float:
+        """The GPU's kernels alone for that step: each layer's small kernels plus the roofline (what a
+        profiler's kernel sum measures, without the launch gaps and the host's work)."""
+        if not runs:
+            return 0.0
+        s = self.shape
         tokens = sum(new for new, _ in runs)
+        sampled_rows = len(runs)  # a decode's token, or a prompt chunk's last row, goes through the LM head
         # each new token attends to its context: the run's new tokens see on average context - (new - 1) / 2 keys
         attended = sum(new * (context - (new - 1) / 2) for new, context in runs)
-        flops = 2 * s.lm_params * tokens + 4 * s.layers * s.attention_width * attended
+        body_params = s.lm_params - s.lm_head_params
+        flops = (2 * body_params * tokens + 2 * s.lm_head_params * sampled_rows
+                 + 4 * s.layers * s.attention_width * attended)
         num_bytes = s.lm_weight_bytes + sum(context for _, context in runs) * s.kv_bytes_per_token
-        return e.step_floor_s + e.step_floor_per_layer_s * s.layers + self._roofline(flops, num_bytes)
+        return self.efficiency.step_floor_per_layer_s * s.layers + self._roofline(flops, num_bytes)
 
     def encode_seconds(self, patches_per_image: list[int]) -> float:
         """One vision forward over pictures of these patch counts (before the 2x2 merge), batched."""
