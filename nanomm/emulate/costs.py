@@ -6,20 +6,31 @@ One module in plain Python (no torch), so that any tool can share its formulas; 
 (emulate/runner.py) runs on it, and so does the topology simulator's engine-faithful mode
 (nanomm/sim/twin.py, `nanomm-bench simulate --emulate`). Every figure is a roofline with a floor:
 
-    step    = floor + max(FLOPs / (peak x compute_efficiency), bytes / (bandwidth x bandwidth_efficiency))
-    FLOPs   = 2 x LM parameters x tokens + 4 x layers x attention width x sum over runs of new x mean context
+    step    = floor + layers x per-layer floor + max(FLOPs / (peak x compute_efficiency),
+                                                     bytes / (bandwidth x bandwidth_efficiency))
+    FLOPs   = 2 x LM parameters x tokens (the head's only for the rows that sample)
+              + 4 x layers x attention width x sum over runs of new x mean context
     bytes   = LM weight bytes (read once a step) + sum over runs of context x KV bytes per token
     encode  = encode_floor + max(tower FLOPs / ..., tower weight bytes / ...), per batch of pictures
     tower   = 2 x vision parameters x patches + 4 x depth x vision width x patches x the patches each attends to
     link    = bytes / link bandwidth + link latency
 
-The floor is what a real engine pays whatever the batch: kernel launches, the host's scheduling and sampling.
-Rooflines alone make a 2B model on an H200 answer in microseconds; engines take milliseconds. Defaults, and
-where each comes from:
+The step's kernels (`step_kernel_seconds`) are the per-layer floor and the roofline; the floor is what a real
+engine pays around them whatever the batch: launch gaps, the host's scheduling and sampling. Rooflines alone make
+a 2B model on an H200 answer in microseconds; engines take milliseconds. Defaults, and where each comes from
+(tests/test_published_costs.py holds the published points and checks every one within 15%):
 - peak dense bf16 FLOP/s, HBM bytes/s and memory: the vendors' datasheets (GPUS);
-- compute 50% and bandwidth 70% of peak: assumed, typical of tuned serving kernels at large batches;
-- step floor 1 ms + 30 us a layer: assumed, the order of nanomm's own H200 run (BENCHMARKS.md: a one-layer
-  2B-wide decode step took 0.84 ms median, nearly all of it fixed cost);
+- bandwidth 80% of peak: Vidur's profiled kernel sums of a Llama-2-7B decode step at context 1,024
+  (microsoft/vidur data/profiling, TP1) need 0.78-0.82 on both H100 and A100 for batches 1 to 128 to come within
+  15% together (H100's batch 128, where the KV reads dominate, needs at least 0.78; A100's batch 8 at most
+  0.82); one figure for all sizes: the one 2B point below cannot tell a lower small-model efficiency from the floor;
+- compute 55% of peak: the same profiles' H100 prefills of 512 and 2,048 tokens imply 0.55 and 0.59;
+- per-layer floor 20 us: the small kernels a roofline does not see, in the same profiles (two RMSNorms, rotary,
+  SiLU-and-mul and the residual add: 19 us a layer on H100, 24-31 us on A100, at 1-128 tokens);
+- step floor 0.7 ms: what vLLM's median TPOT for Qwen2-VL-2B on an H800 at one request (2.42 ms, vLLM PR #51349
+  as quoted in issue 65) leaves after the kernels above (1.72 ms): launch gaps and host work;
+- the encode floor 1 ms: assumed; the one published tower time found (vLLM issue 41267: Qwen2.5-VL-7B, H100,
+  1080p, 167 ms with preprocessing) only bounds the tower's 32 ms from above;
 - a 200 Gb/s link (25 GB/s) with 50 us latency: a common datacenter NIC.
 A cost file measured on a real GPU (`CostModel.with_cost_file`) replaces any of them.
 """
@@ -66,10 +77,10 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Efficiency:
-    compute: float = 0.5
-    bandwidth: float = 0.7
-    step_floor_s: float = 1e-3
-    step_floor_per_layer_s: float = 30e-6
+    compute: float = 0.55
+    bandwidth: float = 0.8
+    step_floor_s: float = 0.7e-3  # launch gaps and host work: not kernel time
+    step_floor_per_layer_s: float = 20e-6  # each layer's small kernels: kernel time
     encode_floor_s: float = 1e-3
     link_bytes_per_s: float = 25e9
     link_latency_s: float = 50e-6
