@@ -151,7 +151,7 @@ def test_a_small_kv_budget_preempts_and_the_answers_do_not_change(slept):
 
 @pytest.mark.parametrize("value", ["h300:qwen2-vl-2b", "h200:llama-3-8b", "h200", "qwen2-vl-2b:h200", ""])
 def test_a_bad_emulate_value_is_an_error_naming_the_known_ones(value):
-    with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'l4'\] and MODEL one of "
+    with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'h800', 'l4'\] and MODEL one of "
                                          r"\['qwen2-vl-2b', 'qwen2.5-vl-3b', 'qwen3-vl-2b'\]"):
         LLM(emulate=value)
 
