@@ -82,6 +82,21 @@ def test_the_cost_model_by_hand():
     # weight bytes: compute bound
     assert costs.encode_seconds([100]) == pytest.approx(2e-3 + (2e10 + 1.6e7) / 5e11)
     assert costs.transfer_seconds(10**6) == pytest.approx(1e-3 + 1e-4)
+    assert costs.step_kernel_seconds([(1, 100)]) == pytest.approx(costs.step_seconds([(1, 100)]) - 1e-3)
+
+
+def test_the_lm_head_is_charged_only_for_the_rows_that_sample():
+    """A 1000-token prompt chunk samples one row: of 1e9 parameters, the head's 1e8 multiply one row only."""
+    gpu = Gpu("test", bf16_flops=1e12, hbm_bytes_per_s=1e11, memory_gib=10)
+    shape = ModelShape(lm_params=10**9, lm_weight_bytes=2 * 10**9, layers=10, attention_width=1000,
+                       kv_bytes_per_token=1000, vision_params=0, vision_weight_bytes=0, vision_depth=0,
+                       vision_width=0, vision_window_patches=0, vision_full_blocks=0, visual_token_bytes=0,
+                       lm_head_params=10**8)
+    costs = CostModel(gpu, shape, Efficiency(compute=0.5, bandwidth=0.5, step_floor_per_layer_s=0))
+    attention = 4 * 10 * 1000 * 1000 * (1000 - 499.5)
+    assert costs.step_kernel_seconds([(1000, 1000)]) == pytest.approx((2 * 9e8 * 1000 + 2e8 + attention) / 5e11)
+    two_decodes = 2 * 10**9 * 2 + 4 * 10 * 1000 * 2 * 100  # every row samples: the whole model on both
+    assert costs.step_kernel_seconds([(1, 100)] * 2) == pytest.approx(max(two_decodes / 5e11, (2e9 + 2e5) / 5e10))
 
 
 HUB_PARAMETERS = {  # each model's size as its hub page states it (safetensors, billions, three figures)
@@ -148,7 +163,7 @@ def test_a_small_kv_budget_preempts_and_the_answers_do_not_change(slept):
 
 @pytest.mark.parametrize("value", ["h300:qwen2-vl-2b", "h200:llama-3-8b", "h200", "qwen2-vl-2b:h200", ""])
 def test_a_bad_emulate_value_is_an_error_naming_the_known_ones(value):
-    with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'l4'\] and MODEL one of "
+    with pytest.raises(ValueError, match=r"GPU one of \['a100', 'h100', 'h200', 'h800', 'l4'\] and MODEL one of "
                                          r"\['qwen2-vl-2b', 'qwen2.5-vl-3b', 'qwen3-vl-2b', 'qwen3-vl-4b'\]"):
         LLM(emulate=value)
 

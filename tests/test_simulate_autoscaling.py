@@ -78,7 +78,9 @@ def test_the_load_policy_grows_encoders_and_prefill_under_pictures_sooner_than_t
         runs[policy] = (result, summarize(result, ["burst"] * len(requests), ["burst"], 2.0, 0.05))
     timeline = runs["load"][0]["timeline"]
     peak = {pool: max(s[pool] for s in timeline) for pool in ("encoder", "prefill", "decode")}
-    assert peak["encoder"] >= 2 and peak["prefill"] >= 3 and peak["decode"] == 1
+    # at 3.5 pictures a second, a 2,520-token prefill of about 0.23 s on the L4 (and a tower about as long) keeps
+    # 3.5 x 0.23 = 0.8 of a replica busy: at utilization 0.5 the policy asks for 2 of each
+    assert peak["encoder"] >= 2 and peak["prefill"] >= 2 and peak["decode"] == 1
 
     def second_prefill_at(policy):
         return next(s["t"] for s in runs[policy][0]["timeline"] if s["prefill"] >= 2)

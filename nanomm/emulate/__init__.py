@@ -64,14 +64,15 @@ def _params(module: torch.nn.Module, skip: tuple = ()) -> int:
 
 
 def model_shape(config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape:
-    """The cost model's view of a model: parameters a step multiplies (the decoder and the head; the embedding
-    is a lookup), the tower's, widths, and the bytes a token's KV (bfloat16, or an fp8 cache) and a visual token
+    """The cost model's view of a model: parameters a step multiplies (the decoder and the head, which only the
+    sampled rows go through; the embedding is a lookup), the tower's, widths, and the bytes a token's KV (bfloat16, or an fp8 cache) and a visual token
     take."""
     from nanomm.planner import meta_model  # the module tree on the meta device: shapes, no memory
 
     model = meta_model(config)
     lm = model.language_model
-    lm_params = _params(lm, skip=(lm.embed_tokens,)) + model.lm_head.weight.numel()
+    lm_head_params = model.lm_head.weight.numel()
+    lm_params = _params(lm, skip=(lm.embed_tokens,)) + lm_head_params
     vision = config.vision
     size = WEIGHT_DTYPE.itemsize
     window = (vision.window_size // vision.patch_size) ** 2 if vision.window_size else 0
@@ -86,7 +87,8 @@ def model_shape(config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape
                                               WEIGHT_DTYPE, kv_cache_dtype),
         vision_params=vision_params, vision_weight_bytes=vision_params * size,
         vision_depth=vision.depth, vision_width=vision.embed_dim, vision_window_patches=window,
-        vision_full_blocks=full_blocks, visual_token_bytes=levels * text.hidden_size * size)
+        vision_full_blocks=full_blocks, visual_token_bytes=levels * text.hidden_size * size,
+        lm_head_params=lm_head_params)
 
 
 # -- the twin ------------------------------------------------------------------------------------------------------
