@@ -43,7 +43,8 @@ def wait_until(condition, what: str) -> None:
 
 def pictures(service, sizes, first_seed: int) -> list:
     """Preprocessed random pictures of these (width, height), one seed each."""
-    return [preprocess_image(random_image(w, h, first_seed + i), service.image_config) for i, (w, h) in enumerate(sizes)]
+    return [preprocess_image(random_image(w, h, first_seed + i), service.image_config)
+            for i, (w, h) in enumerate(sizes)]
 
 
 def post(url: str, body: bytes) -> httpx.Response:

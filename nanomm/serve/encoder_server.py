@@ -18,14 +18,15 @@ What is checked before any compute (a 400 naming it): the body's format, each im
 and the model's merge size, the compression policy, and that the preprocessing constants are this model's (an
 engine preprocessing for another model would get tokens that mean nothing to it).
 
-One thread owns the tower (`TowerBatches`); each call waits on its own future, and the event loop keeps
-answering /health and /metrics while the tower works. The pictures of calls that arrive while the tower is busy
-are gathered into the next vision forward, up to `max_num_encoder_tokens` visual tokens (the engine's name for its
-tower's budget per step; a picture larger than the budget goes alone), and each call gets back exactly its own
-pictures' tokens: the tower attends within each picture, so a picture's tokens are the same alone or batched. A
-picture the cache holds, or that another call's batch is already encoding, is not encoded again. A call's bad
-input is refused before it joins a batch, so it never fails its batch-mates. The language model's decoder layers
-are dropped at load: this instance never runs them.
+One thread owns the tower (`TowerBatches`). Each call waits on its own future, holding no thread, and the event
+loop keeps answering /health and /metrics while the tower works. The pictures of calls that arrive while the
+tower is busy go into its next vision forward, up to `max_num_encoder_tokens` visual tokens (the name of an
+engine's tower budget per step; a picture larger than the budget goes alone), and each call gets exactly its own
+pictures' tokens back. The tower attends within each picture, so those are the tokens it gets alone (bit for bit
+on the CPU, tests/test_encoder_batching.py; a GPU may pick other matmul kernels for another batch size). A
+picture the cache holds, or that another call already queued, is not encoded again. A bad body is refused
+before its pictures join a batch, so it never fails its batch-mates. The language model's decoder layers are
+dropped at load: this instance never runs them.
 
 The content hash is the client's word: the service trusts the engines that call it (it runs inside the
 deployment, like vLLM's encoder-cache connector), and binds 127.0.0.1 unless told otherwise.
