@@ -94,7 +94,7 @@ class EncoderService:
                                    "calls that waited for the tower", registry=self.registry)
         self.batch_images = Histogram("nanomm_encoder_batch_images", "pictures per vision forward",
                                       buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
-        self.registry.register(_CacheCollector(self.cache))
+        self.registry.register(_CacheCollector(self.batches))
         self.registry.register(HostCPUCollector())
 
     def encode(self, body: bytes) -> bytes:
@@ -257,6 +257,11 @@ class TowerBatches:
         with self._lock:
             return len(self._queue)
 
+    def cache_stats(self) -> dict:
+        """The cache's counters (`EncoderCache.stats`), read while the tower's thread changes nothing."""
+        with self._lock:
+            return self.cache.stats()
+
     def ask(self, pictures: dict) -> PendingTokens:
         """The tokens of these pictures ({cache key: picture}), to come (wait on `.done`, from a thread or, with
         asyncio.wrap_future, from the event loop)."""
@@ -354,11 +359,11 @@ def _tuple(value):
 
 
 class _CacheCollector:
-    def __init__(self, cache: EncoderCache):
-        self.cache = cache
+    def __init__(self, batches: "TowerBatches"):
+        self.batches = batches
 
     def collect(self):
-        for key, value in self.cache.stats().items():
+        for key, value in self.batches.cache_stats().items():
             family = GaugeMetricFamily(f"nanomm_{key}", f"the encoder service's cache: {key.replace('_', ' ')}")
             family.add_metric([], float(value))
             yield family
