@@ -277,7 +277,8 @@ def test_an_emulated_encoder_service_feeds_an_emulated_engine(slept):
     assert float(sent.split()[-1]) == real_bytes
     assert "nanomm_encoder_visual_tokens_total 512.0" in metrics
     costs = split.emulated.costs
-    assert service.tower.seconds == [costs.encode_seconds([1024])] * 2  # each request's picture, fetched ahead
+    assert sorted(sum(service.tower.patches, [])) == [1024, 1024]  # each request's picture, fetched ahead
+    assert service.tower.seconds == [costs.encode_seconds(batch) for batch in service.tower.patches]  # a batch's time
     assert slept.count(costs.transfer_seconds(real_bytes // 2)) >= 2  # each one's link time, waited by the engine
 
 

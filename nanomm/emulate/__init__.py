@@ -102,10 +102,14 @@ class EmulatedTower:
     def __init__(self, costs: CostModel, sleep=time.sleep):
         self.costs, self.sleep = costs, sleep
         self.seconds: list[float] = []  # the last 1,000 calls' times, for the tests
+        self.patches: list[list[int]] = []  # and each one's pictures' patch counts
 
     def __call__(self, images: list) -> list[VisualTokens]:
-        seconds = self.costs.encode_seconds([math.prod(im.grid_thw) for im in images])
+        """One vision forward over a batch: one encode floor for all its pictures (`CostModel.encode_seconds`)."""
+        patches = [math.prod(im.grid_thw) for im in images]
+        seconds = self.costs.encode_seconds(patches)
         self.seconds = (self.seconds + [seconds])[-1000:]
+        self.patches = (self.patches + [patches])[-1000:]
         self.sleep(seconds)
         return [VisualTokens(wire_placeholder(im.num_tokens), None) for im in images]
 

@@ -64,8 +64,10 @@ def _encoder_service(spec: InstanceSpec):
 
     args = spec.engine_args
     if args.get("emulate"):
-        return load_emulated_encoder(args["emulate"], args.get("max_pixels"), args.get("emulate_cost_file"))
-    return load_encoder(spec.model, args.get("device"), args.get("dtype"), args.get("max_pixels"))
+        return load_emulated_encoder(args["emulate"], args.get("max_pixels"), args.get("emulate_cost_file"),
+                                     max_num_encoder_tokens=args.get("max_num_encoder_tokens"))
+    return load_encoder(spec.model, args.get("device"), args.get("dtype"), args.get("max_pixels"),
+                        args.get("max_num_encoder_tokens"))
 
 
 # -- the command ----------------------------------------------------------------------------------------------
@@ -95,6 +97,10 @@ def parse_args(argv=None):
     p.add_argument("--device"), p.add_argument("--dtype")
     p.add_argument("--max-model-len", type=int), p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-pixels", type=int, help="the engine's pixel cap per image")
+    p.add_argument("--max-num-encoder-tokens", type=int, metavar="TOKENS",
+                   help="visual tokens one vision forward encodes at most, a larger picture alone: an engine's "
+                        "per step (default: its token budget), an encoder's per batch of concurrent requests' "
+                        "pictures (default 2048)")
     p.add_argument("--generation-config", default="auto", help="'auto', 'vllm' or a folder (as in vLLM)")
     p.add_argument("--max-pending-requests", type=int, default=256, help="in flight before a 503")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
@@ -196,7 +202,8 @@ def instance_spec(args, console) -> InstanceSpec:
 def engine_args(args) -> dict:
     """The command's options that are LLM's arguments (an engine instance's; the encoder reads its share)."""
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels, generation_config=args.generation_config,
+                max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels,
+                max_num_encoder_tokens=args.max_num_encoder_tokens, generation_config=args.generation_config,
                 encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
                 kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,
                 emulate_cost_file=args.emulate_cost_file, media_io_kwargs=args.media_io_kwargs,
