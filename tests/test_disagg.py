@@ -3,6 +3,7 @@ an engine with an encoder service runs no tower (transfer.py). The oracle is one
 engine, and the dense reference behind it: the same token ids and the same logprobs, whatever the split.
 The real processes, the router and the faults across processes are tests/test_disagg_processes.py."""
 
+import base64
 import io
 import json
 import shutil
@@ -13,6 +14,7 @@ import time
 import httpx
 import pytest
 import torch
+from PIL import Image
 
 from helpers import chat_prompt, data_url, random_image, random_workload, reference_tokens, run_to_completion
 from nanomm import LLM, InvalidInputError, SamplingParams
@@ -21,7 +23,8 @@ from nanomm.errors import PeerError
 from nanomm.serve.app import Server, ServerConfig
 from nanomm.serve.encoder_server import EncoderServer, load_encoder
 from nanomm.serve.router import Router
-from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens
+from nanomm.serve.router_pools import (HEADER_BASE64_CHARS, Pool, estimated_prompt_tokens, estimated_visual_tokens,
+                                       picture_size)
 from nanomm.serve.testing import BackgroundServer, free_local_port
 from nanomm.transfer import HttpKVConnector, expect
 
@@ -427,6 +430,21 @@ def test_a_request_brings_its_prompt_tokens_as_its_work():
     assert estimated_visual_tokens(chat) == 4 * 3  # 112 x 84 pixels: 4 x 3 tokens of 28 x 28
     assert estimated_prompt_tokens(chat) == 12 + 3  # and 12 characters of text
     assert estimated_prompt_tokens({"prompt": "z" * 40}) == 10 and estimated_prompt_tokens({"prompt": ""}) == 1
+
+
+def test_the_router_reads_a_picture_s_size_from_its_first_bytes_only():
+    """A payload whose tail past the header is not even base64 still gives its size: the router never decodes a
+    whole picture it forwards. A JPEG whose size comes after a 20 KB EXIF block is read whole."""
+    buffer = io.BytesIO()
+    random_image(640, 480, 2).save(buffer, "PNG")
+    payload = base64.b64encode(buffer.getvalue()).decode()
+    assert len(payload) > 2 * HEADER_BASE64_CHARS
+    assert picture_size(payload[:HEADER_BASE64_CHARS] + "!" * len(payload)) == (640, 480)
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 20_000  # ImageDescription
+    buffer = io.BytesIO()
+    random_image(300, 200, 3).save(buffer, "JPEG", exif=exif)
+    assert picture_size(base64.b64encode(buffer.getvalue()).decode()) == (300, 200)
 
 
 @pytest.mark.parametrize("bad", [dict(encoder_urls=["http://e"]), dict(prefill_urls=["http://p"])])

@@ -177,7 +177,7 @@ async def encoder_cache_probe(base: str, picture: dict, record) -> None:
     """One streamed request whose text comes before `picture` (an image_url part), read by load.send_one."""
     body = {"model": "load", "stream": True, "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Something else first."}, picture]}]}
-    async with load.httpx.AsyncClient(base_url=base, timeout=60) as http:
+    async with load.client_session(base, 60) as http:
         await load.send_one(http, json.dumps(body).encode(), record, lambda: 0.0)
 
 

@@ -67,6 +67,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 import torch
 from PIL import Image
@@ -152,20 +153,29 @@ def request_body(entry: MixEntry, rng: random.Random, model: str, max_tokens: in
             "messages": [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]}
 
 
-async def send_one(http: httpx.AsyncClient, body: bytes, record: RequestRecord, clock,
+def client_session(url: str, timeout_s: float) -> aiohttp.ClientSession:
+    """The load generator's HTTP client: a fresh connection per request, as from independent users (a kept-alive
+    connection that the server closes for idleness just as a request goes out on it would fail that request).
+    aiohttp, whose C parser reads a stream for about a third of httpx's CPU, which the run would otherwise count
+    against the host."""
+    return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def send_one(http: aiohttp.ClientSession, body: bytes, record: RequestRecord, clock,
                    texts: list[str] | None = None) -> None:
     """Send a JSON body at record.sent_at, read the stream to [DONE]; fill in when each part arrived, or the error.
     texts: if given, each streamed piece of the (first) answer's text is appended to it."""
     await asyncio.sleep(max(0.0, record.sent_at - clock()))
     record.sent_at = clock()  # the actual send time (the event loop may be a little late)
     try:
-        async with http.stream("POST", "/v1/chat/completions", content=body,
-                               headers={"content-type": "application/json"}) as answer:
-            if answer.status_code != 200:
-                record.error = f"HTTP {answer.status_code}: {(await answer.aread()).decode()[:200]}"
+        async with http.post("/v1/chat/completions", data=body,
+                             headers={"content-type": "application/json"}) as answer:
+            if answer.status != 200:
+                record.error = f"HTTP {answer.status}: {(await answer.read()).decode()[:200]}"
                 return
             buffer = b""
-            async for piece in answer.aiter_bytes():
+            async for piece in answer.content.iter_any():
                 *events, buffer = (buffer + piece).split(b"\n\n")
                 for event in events:
                     if needs_reading(event, record, texts) and not read_event(json.loads(event[6:]), record, clock,
@@ -174,7 +184,7 @@ async def send_one(http: httpx.AsyncClient, body: bytes, record: RequestRecord, 
             record.finished_at = clock()
             if record.first_token_at is None or not record.completion_tokens:
                 record.error = "the stream ended without a token or without its usage chunk"
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
 
 
@@ -235,10 +245,7 @@ async def run_schedule(url: str, model: str, schedule: list[Arrival], rng: rando
     bodies = [json.dumps(request_body(a.entry, rng, model, a.max_tokens, pictures)).encode() for a in schedule]
     records = [RequestRecord(a.at, a.entry.num_images, body_bytes=len(b), phase=a.phase)
                for a, b in zip(schedule, bodies)]
-    # A fresh connection per request, as from independent users: a kept-alive connection that the server closes
-    # for idleness (uvicorn: after 5 s) just as a request goes out on it fails that request (a ReadError).
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+    async with client_session(url, timeout_s) as http:
         if on_start is not None:
             on_start()
         start = time.monotonic()
@@ -484,7 +491,7 @@ def conversation_body(model: str, turns: list[UserTurn], answers: list[str], max
     return body
 
 
-async def run_session(http: httpx.AsyncClient, model: str, plan: SessionPlan, session: int, turns: list[UserTurn],
+async def run_session(http: aiohttp.ClientSession, model: str, plan: SessionPlan, session: int, turns: list[UserTurn],
                       clock) -> list[TurnRecord]:
     """One chat, a turn at a time: each turn is sent once the previous answer is in and its think time has
     passed. A failed turn ends the session (the next one has no answer to carry)."""
@@ -508,8 +515,7 @@ async def run_sessions(url: str, model: str, plan: SessionPlan, timeout_s: float
     """Every session at once, each a closed loop of its own (a user waits for the answer before the next
     question); the pictures are made first. The records, by session, then turn."""
     turns = [[user_turn(plan, s, t) for t in range(1, plan.turns + 1)] for s in range(plan.sessions)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # as run_schedule: fresh connections
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+    async with client_session(url, timeout_s) as http:
         start = time.monotonic()
 
         def clock():

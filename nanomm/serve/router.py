@@ -33,11 +33,12 @@ Failures never hang a client: an empty pool is a 503 at once; a peer that refuse
 the KV of a handoff nobody took, after its own timeout.
 """
 
+import asyncio
 import contextlib
 import json
 import time
 
-import httpx
+import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
@@ -48,6 +49,8 @@ from starlette.routing import Route
 from nanomm.serve import protocol
 from nanomm.serve.metrics import LATENCY_BUCKETS, HostCPUCollector
 from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens
+
+PEER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)  # a peer refused, reset, cut a stream or went quiet
 
 
 def continuation_fields(body: dict) -> dict:
@@ -76,7 +79,7 @@ class Router:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(self.pools))
         self.registry.register(HostCPUCollector())
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         routes = [Route("/v1/chat/completions", self.route, methods=["POST"]),
                   Route("/v1/completions", self.route, methods=["POST"]),
                   Route("/v1/models", self.models), Route("/health", self.health), Route("/metrics", self.scrape)]
@@ -84,8 +87,11 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        timeout = httpx.Timeout(self.peer_timeout_s, connect=min(5.0, self.peer_timeout_s))
-        async with httpx.AsyncClient(timeout=timeout) as self.client:
+        # aiohttp: its C parser passes a stream through for about a third of httpx's CPU a chunk. A peer has
+        # peer_timeout_s for each read (a stream may run for minutes); no cap on connections (the pools' own).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(5.0, self.peer_timeout_s),
+                                        sock_read=self.peer_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as self.client:
             yield
 
     async def health(self, request: Request) -> Response:
@@ -100,10 +106,10 @@ class Router:
         if not pool.urls:
             return self._fail(f"no {pool.role} instance is configured", 503)
         try:
-            answer = await self.client.get(pool.urls[0] + "/v1/models")
-        except httpx.HTTPError as exc:
+            status, content = await self._post_or_get("GET", pool.urls[0] + "/v1/models")
+        except PEER_ERRORS as exc:
             return self._fail(f"the {pool.role} instance did not answer ({type(exc).__name__})", 502)
-        return Response(answer.content, answer.status_code, media_type="application/json")
+        return Response(content, status, media_type="application/json")
 
     async def route(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -143,18 +149,18 @@ class Router:
         prefill = prefills.pick(work)
         instruction = {"do_remote_decode": True, **({"encoder_url": encoder} if encoder else {})}
         try:
-            answer = await self.client.post(prefill + path, json={**body, "stream": False,
-                                                                  "kv_transfer_params": instruction})
-        except httpx.HTTPError as exc:
+            status, content = await self._post_or_get("POST", prefill + path, {
+                **body, "stream": False, "kv_transfer_params": instruction})
+        except PEER_ERRORS as exc:
             return self._peer_failed("prefill", prefill, exc)
         finally:
             prefills.done(prefill, work)
             if encoder:
                 encoders.done(encoder, work)
-        if answer.status_code != 200:
-            self.requests.labels(outcome=str(answer.status_code)).inc()
-            return Response(answer.content, answer.status_code, media_type="application/json")
-        handoff = answer.json()["kv_transfer_params"]
+        if status != 200:
+            self.requests.labels(outcome=str(status)).inc()
+            return Response(content, status, media_type="application/json")
+        handoff = json.loads(content)["kv_transfer_params"]
         handoff["remote_url"] = prefill  # where the decode instance pulls the KV from
         return handoff
 
@@ -168,53 +174,59 @@ class Router:
     async def _answer_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
         url = pool.pick(work)
         try:
-            answer = await self.client.post(url + path, json=body)
-        except httpx.HTTPError as exc:
+            status, content = await self._post_or_get("POST", url + path, body)
+        except PEER_ERRORS as exc:
             return self._peer_failed(pool.role, url, exc)
         finally:
             pool.done(url, work)
-        self.requests.labels(outcome=str(answer.status_code)).inc()
-        if answer.status_code == 200:
+        self.requests.labels(outcome=str(status)).inc()
+        if status == 200:
             self.ttft.observe(time.perf_counter() - arrival)
-        return Response(answer.content, answer.status_code, media_type="application/json")
+        return Response(content, status, media_type="application/json")
+
+    async def _post_or_get(self, method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
+        """One whole exchange with a peer: its status and body."""
+        async with self.client.request(method, url, json=body) as answer:
+            return answer.status, await answer.read()
 
     async def _stream_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
         """The instance's events passed through as they come; a peer that dies or goes quiet for peer_timeout_s
         ends the stream with an error event."""
         url = pool.pick(work)
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url + path, json=body), stream=True)
-        except httpx.HTTPError as exc:
+            upstream = await self.client.post(url + path, json=body)
+            status = upstream.status
+            content = await upstream.read() if status != 200 else b""
+        except PEER_ERRORS as exc:
             pool.done(url, work)
             return self._peer_failed(pool.role, url, exc)
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
+        if status != 200:
+            upstream.release()
             pool.done(url, work)
-            self.requests.labels(outcome=str(upstream.status_code)).inc()
-            return Response(content, upstream.status_code, media_type="application/json")
+            self.requests.labels(outcome=str(status)).inc()
+            return Response(content, status, media_type="application/json")
 
         async def events():
             first = True
             try:
-                async for piece in upstream.aiter_raw():
+                async for piece in upstream.content.iter_any():
                     if first:
                         self.ttft.observe(time.perf_counter() - arrival)
                         first = False
                     yield piece
                 self.requests.labels(outcome="200").inc()
-            except httpx.HTTPError as exc:
+            except PEER_ERRORS as exc:
                 self.requests.labels(outcome="peer_failed").inc()
                 message = f"the {pool.role} instance at {url} failed mid-stream ({type(exc).__name__}: {exc})"
                 yield f"data: {json.dumps(protocol.error_body(message, 502))}\n\n".encode()
             finally:
-                await upstream.aclose()
+                upstream.close()  # a stream cut short (the client left) drops its connection too
                 pool.done(url, work)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def _peer_failed(self, role: str, url: str, exc: Exception) -> Response:
-        status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+        status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
         return self._fail(f"the {role} instance at {url} failed ({type(exc).__name__}: {exc})", status)
 
     def _fail(self, message: str, status: int) -> Response:

@@ -52,11 +52,26 @@ def estimated_visual_tokens(body: dict) -> float:
         url = (part.get("image_url") or {}).get("url", "")
         if isinstance(url, str) and url.startswith("data:") and "," in url:
             try:
-                width, height = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size
+                width, height = picture_size(url.split(",", 1)[1])
                 tokens += max(1, math.ceil(width / 28) * math.ceil(height / 28))
             except (binascii.Error, OSError, ValueError):
                 tokens += 1  # the instance will name what is wrong with it
     return tokens
+
+
+HEADER_BASE64_CHARS = 8192  # the first 6 KB of a picture: where PNG, JPEG, GIF and WebP state their size
+
+
+def picture_size(payload: str) -> tuple[int, int]:
+    """(width, height) of a base64 picture, from its first bytes: the router forwards pictures, it never decodes
+    a whole one. A header further in (a JPEG with a large EXIF block) is read from the whole payload."""
+    head = payload[:HEADER_BASE64_CHARS]
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(head))).size
+    except (binascii.Error, OSError, ValueError):
+        if len(head) == len(payload):
+            raise
+    return Image.open(io.BytesIO(base64.b64decode(payload))).size
 
 
 def estimated_prompt_tokens(body: dict) -> float:
