@@ -181,3 +181,21 @@ def test_for_twin_reads_the_emulated_device_s_cost_model_and_engine_limits():
     runs = [(512, 512), (1, 3000)]
     assert twin.device.step_seconds(runs) == device_costs.step_seconds(runs)
     assert twin.encode_s([256]) == device_costs.encode_seconds([1024])  # 2 x 2 patches a visual token
+
+
+def test_the_encoder_service_batches_the_jobs_waiting_within_its_budget():
+    """While the tower works on one job, three more arrive: the two that fit the 2,048-token budget together go
+    into the next forward, the third waits for the one after; each job's answer crosses on its own."""
+    twin = TwinCosts.for_twin("h200:qwen2-vl-2b", HostCosts())
+    clock, answered = se.EventClock(), []
+    service = se.EncoderService(clock, twin)
+    for tokens in ([256], [1024], [512, 512], [1024]):
+        service.submit(tokens, lambda t=tokens: answered.append((t, clock.now)))
+    clock.run()
+    batches = ([256], [1024, 512, 512], [1024])
+    assert service.busy_s == pytest.approx(sum(twin.encode_s(b) for b in batches))
+    assert sum(twin.encode_s(b) for b in batches) < sum(twin.encode_s(t) for t in ([256], [1024], [512, 512], [1024]))
+    first, second = twin.encode_s(batches[0]), twin.encode_s(batches[1])
+    assert [t for t, _ in answered] == [[256], [1024], [512, 512], [1024]]
+    assert answered[1][1] == pytest.approx(first + second + twin.visual_link_s([1024]))
+    assert answered[2][1] == pytest.approx(first + second + twin.visual_link_s([512, 512]))

@@ -146,7 +146,9 @@ class TwinRequest:  # one request's progress in the engine it is in
 
 
 class EncoderService:
-    """One job at a time, first come first served: a step's pictures; `then` runs when the answer has crossed."""
+    """First come first served, in batches: the jobs waiting when the tower frees (each a step's pictures) go into
+    one vision forward, up to the encoder budget (the first always goes), as nanomm's encoder service batches its
+    callers (serve/encoder_server.py); each job's `then` runs when its answer has crossed."""
 
     def __init__(self, clock, costs: TwinCosts):
         self.clock, self.costs, self.queue, self.busy, self.busy_s = clock, costs, deque(), False, 0.0
@@ -161,15 +163,24 @@ class EncoderService:
     def _start(self) -> None:
         if self.busy or not self.queue:
             return
-        image_tokens, then = self.queue.popleft()
-        seconds = self.costs.encode_s(image_tokens)
+        batch = [self.queue.popleft()]
+        tokens = sum(batch[0][0])
+        while self.queue and tokens + sum(self.queue[0][0]) <= self.costs.limits.encoder_budget:
+            tokens += sum(self.queue[0][0])
+            batch.append(self.queue.popleft())
+        seconds = self.costs.encode_s([t for image_tokens, _ in batch for t in image_tokens])
         self.busy, self.busy_s = True, self.busy_s + seconds
-        self.clock.at(self.clock.now + seconds, self.job_done, image_tokens, then)
+        self.clock.at(self.clock.now + seconds, self.batch_done, batch)
+
+    def batch_done(self, batch: list) -> None:
+        self.busy = False
+        for image_tokens, then in batch:
+            self.job_done(image_tokens, then)
+        self._start()
 
     def job_done(self, image_tokens: list[int], then) -> None:
-        self.busy = False
+        """One job's pictures are encoded: their tokens cross to the engine that asked."""
         self.clock.at(self.clock.now + self.costs.visual_link_s(image_tokens), then)
-        self._start()
 
 
 class TwinEngine:
