@@ -8,6 +8,8 @@
     nanomm-bench simulate --costs costs.json --replay load.json --topologies integrated 1e1p1d --slo-tpot 0.05
     nanomm-bench simulate --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \\
         --topologies integrated 1e1pd 1e1p1d 1e2p1d          # nanomm's scheduler on the twin's cost model
+    nanomm-bench simulate --emulate a100:qwen3-vl-4b --topologies dp4 1e3pd --mix 4x640x640:1 --text-tokens 400 \\
+        --output-tokens 150 --slo-ttft 20 --slo-tpot 0.1 --p99-goodput 1 64 --repeats 3   # vLLM's EPD experiment
 
 Lesson: lessons/13-three-topologies.md. The models are nanomm/sim/stages.py (StageCosts, a roofline sketch per
 stage) and, with --emulate, nanomm/sim/twin.py (nanomm's scheduler on the emulated device's cost model).
@@ -26,6 +28,7 @@ from nanomm.bench.cli import topology_arg
 from nanomm.emulate.costs import GPUS
 from nanomm.inputs.image import DEFAULT_MAX_PIXELS
 from nanomm.sim.stages import MODELS, SimResult, StageCosts, search_pools, simulate
+from nanomm.sim.sweep import highest_rate_within
 from nanomm.topology import SHAPES, parse_topology
 from nanomm.sim.twin import HostCosts, TwinCosts
 from nanomm.sim.workload import FACTOR, make_requests, requests_from_load
@@ -63,6 +66,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES, help="searched with --search")
     p.add_argument("--max-workers", type=int, default=8)
     p.add_argument("--target-share", type=float, default=0.9)
+    p.add_argument("--p99-goodput", nargs=2, type=float, metavar=("LOW", "HIGH"), help="instead of --rate: each "
+                   "topology's highest rate in [LOW, HIGH] whose P99 TTFT and P99 TPOT meet --slo-ttft and "
+                   "--slo-tpot (nanomm/sim/sweep.py)")
+    p.add_argument("--repeats", type=int, default=1, help="with --p99-goodput: runs of different arrivals and "
+                   "pictures (seeds --seed, --seed + 1, ...), each searched on its own")
     p.add_argument("--json", metavar="FILE")
 
 
@@ -94,10 +102,36 @@ def requests_by_rate(args, costs) -> dict:
                                 args.max_pixels, args.factor, body_bytes) for rate in args.rate}
 
 
+def p99_goodput(args, costs) -> list[dict]:
+    """Each topology's sustained rate (sweep.py), once per repeat; a line for each and one with the spread."""
+    print(f"{'topology':<11} {'seed':>4} {'rate (req/s)':>12} {'TTFT p99 (s)':>12} {'TPOT p99 (ms)':>13} {'runs':>5}")
+    results = []
+    for topology in args.topologies:
+        rates = []
+        for seed in range(args.seed, args.seed + args.repeats):
+            def run_at(rate, seed=seed):
+                requests = make_requests(args.mix, rate, args.num_requests, seed, args.text_tokens,
+                                         args.output_tokens, args.max_pixels, args.factor)
+                return simulate(topology, costs, requests, args.slo_ttft, args.slo_tpot, args.token_budget)
+
+            found = highest_rate_within(run_at, args.slo_ttft, args.slo_tpot, *args.p99_goodput)
+            s = found.result.summary() if found.result else {"ttft_p99_s": float("nan"), "tpot_p99_s": float("nan")}
+            print(f"{topology.name:<11} {seed:>4} {found.rate:>12.2f} {s['ttft_p99_s']:>12.2f} "
+                  f"{s['tpot_p99_s'] * 1e3:>13.1f} {found.tried:>5}")
+            rates.append(found.rate)
+            results.append({"topology": topology.name, "seed": seed, "sustained_rate": found.rate,
+                            **({k: v for k, v in s.items() if k.endswith("_s")})})
+        print(f"{topology.name:<11} {'all':>4} {sum(rates) / len(rates):>12.2f}  (min {min(rates):.2f}, "
+              f"max {max(rates):.2f})")
+    return results
+
+
 def main(args) -> int:
     costs = stage_or_twin_costs(args)
     if args.save_costs:
         costs.to_json(args.save_costs)
+    if args.p99_goodput:
+        return write_report(args, costs, p99_goodput(args, costs))
     slo = (args.slo_ttft, args.slo_tpot)
     print(f"{'topology':<11} {'pools':<14} {'rate':>7} {'TTFT p50':>8} {'p90 (s)':>8} {'TPOT p50':>8} "
           f"{'p90 (ms)':>8} {'in SLO':>7} {'goodput':>8}  utilisation")
@@ -112,6 +146,10 @@ def main(args) -> int:
             print(format_row(rate, result, what))
             results.append({"rate": rate, "topology": result.topology if result else what,
                             **(result.summary() if result else {"pools": None})})
+    return write_report(args, costs, results)
+
+
+def write_report(args, costs, results: list[dict]) -> int:
     arguments = {k: v for k, v in vars(args).items() if k not in ("module", "parser")}
     arguments["topologies"] = [t.name for t in args.topologies]
     report = {"costs": costs.describe() if args.emulate else asdict(costs), "args": arguments, "results": results}

@@ -316,8 +316,9 @@ class SimResult:
     def summary(self) -> dict:
         return {"topology": self.topology, "pools": self.pools, "requests": len(self.ttft_s),
                 "ttft_p50_s": percentile(self.ttft_s, 50), "ttft_p90_s": percentile(self.ttft_s, 90),
+                "ttft_p99_s": percentile(self.ttft_s, 99),
                 "tpot_p50_s": percentile(self.tpot_s, 50), "tpot_p90_s": percentile(self.tpot_s, 90),
-                "share_within_slo": self.share_within_slo, "goodput_rps": self.goodput_rps,
+                "tpot_p99_s": percentile(self.tpot_s, 99), "share_within_slo": self.share_within_slo, "goodput_rps": self.goodput_rps,
                 "arrival_span_s": self.arrival_span_s, "utilisation": self.utilisation}
 
 
