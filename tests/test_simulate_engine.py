@@ -113,9 +113,11 @@ def test_no_step_waits_on_a_remote_encode():
     encoder service (it arrives as the text decodes), so each of the text's steps costs its own tokens alone, and
     the picture's TTFT is its encode, its link and its own step. (Waited for inside a step, one of the text's
     tokens would come 100 ms late.)"""
-    (text_out, picture_out), device = run("1e1pd", [text(0, prompt=20, output=5),
-                                                    picture(1, arrival=0.002, tokens=40, prompt_text=25, output=1)])
+    arrivals = [text(0, prompt=20, output=5), picture(1, arrival=0.002, tokens=40, prompt_text=25, output=1)]
+    (text_out, picture_out), device = run("1e1pd", arrivals)
     assert text_out[1] == pytest.approx(0.001 + 1e-5)  # TPOT: one decode's step, every time
+    (text_integrated, _), _ = run("integrated", arrivals)  # the same arrivals, the tower inside the step
+    assert text_integrated[1] > text_out[1] + 0.1 / 4  # one of its four gaps held the 100 ms encode
     assert all(len(step) == 1 for step in device.steps)  # no step ran both: the text finished before the tokens
     link = 0.001 + 40 * 1000 * 1e-9
     assert picture_out[0] == pytest.approx((0.1 + 160e-6) + link + 0.001 + 65e-5)
