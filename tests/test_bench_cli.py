@@ -34,8 +34,8 @@ def test_a_bad_argument_is_a_usage_error_naming_it(capsys):
         cli.main(["simulate", "--topologies", "e+pd"])
     assert done.value.code == 2 and "integrated, dp<N>, <X>e<Y>pd or <X>e<Y>p<Z>d" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
-        cli.main(["load", "--topology", "2e2p1d"])
-    assert done.value.code == 2 and "this tool starts integrated, 1e1pd and 1e<N>p1d" in capsys.readouterr().err
+        cli.main(["load", "--topology", "3e2pd"])  # each of 2 engines takes one encoder: the third would idle
+    assert done.value.code == 2 and "at most 2 would work" in capsys.readouterr().err
 
 
 def test_the_simulator_runs_from_the_command_line(tmp_path, capsys):
