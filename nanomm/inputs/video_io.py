@@ -240,6 +240,7 @@ def _decode_container(data: bytes, container: str, name: str, limits: VideoLimit
         width, height = stream.codec_context.width, stream.codec_context.height
         rate = stream.average_rate or stream.guessed_rate  # a Fraction, or None
         own_seconds, file_seconds = _header_seconds(av, box, stream)
+        start = stream.start_time * stream.time_base if stream.start_time is not None else 0  # read while open
         claimed = _claimed_frames(stream, max(own_seconds or 0, file_seconds or 0), rate)
         _check_clip_shape(claimed or 1, [(width, height)], name, limits)
         stream.codec_context.options = dict(codec_options)
@@ -255,7 +256,6 @@ def _decode_container(data: bytes, container: str, name: str, limits: VideoLimit
     # video's duration in the header (by more than a second and a tenth of it, which rounding does not explain).
     # Only the video's own duration tells: a file's may be its sound track's, which may run on past the picture.
     if own_seconds and end is not None and rate:
-        start = stream.start_time * stream.time_base if stream.start_time is not None else 0
         shown, seconds = end - float(start) + 1 / float(rate), float(own_seconds)
         if seconds - shown > max(1.0, seconds / 10):
             raise InvalidInputError(f"{name}: the video is truncated or corrupt: its frames end at {shown:.2f} s "
