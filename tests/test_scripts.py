@@ -161,6 +161,9 @@ def test_load_split_engine_smallest(tmp_path):
     assert len(run["records"]) == 3 and all(r["error"] is None for r in run["records"])
     cpu = run["cpu_ms_per_request_by_process"]  # the host's cost of a request, for each process of the cluster
     assert set(cpu) == {"load", "encoder", "prefill", "decode", "router"} and all(ms > 0 for ms in cpu.values())
+    shares = run["cpu_share_by_process"]  # from the same clocks: a share is above 0 exactly where the ms are
+    assert set(shares) == set(cpu) and all(share > 0 for share in shares.values())
+    assert run["cluster_cpu_share"] == pytest.approx(sum(shares.values()))
 
 
 @pytest.mark.parametrize("topology, engines, others", [

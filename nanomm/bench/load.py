@@ -875,7 +875,7 @@ def cpu_shares(before: dict | None, after: dict | None, wall_s: float) -> dict[s
     """Each process's share of the machine's CPU time in a run (its CPU seconds over wall time x cores)."""
     if before is None or after is None or wall_s <= 0:
         return None
-    return {name: (after[name] - before[name]) / (wall_s * usable_cores()) for name in before}
+    return {name: (after[name] - before[name]) / (wall_s * usable_cores()) for name in before if name in after}
 
 
 HOST_CPU_METRIC = "nanomm_host_cpu_seconds_total"
@@ -921,7 +921,6 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stage_ur
 
         def start_counting():  # once the bodies are made: the CPU the run itself takes
             window["cpu"], window["start"] = cpu_seconds(list(processes.values())), time.monotonic()
-            window["each"] = process_cpu_seconds(processes)
             window["clocks"] = host_cpu_seconds(cpu_urls)
 
         records = asyncio.run(run_load(url, args.model, mix, rate, args.num_requests, args.max_tokens,
@@ -929,8 +928,8 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stage_ur
                                        on_start=start_counting, pictures=args.pictures))
         wall_s = time.monotonic() - window["start"]
         cpu_before, cpu_after = window["cpu"], cpu_seconds(list(processes.values()))
-        each_after = process_cpu_seconds(processes)
-        by_process = cpu_shares(window["each"], each_after, wall_s)
+        clocks_after = host_cpu_seconds(cpu_urls)
+        by_process = cpu_shares(window["clocks"], clocks_after, wall_s)  # from the same clocks as the ms a request
         summary = summarize(records, rate, args.slo_ttft, args.slo_tpot)
         summary["server_ttft_stages_s"] = mean_stages(before, ttft_stage_sums_of(stage_urls))
         summary["requests_finished_by_process"] = {
@@ -943,7 +942,7 @@ def sweep(url: str, args, log, role_urls: dict[str, str] | None = None, stage_ur
         summary["other_cpu_share"] = other_cpu_share(cpu_before if pids else None, cpu_after, wall_s)
         summary["cpu_share_by_process"] = by_process
         summary["cluster_cpu_share"] = None if by_process is None else sum(by_process.values())
-        summary["cpu_ms_per_request_by_process"] = cpu_ms_per_request(window["clocks"], host_cpu_seconds(cpu_urls),
+        summary["cpu_ms_per_request_by_process"] = cpu_ms_per_request(window["clocks"], clocks_after,
                                                                       summary["completed"])
         summary["records"] = [asdict(r) for r in records]
         log(report_line(summary))

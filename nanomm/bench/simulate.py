@@ -9,7 +9,7 @@
     nanomm-bench simulate --emulate h200:qwen2-vl-2b --host-costs host.json --replay twin.json \\
         --topologies integrated 1e1pd 1e1p1d 1e2p1d          # nanomm's scheduler on the twin's cost model
     nanomm-bench simulate --emulate a100:qwen3-vl-4b --topologies dp4 1e3pd --mix 4x640x640:1 --text-tokens 400 \\
-        --output-tokens 150 --slo-ttft 20 --slo-tpot 0.1 --p99-goodput 1 64 --repeats 3   # vLLM's EPD experiment
+        --output-tokens 150 --slo-ttft 20 --slo-tpot 0.1 --p99-goodput 1 96 --repeats 3   # vLLM's EPD experiment
 
 Lesson: lessons/13-three-topologies.md. The models are nanomm/sim/stages.py (StageCosts, a roofline sketch per
 stage) and, with --emulate, nanomm/sim/twin.py (nanomm's scheduler on the emulated device's cost model).
