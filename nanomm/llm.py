@@ -7,7 +7,9 @@ Lesson: lessons/12-capstone.md (the whole request path through this API).
 (engine/engine.py) and drives it: validate everything first, then add all requests and step until they are done.
 The argument names, their defaults and the outputs are vLLM's, so a script written for vLLM's offline API runs
 with only its import line changed (README: "Coming from vLLM"). Calls without sampling params use the
-checkpoint's generation_config.json, as vLLM does.
+checkpoint's generation_config.json, as vLLM does. An http(s) picture or video is fetched (inputs/media_fetch.py,
+on threads, every URL of a prompt at once) only from the hosts given as `allowed_media_domains`, before anything
+else is validated; without them every URL is refused with an error naming its host and that argument.
 """
 
 import contextlib
@@ -23,6 +25,7 @@ from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
+from nanomm.inputs.media_fetch import fetch_prompt_media
 from nanomm.inputs.tokenizer import Tokenizer, multi_modal_data
 from nanomm.model.config import read_checkpoint_json
 from nanomm.model.loader import load_model, resolve_checkpoint
@@ -171,6 +174,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         params_list = [p or self.get_default_sampling_params() for p in params_list]
+        policy = self.engine.config.media_url_policy
+        prompts = [fetch_prompt_media(p, policy, f"prompt {i}") for i, p in enumerate(prompts)]  # http(s) -> bytes
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
         prepared = self.engine.prepare_all(prompts, params_list)
         ids: list[str] = []

@@ -14,10 +14,12 @@ pool that fits the memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from dataclasses import replace as dataclass_replace
 from typing import TYPE_CHECKING
 
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
+from nanomm.inputs.media_fetch import MediaUrlPolicy
 from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, OldImagePolicy, check_keep_last_images,
                                       parse_old_image_policy)
 from nanomm.errors import check_int, is_finite_number
@@ -83,6 +85,11 @@ class EngineConfig:
     # may override both)
     old_image_policy: OldImagePolicy | str = "keep"
     keep_last_images: int = DEFAULT_KEEP_LAST_IMAGES
+    # http(s) pictures and videos in LLM.generate and LLM.chat (inputs/media_fetch.py): the hosts they may come from
+    # (vLLM's name; "*.example.com" lists its subdomains), or the whole policy (redirects, private addresses,
+    # timeouts, byte caps, the resolver); None: every URL is refused. The server fetches with its own flags.
+    allowed_media_domains: list[str] | None = None
+    media_url_policy: MediaUrlPolicy | dict | None = None
     trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
@@ -168,6 +175,12 @@ class EngineConfig:
             raise ValueError(f"media_io_kwargs must be a dict like {{'video': {{'num_frames': 32}}}}, got "
                              f"{self.media_io_kwargs!r}")
         self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        self.media_url_policy = MediaUrlPolicy.of(self.media_url_policy)
+        if self.allowed_media_domains is not None:  # into the policy (again on replace(): the same result)
+            domains = self.allowed_media_domains
+            domains = tuple(domains) if isinstance(domains, (list, tuple)) else domains  # a str: the policy names it
+            self.media_url_policy = dataclass_replace(self.media_url_policy or MediaUrlPolicy(),
+                                                      allowed_domains=domains)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "
                              f"{self.kv_cache_dtype!r}")
