@@ -9,7 +9,7 @@ The argument names, their defaults and the outputs are vLLM's, so a script writt
 with only its import line changed (README: "Coming from vLLM"). Calls without sampling params use the
 checkpoint's generation_config.json, as vLLM does. An http(s) picture or video is fetched (inputs/media_fetch.py,
 on threads, every URL of a prompt at once) only from the hosts given as `allowed_media_domains`, before anything
-else is validated; without them every URL is refused with an error naming its host and that argument.
+else is validated; without them every URL is refused with an error naming it and that argument.
 """
 
 import contextlib
@@ -25,7 +25,6 @@ from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
-from nanomm.inputs.media_fetch import fetch_prompt_media
 from nanomm.inputs.tokenizer import Tokenizer, multi_modal_data
 from nanomm.model.config import read_checkpoint_json
 from nanomm.model.loader import load_model, resolve_checkpoint
@@ -175,7 +174,10 @@ class LLM:
             raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         params_list = [p or self.get_default_sampling_params() for p in params_list]
         policy = self.engine.config.media_url_policy
-        prompts = [fetch_prompt_media(p, policy, f"prompt {i}") for i, p in enumerate(prompts)]  # http(s) -> bytes
+        if policy is not None:  # http(s) pictures and videos -> their bytes; without a policy load_image refuses URLs
+            from nanomm.inputs.media_fetch import fetch_prompt_media
+
+            prompts = [fetch_prompt_media(p, policy, f"prompt {i}") for i, p in enumerate(prompts)]
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
         prepared = self.engine.prepare_all(prompts, params_list)
         ids: list[str] = []

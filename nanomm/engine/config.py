@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
-from nanomm.inputs.media_fetch import MediaUrlPolicy
 from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, OldImagePolicy, check_keep_last_images,
                                       parse_old_image_policy)
 from nanomm.errors import check_int, is_finite_number
 
-if TYPE_CHECKING:  # speculative.py and accel/quant.py are imported only when their lever is asked for
+if TYPE_CHECKING:  # speculative.py, accel/quant.py and media_fetch.py are imported only when their lever is asked for
     from nanomm.engine.speculative import SpeculativeConfig
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
 
 
 @dataclass
@@ -144,6 +144,17 @@ class EngineConfig:
             elif not isinstance(self.speculative, SpeculativeConfig):
                 SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
 
+    def _make_media_url_policy(self) -> None:
+        """allowed_media_domains (vLLM's name) into media_url_policy; again on replace(), with the same result."""
+        from nanomm.inputs.media_fetch import MediaUrlPolicy
+
+        self.media_url_policy = MediaUrlPolicy.of(self.media_url_policy)
+        if self.allowed_media_domains is not None:
+            domains = self.allowed_media_domains
+            domains = tuple(domains) if isinstance(domains, (list, tuple)) else domains  # a str: the policy names it
+            self.media_url_policy = dataclass_replace(self.media_url_policy or MediaUrlPolicy(),
+                                                      allowed_domains=domains)
+
     def _translate_vllm_arguments(self) -> None:
         """vLLM's argument names and values -> the fields the engine reads."""
         self.dtype = {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
@@ -175,12 +186,8 @@ class EngineConfig:
             raise ValueError(f"media_io_kwargs must be a dict like {{'video': {{'num_frames': 32}}}}, got "
                              f"{self.media_io_kwargs!r}")
         self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        self.media_url_policy = MediaUrlPolicy.of(self.media_url_policy)
-        if self.allowed_media_domains is not None:  # into the policy (again on replace(): the same result)
-            domains = self.allowed_media_domains
-            domains = tuple(domains) if isinstance(domains, (list, tuple)) else domains  # a str: the policy names it
-            self.media_url_policy = dataclass_replace(self.media_url_policy or MediaUrlPolicy(),
-                                                      allowed_domains=domains)
+        if self.media_url_policy is not None or self.allowed_media_domains is not None:
+            self._make_media_url_policy()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "
                              f"{self.kv_cache_dtype!r}")

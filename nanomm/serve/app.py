@@ -26,6 +26,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -34,10 +35,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanomm.errors import InvalidInputError, PeerError
-from nanomm.inputs.media_fetch import MediaUrlPolicy, fetch_prompt_media_async, remote_parts
 from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop, OutputMailbox
 from nanomm.serve.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
 
 
 @dataclass
@@ -47,7 +50,7 @@ class ServerConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 2**20
     media_root: Path | None = None  # local image files are read only under this folder; None: data URLs only
-    media_urls: MediaUrlPolicy | None = None  # the http(s) URLs a request may name; None: none
+    media_urls: "MediaUrlPolicy | None" = None  # the http(s) URLs a request may name (media_fetch.py); None: none
     disconnect_poll_s: float = 0.5  # how often a non-streaming request checks that its client is still there
     role: str = "integrated"  # "prefill": hands requests off after their first token; "decode": takes them over
     encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url");
@@ -179,6 +182,10 @@ class Server:
     async def _fetch_media(self, parsed: protocol.ChatRequest, request: Request) -> Response | None:
         """Replace the prompt's http(s) pictures and videos by their bytes; an error Response if a fetch failed or
         the client went away (then every fetch still running is stopped). None: done, or nothing to fetch."""
+        if self.config.media_urls is None:  # then parsing refused every URL
+            return None
+        from nanomm.inputs.media_fetch import fetch_prompt_media_async, remote_parts
+
         if not remote_parts(parsed.prompt):
             return None
         fetch = asyncio.ensure_future(fetch_prompt_media_async(parsed.prompt, self.config.media_urls))

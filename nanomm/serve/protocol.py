@@ -21,13 +21,16 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from nanomm.errors import InvalidInputError
-from nanomm.inputs.media_fetch import MediaUrlPolicy, check_media_url
 from nanomm.inputs.tokenizer import VideoPart, multi_modal_data
 from nanomm.outputs import CompletionOutput, RequestOutput
 from nanomm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
 
 # OpenAI's names -> SamplingParams fields; vLLM's extras keep their own names.
 OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -53,7 +56,7 @@ class ChatRequest:
 
 
 def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None,
-               media_urls: MediaUrlPolicy | None = None) -> ChatRequest:
+               media_urls: "MediaUrlPolicy | None" = None) -> ChatRequest:
     body = _check_object(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -132,7 +135,7 @@ def _field(body: dict, name: str, kind: type, default):
 
 
 def _image_source(url, media_root: Path | None, what: str = "an image",
-                  media_urls: MediaUrlPolicy | None = None) -> str:
+                  media_urls: "MediaUrlPolicy | None" = None) -> str:
     """An image or video source as load_image and load_video take it: a data URL as is, an http(s) URL if its host
     is allowed (app.py fetches it), a local path only under media_root. Every picture and video of the
     conversation comes through here (*_url parts and nanomm's own image and video parts alike)."""
@@ -142,6 +145,8 @@ def _image_source(url, media_root: Path | None, what: str = "an image",
         return url
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
+        from nanomm.inputs.media_fetch import check_media_url  # loaded by the first URL
+
         check_media_url(url, media_urls, what)  # a host off the list: a 400 naming it and the flag
         return url
     path = unquote(parsed.path) if parsed.scheme == "file" else url
