@@ -7,7 +7,9 @@ Lesson: lessons/12-capstone.md (the whole request path through this API).
 (engine/engine.py) and drives it: validate everything first, then add all requests and step until they are done.
 The argument names, their defaults and the outputs are vLLM's, so a script written for vLLM's offline API runs
 with only its import line changed (README: "Coming from vLLM"). Calls without sampling params use the
-checkpoint's generation_config.json, as vLLM does.
+checkpoint's generation_config.json, as vLLM does. An http(s) picture or video is fetched (inputs/media_fetch.py,
+on threads, every URL of a prompt at once) only from the hosts given as `allowed_media_domains`, before anything
+else is validated; without them every URL is refused with an error naming it and that argument.
 """
 
 import contextlib
@@ -171,6 +173,11 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidInputError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         params_list = [p or self.get_default_sampling_params() for p in params_list]
+        policy = self.engine.config.media_url_policy
+        if policy is not None:  # http(s) pictures and videos -> their bytes; without a policy load_image refuses URLs
+            from nanomm.inputs.media_fetch import fetch_prompt_media
+
+            prompts = [fetch_prompt_media(p, policy, f"prompt {i}") for i, p in enumerate(prompts)]
         # Validate and preprocess everything before any model compute: one bad prompt rejects the call.
         prepared = self.engine.prepare_all(prompts, params_list)
         ids: list[str] = []

@@ -14,6 +14,7 @@ pool that fits the memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from dataclasses import replace as dataclass_replace
 from typing import TYPE_CHECKING
 
 from nanomm.engine.kv_cache import KV_CACHE_DTYPES
@@ -22,8 +23,9 @@ from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, OldImagePolicy, 
                                       parse_old_image_policy)
 from nanomm.errors import check_int, is_finite_number
 
-if TYPE_CHECKING:  # speculative.py and accel/quant.py are imported only when their lever is asked for
+if TYPE_CHECKING:  # speculative.py, accel/quant.py and media_fetch.py are imported only when their lever is asked for
     from nanomm.engine.speculative import SpeculativeConfig
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
 
 
 @dataclass
@@ -83,6 +85,11 @@ class EngineConfig:
     # may override both)
     old_image_policy: OldImagePolicy | str = "keep"
     keep_last_images: int = DEFAULT_KEEP_LAST_IMAGES
+    # http(s) pictures and videos in LLM.generate and LLM.chat (inputs/media_fetch.py): the hosts they may come from
+    # (vLLM's name; "*.example.com" lists its subdomains), or the whole policy (redirects, private addresses,
+    # timeouts, byte caps, the resolver); None: every URL is refused. The server fetches with its own flags.
+    allowed_media_domains: list[str] | None = None
+    media_url_policy: MediaUrlPolicy | dict | None = None
     trust_remote_code: bool = False  # accepted for vLLM scripts; no effect (nanomm runs no code from the hub)
     tensor_parallel_size: int = 1  # nanomm runs on one device: only 1
     pipeline_parallel_size: int = 1  # only 1
@@ -137,6 +144,17 @@ class EngineConfig:
             elif not isinstance(self.speculative, SpeculativeConfig):
                 SpeculativeConfig.from_dict(self.speculative)  # raises the error that explains the expected dict
 
+    def _make_media_url_policy(self) -> None:
+        """allowed_media_domains (vLLM's name) into media_url_policy; again on replace(), with the same result."""
+        from nanomm.inputs.media_fetch import MediaUrlPolicy
+
+        self.media_url_policy = MediaUrlPolicy.of(self.media_url_policy)
+        if self.allowed_media_domains is not None:
+            domains = self.allowed_media_domains
+            domains = tuple(domains) if isinstance(domains, (list, tuple)) else domains  # a str: the policy names it
+            self.media_url_policy = dataclass_replace(self.media_url_policy or MediaUrlPolicy(),
+                                                      allowed_domains=domains)
+
     def _translate_vllm_arguments(self) -> None:
         """vLLM's argument names and values -> the fields the engine reads."""
         self.dtype = {"auto": None, "half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
@@ -168,6 +186,8 @@ class EngineConfig:
             raise ValueError(f"media_io_kwargs must be a dict like {{'video': {{'num_frames': 32}}}}, got "
                              f"{self.media_io_kwargs!r}")
         self.kv_cache_dtype = {"fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.media_url_policy is not None or self.allowed_media_domains is not None:
+            self._make_media_url_policy()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'fp8_e4m3'), got "
                              f"{self.kv_cache_dtype!r}")

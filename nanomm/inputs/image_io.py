@@ -11,7 +11,8 @@ Decisions a reader should know:
     applies on top, so the effective limit is the smaller of the two.
   - Files and bytes may be PNG, JPEG (and MPO, phone JPEGs), GIF, WEBP, BMP, TIFF or AVIF. Other formats that
     Pillow could open (EPS runs Ghostscript, for one) are refused: decoding untrusted data should use few decoders.
-  - URLs are not fetched: the caller downloads the image and passes its path or bytes.
+  - URLs are not fetched here: `LLM` and the server fetch http(s) URLs from allowed hosts first
+    (nanomm/inputs/media_fetch.py) and pass the bytes; a URL that reaches this function is refused.
   - Animated images (GIF, APNG, WEBP): the first frame is used. A PIL image is used as given (its current frame).
   - EXIF orientation is applied to the files, bytes and data URLs decoded here, so a phone photo is served
     upright (as vLLM serves it). This departs from transformers' processor given `Image.open(path)`, which
@@ -54,8 +55,8 @@ def load_image(image, name: str = "image", *, max_image_pixels: int = PILLOW_MAX
     if isinstance(image, str) and image.startswith("data:"):
         return _decode(_data_url_payload(image, name), name, max_image_pixels)
     if isinstance(image, str) and image.startswith(("http://", "https://")):
-        raise InvalidInputError(f"{name}: URLs are not fetched ({_short(image)}); download the image and pass "
-                                "its path or bytes")
+        raise InvalidInputError(f"{name}: URLs are not fetched here ({_short(image)}); pass its path or bytes, or "
+                                "give LLM allowed_media_domains (nanomm-serve --allowed-media-domains)")
     if isinstance(image, (str, os.PathLike)):
         return _decode(_read_file(image, name), name, max_image_pixels)
     raise InvalidInputError(f"{name}: an image must be a PIL image, a file path, bytes or a data:image/...;base64 URL, "

@@ -130,8 +130,8 @@ def _encoded_bytes(source, name: str, limits: VideoLimits) -> bytes:
         _check_bytes(len(source) * 3 // 4, name, limits)  # the base64 payload's decoded size, roughly from above
         data = _video_data_url_payload(source, name)
     elif isinstance(source, str) and source.startswith(("http://", "https://")):
-        raise InvalidInputError(f"{name}: URLs are not fetched ({_short(source)}); download the video and pass "
-                                "its path or bytes")
+        raise InvalidInputError(f"{name}: URLs are not fetched here ({_short(source)}); pass its path or bytes, "
+                                "or give LLM allowed_media_domains (nanomm-serve --allowed-media-domains)")
     elif isinstance(source, (str, os.PathLike)):
         try:
             size = os.stat(source).st_size  # a FIFO says 0: _read_file refuses it, and says what else is wrong

@@ -11,6 +11,8 @@ events), GET /v1/models, /health and /metrics (Prometheus). What each request go
 1. the body is read up to `max_body_bytes` (413 past it, before any parsing), then parsed (protocol.py):
    a malformed request is a 400 in OpenAI's error shape, before the engine sees it;
 2. with `max_pending_requests` already in flight, a 503 with Retry-After (the queue is full: come back later);
+   then the request's http(s) pictures and videos are fetched, all at once, on threads off the event loop
+   (`media_urls`, nanomm/inputs/media_fetch.py): a failed fetch is a 400, a client gone stops the fetches;
 3. the request goes to the engine thread (engine_loop.py); its outputs come back on an asyncio queue. Bad input
    the engine finds (a prompt too long, an image that does not decode) is a 400 too, sent before any token;
 4. the answer is one JSON body, or a stream of chunks ending with a usage chunk and `data: [DONE]`;
@@ -24,6 +26,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -36,6 +39,9 @@ from nanomm.serve import protocol
 from nanomm.serve.engine_loop import EngineLoop, OutputMailbox
 from nanomm.serve.metrics import ServerMetrics
 
+if TYPE_CHECKING:
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
+
 
 @dataclass
 class ServerConfig:
@@ -44,6 +50,7 @@ class ServerConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 2**20
     media_root: Path | None = None  # local image files are read only under this folder; None: data URLs only
+    media_urls: "MediaUrlPolicy | None" = None  # the http(s) URLs a request may name (media_fetch.py); None: none
     disconnect_poll_s: float = 0.5  # how often a non-streaming request checks that its client is still there
     role: str = "integrated"  # "prefill": hands requests off after their first token; "decode": takes them over
     encoder_urls: tuple[str, ...] = ()  # encoder services a request may name (kv_transfer_params "encoder_url");
@@ -106,7 +113,7 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, lambda body: protocol.parse_chat(
-            body, self.llm.tokenizer, self.defaults, self.config.media_root))
+            body, self.llm.tokenizer, self.defaults, self.config.media_root, self.config.media_urls))
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, lambda body: protocol.parse_completion(body, self.defaults))
@@ -129,6 +136,9 @@ class Server:
             return _error(str(exc), 400)
         if self.engine_loop.num_requests >= self.config.max_pending_requests:
             return _error("the server is at capacity; retry shortly", 503, {"Retry-After": "1"})
+        failed = await self._fetch_media(parsed, request)
+        if failed is not None:
+            return failed
         deadline = time.monotonic() + self.config.request_timeout_s
         if transfer is not None and self.config.role == "decode":  # a decode instance takes over a prefilled request
             outputs = await self._take_over(parsed, transfer)
@@ -168,6 +178,27 @@ class Server:
         if not isinstance(parsed, dict):
             raise InvalidInputError("the request body must be a JSON object")
         return parsed
+
+    async def _fetch_media(self, parsed: protocol.ChatRequest, request: Request) -> Response | None:
+        """Replace the prompt's http(s) pictures and videos by their bytes; an error Response if a fetch failed or
+        the client went away (then every fetch still running is stopped). None: done, or nothing to fetch."""
+        if self.config.media_urls is None:  # then parsing refused every URL
+            return None
+        from nanomm.inputs.media_fetch import fetch_prompt_media_async, remote_parts
+
+        if not remote_parts(parsed.prompt):
+            return None
+        fetch = asyncio.ensure_future(fetch_prompt_media_async(parsed.prompt, self.config.media_urls))
+        try:
+            while not (await asyncio.wait({fetch}, timeout=self.config.disconnect_poll_s))[0]:
+                if await request.is_disconnected():
+                    return _error("the client disconnected", 499)
+            parsed.prompt = fetch.result()
+            return None
+        except InvalidInputError as exc:
+            return _error(str(exc), 400)
+        finally:
+            fetch.cancel()  # a no-op once done; else the fetches' sockets are shut
 
     def _submit(self, parsed: protocol.ChatRequest, add=None) -> asyncio.Queue:
         """Hand the request to the engine thread; its outputs (or its error) arrive on the returned queue.

@@ -107,6 +107,15 @@ def parse_args(argv=None):
     p.add_argument("--max-body-mib", type=float, default=32.0, help="larger request bodies get a 413")
     p.add_argument("--allowed-local-media-path", type=Path,
                    help="a folder whose image files requests may name (default: data URLs only)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="hosts whose http(s) image and video URLs requests may name, fetched by the server "
+                        "('*.example.com': its subdomains; default: none, every URL is a 400)")
+    p.add_argument("--media-url-allow-redirects", action="store_true",
+                   help="follow a media URL's redirects (each hop's host must be listed too)")
+    p.add_argument("--allow-private-media-addresses", action="store_true",
+                   help="let a listed host resolve to a loopback or private address (never a cloud metadata one)")
+    p.add_argument("--media-fetch-timeout", type=float, nargs=2, default=(5.0, 30.0), metavar=("IMAGE_S", "VIDEO_S"),
+                   help="seconds a fetch of an image and of a video may take, redirects included (default 5 30)")
     p.add_argument("--emulate", type=_emulate_value, metavar="GPU:MODEL",
                    help="serve on an emulated device, no weights: e.g. h200:qwen2-vl-2b (nanomm/emulate; every "
                         "role: the router, which runs no model, takes it and changes nothing)")
@@ -193,10 +202,25 @@ def instance_spec(args, console) -> InstanceSpec:
     else:
         model, name = _model_and_name(args, console)
     server_options = {"max_pending_requests": args.max_pending_requests, "request_timeout_s": args.request_timeout,
-                      "media_root": args.allowed_local_media_path, "gpu_hourly_price": args.gpu_hourly_price}
+                      "media_root": args.allowed_local_media_path, "media_urls": media_url_policy(args),
+                      "gpu_hourly_price": args.gpu_hourly_price}
     return InstanceSpec(name, model, engine_args(args), tuple(args.encoder_url), tuple(args.prefill_url),
                         tuple(args.decode_url), args.peer_timeout, int(args.max_body_mib * 2**20), server_options,
                         tuple(args.engine_url))
+
+
+def media_url_policy(args):
+    """The http(s) media URLs requests may name (None: no --allowed-media-domains, every URL is refused)."""
+    if not args.allowed_media_domains:
+        return None
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
+
+    image_s, video_s = args.media_fetch_timeout
+    try:
+        return MediaUrlPolicy(tuple(args.allowed_media_domains), args.media_url_allow_redirects,
+                              args.allow_private_media_addresses, image_s, video_s)
+    except ValueError as exc:
+        raise SystemExit(f"nanomm-serve: {exc}") from None
 
 
 def engine_args(args) -> dict:

@@ -9,8 +9,9 @@ A decode instance continuing a prefill instance's handoff (kv_transfer_params) r
 (`parse_continuation`): the prompt was run on the prefill instance, so the body may leave out the messages or
 prompt, and those it still carries are not read (nor are their pictures).
 
-Images arrive as data URLs. The server fetches nothing from the network, and reads a local file (a path or a
-file:// URL) only under the folder given with `--allowed-local-media-path`.
+Images arrive as data URLs, as http(s) URLs whose host is listed with `--allowed-media-domains` (checked here,
+fetched by app.py off the event loop: nanomm/inputs/media_fetch.py), or as local files (a path or a file:// URL)
+read only under the folder given with `--allowed-local-media-path`.
 
 Responses and stream chunks follow OpenAI's schema; the usage block also counts the visual tokens and the
 encoder-cache hits.
@@ -20,12 +21,16 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.tokenizer import VideoPart, multi_modal_data
 from nanomm.outputs import CompletionOutput, RequestOutput
 from nanomm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nanomm.inputs.media_fetch import MediaUrlPolicy
 
 # OpenAI's names -> SamplingParams fields; vLLM's extras keep their own names.
 OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -50,14 +55,15 @@ class ChatRequest:
         self.created = int(time.time())
 
 
-def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None) -> ChatRequest:
+def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None,
+               media_urls: "MediaUrlPolicy | None" = None) -> ChatRequest:
     body = _check_object(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
     text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    media = [VideoPart(_image_source(m.source, media_root, "a video")) if isinstance(m, VideoPart)
-             else _image_source(m, media_root) for m in media]  # every picture and video: a data URL or a path
+    media = [VideoPart(_image_source(m.source, media_root, "a video", media_urls)) if isinstance(m, VideoPart)
+             else _image_source(m, media_root, media_urls=media_urls) for m in media]  # a data URL, URL or path
     prompt = {"prompt": text, "multi_modal_data": multi_modal_data(media)}
     return _finish(body, prompt, defaults, _chat_num_top(body), chat=True)
 
@@ -128,17 +134,21 @@ def _field(body: dict, name: str, kind: type, default):
     return value
 
 
-def _image_source(url, media_root: Path | None, what: str = "an image") -> str:
-    """An image or video source as load_image and load_video take it: a data URL as is, a local path only under
-    media_root. Every picture and video of the conversation comes through here (*_url parts and nanomm's own
-    image and video parts alike)."""
+def _image_source(url, media_root: Path | None, what: str = "an image",
+                  media_urls: "MediaUrlPolicy | None" = None) -> str:
+    """An image or video source as load_image and load_video take it: a data URL as is, an http(s) URL if its host
+    is allowed (app.py fetches it), a local path only under media_root. Every picture and video of the
+    conversation comes through here (*_url parts and nanomm's own image and video parts alike)."""
     if not isinstance(url, str):
         raise InvalidInputError(f"{what} must be a data URL string, got {type(url).__name__}")
     if url.startswith("data:"):
         return url
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
-        raise InvalidInputError("image URLs are not fetched: send the image as a data URL (data:image/png;base64,...)")
+        from nanomm.inputs.media_fetch import check_media_url  # loaded by the first URL
+
+        check_media_url(url, media_urls, what)  # a host off the list: a 400 naming it and the flag
+        return url
     path = unquote(parsed.path) if parsed.scheme == "file" else url
     if media_root is None:
         raise InvalidInputError("local image paths are refused: start the server with --allowed-local-media-path "
