@@ -96,7 +96,7 @@ def test_pixel_values_and_grid_equal_transformers(clip):
     assert sha256(expected.numpy()) == spec["pixel_values_sha256"]
 
     if "sampling" in spec:  # do_sample_frames=True: a rate or a count, the clip's own rate in its metadata
-        settings = VideoSettings("qwen2", CONFIG).with_request(spec["sampling"], clip)
+        settings = VideoSettings("qwen2", CONFIG).with_request({**spec["sampling"], "do_sample_frames": True}, clip)
         video = preprocess_video(load_video(frames, fps=spec["fps"]), CONFIG, settings=settings)
         assert settings.frame_indices(len(frames), spec["fps"], clip) == spec["frames_indices"]
         assert video.fps == spec["sampled_fps"]  # what Qwen2.5-VL's second_per_grid_ts comes from
