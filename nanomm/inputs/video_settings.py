@@ -15,8 +15,9 @@ second_per_grid_ts and Qwen3-VL's times follow from the frames kept (inputs/vide
 
 `VideoSettings` holds one engine's settings: the family's, then the checkpoint's video_preprocessor_config.json,
 then the engine's `media_io_kwargs["video"]` (`with_engine_kwargs`: there a rate or a count turns sampling on, as
-vLLM's video loader samples whatever the processor says); a request's mm_processor_kwargs may change the sampling
-and lower the caps (`with_request`), never raise them. Everything here is arithmetic on sizes and indices: no pixel is touched.
+vLLM's video loader samples the frames it decodes by them); a request's mm_processor_kwargs may change the sampling
+and lower the caps (`with_request`), never raise them. Everything here is arithmetic on sizes and indices: no pixel
+is touched.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class VideoSettings:
     pixels: the patch geometry and normalisation, with min_pixels/max_pixels the cap per frame ("qwen2") or per
     clip ("qwen3"). do_sample_frames: False keeps every frame, whatever fps and num_frames say. fps / num_frames
     (at most one of the two): sample that many frames a second, or that many in all; neither: refused ("qwen2",
-    as transformers fails) or every frame, between min_frames and max_frames ("qwen3"). A rate keeps between min_frames and
-    max_frames. pruning_rate: the share of each later temporal patch's tokens dropped where they barely change
-    (inputs/video_pruning.py)."""
+    as transformers fails) or every frame, between min_frames and max_frames ("qwen3"). A rate keeps between
+    min_frames and max_frames. pruning_rate: the share of each later temporal patch's tokens dropped where they
+    barely change (inputs/video_pruning.py)."""
 
     rules: str
     pixels: ImageProcessorConfig
@@ -187,8 +188,9 @@ class VideoSettings:
 
     def describe(self) -> dict:
         """The settings that change a clip's tokens, for its content hash."""
-        return {"rules": self.rules, "do_sample_frames": self.do_sample_frames, "fps": self.fps, "num_frames": self.num_frames, "min_frames": self.min_frames,
-                "max_frames": self.max_frames, "pruning_rate": self.pruning_rate}
+        return {"rules": self.rules, "do_sample_frames": self.do_sample_frames, "fps": self.fps,
+                "num_frames": self.num_frames, "min_frames": self.min_frames, "max_frames": self.max_frames,
+                "pruning_rate": self.pruning_rate}
 
 
 def timestamp_text(seconds: float) -> str:
