@@ -1,8 +1,9 @@
 """Videos through the engine (lesson 17): Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's greedy tokens and logits equal
 transformers' on clips fed as pixel_values_videos, at tiny and real widths, and the engine equals its dense reference
 when chunks cut temporal groups, blocks are small, the prefix cache serves a second pass, the encoder cache a
-repeated clip, and an encoder service the tower. The video processors themselves are checked against transformers'
-in tests/test_video_processor.py; pruning in tests/test_video_pruning.py."""
+repeated clip, and an encoder service the tower; a request's fps, num_frames and do_sample_frames keep the frames
+transformers' processor of each family keeps (tests/data/video/sampling.json). The video processors themselves are
+checked against transformers' in tests/test_video_processor.py; pruning in tests/test_video_pruning.py."""
 
 import hashlib
 import json
