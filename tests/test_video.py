@@ -1,8 +1,13 @@
 """Videos through the engine (lesson 17): Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's greedy tokens and logits equal
 transformers' on clips fed as pixel_values_videos, at tiny and real widths, and the engine equals its dense reference
 when chunks cut temporal groups, blocks are small, the prefix cache serves a second pass, the encoder cache a
-repeated clip, and an encoder service the tower. The video processors themselves are checked against transformers'
-in tests/test_video_processor.py; pruning in tests/test_video_pruning.py."""
+repeated clip, and an encoder service the tower; a request's fps, num_frames and do_sample_frames keep the frames
+transformers' processor of each family keeps (tests/data/video/sampling.json). The video processors themselves are
+checked against transformers' in tests/test_video_processor.py; pruning in tests/test_video_pruning.py."""
+
+import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -176,11 +181,14 @@ def test_bad_videos_are_errors_naming_the_video(qwen2_vl):
 
 
 def test_a_request_samples_its_videos_within_the_engine_s_caps(qwen2_vl):
-    """mm_processor_kwargs: a rate or a count of frames (transformers' sampling, tests/test_video_processor.py), and
-    caps that may go down, never up. Every bad setting is refused before a frame is decoded."""
+    """mm_processor_kwargs: a rate or a count of frames, used only with do_sample_frames (Qwen2-VL's default is
+    false: transformers' sampling, tests/test_video_processor.py), and caps that may go down, never up. Every bad
+    setting is refused before a frame is decoded."""
     llm, _ = qwen2_vl
     frames = VideoInput(tuple(Image.fromarray(f) for f in clip(16, 11)), 8.0)  # 2 s at 8 fps
-    for kwargs, grid_t in (({}, 8), ({"fps": 2}, 2), ({"num_frames": 8}, 4), ({"fps": 4, "max_frames": 4}, 2)):
+    on = {"do_sample_frames": True}
+    for kwargs, grid_t in (({}, 8), ({"fps": 2}, 8), ({"num_frames": 8}, 8), ({**on, "fps": 2}, 2),
+                           ({**on, "num_frames": 8}, 4), ({**on, "fps": 4, "max_frames": 4}, 2)):
         prepared = llm.engine.prepare({**video_prompt(frames), "mm_processor_kwargs": kwargs}, None)
         assert whole_media(prepared.images)[0].grid_thw[0] == grid_t, kwargs
     small = llm.engine.prepare({**video_prompt(frames), "mm_processor_kwargs": {"video_max_pixels": 28 * 28}}, None)
@@ -189,7 +197,8 @@ def test_a_request_samples_its_videos_within_the_engine_s_caps(qwen2_vl):
                                 ("num_frames", 10_000, "num_frames=10000 is over the engine's cap of 768"),
                                 ("max_frames", 769, "max_frames=769 is over the engine's cap of 768"),
                                 ("video_max_pixels", MAX_PIXELS + 1, "video_max_pixels=50177 is over"),
-                                ("min_frames", "4", "min_frames"), ("min_frames", 9, "min_frames \\(9\\) is over")]:
+                                ("min_frames", "4", "min_frames"), ("min_frames", 9, "min_frames \\(9\\) is over"),
+                                ("do_sample_frames", "yes", "do_sample_frames must be true or false")]:
         with pytest.raises(InvalidInputError, match=message):  # a clip that cannot load: refused before that
             llm.engine.prepare({**video_prompt(lambda: None), "mm_processor_kwargs": {key: value, "max_frames": 8}
                                 if key == "min_frames" and value == 9 else {key: value}}, None)
@@ -428,6 +437,85 @@ def test_qwen3_vl_encoded_patch_by_patch_equals_the_clip_encoded_whole(qwen3_vl)
 ], ids=["chunks-cut-groups", "preemption", "ngram"])
 def test_qwen3_vl_videos_through_the_engine_equal_the_dense_reference(qwen3_vl, settings):
     assert_videos_equal_the_reference(str(qwen3_vl[2]), settings, size=64)
+
+
+# -- fps, num_frames and do_sample_frames, read as each family's processor in transformers reads them ---------------
+
+SAMPLING = json.loads((Path(__file__).parent / "data" / "video" / "sampling.json").read_text())
+
+
+def sampling_case_id(case: dict) -> str:
+    return f"{case['family']}-{case['clip']}-" + ("-".join(f"{k}={v}" for k, v in case["mm_processor_kwargs"].items())
+                                                  or "default")
+
+
+# The cases whose greedy tokens are compared too (the rest check frames, grid, prompt and pixels, which decide them):
+# an fps that Qwen2-VL's processor ignores (the 5-frame clip kept whole), sampling on, and Qwen3-VL's default, off,
+# and a rate that leaves an odd count.
+GREEDY = {"qwen2_vl-odd-fps=2.0", "qwen2_vl-odd-do_sample_frames=True-fps=2.0", "qwen2_5_vl-odd-fps=2.0",
+          "qwen2_5_vl-odd-do_sample_frames=True-fps=2.0", "qwen2_5_vl-long-do_sample_frames=True-num_frames=6",
+          "qwen3_vl-odd-default", "qwen3_vl-odd-do_sample_frames=False", "qwen3_vl-long-fps=6.0"}
+
+
+def sampling_cases(family: str) -> list:
+    return [pytest.param(case, id=sampling_case_id(case)) for case in SAMPLING["cases"] if case["family"] == family]
+
+
+@pytest.mark.parametrize("case", sampling_cases("qwen2_vl"))
+def test_qwen2_vl_samples_only_with_do_sample_frames_as_transformers(qwen2_vl, case):
+    assert_sampling_case_is_transformers(*qwen2_vl, case)
+
+
+@pytest.mark.parametrize("case", sampling_cases("qwen2_5_vl"))
+def test_qwen2_5_vl_samples_and_spaces_time_as_transformers(qwen2_5_vl, case):
+    assert_sampling_case_is_transformers(*qwen2_5_vl, case)
+
+
+@pytest.mark.parametrize("case", sampling_cases("qwen3_vl"))
+def test_qwen3_vl_samples_by_default_as_transformers(qwen3_vl, case):
+    assert_sampling_case_is_transformers(*qwen3_vl[:2], case)
+
+
+def assert_sampling_case_is_transformers(llm, oracle, case: dict) -> None:
+    """scripts/workshop/make_video_sampling_fixtures.py ran transformers' processors (Qwen2-VL's and Qwen2.5-VL's
+    sample only with do_sample_frames; Qwen3-VL's by default) on these frames with these mm_processor_kwargs. nanomm
+    keeps the same frames (the same grid, the same pixel values, Qwen2.5-VL's seconds per temporal patch, Qwen3-VL's
+    times in the prompt), and for the GREEDY cases transformers' model given transformers' processor output answers
+    with nanomm's greedy tokens."""
+    frames = np.random.default_rng(case["seed"]).integers(0, 256, case["frames_thwc"], dtype=np.uint8)
+    assert hashlib.sha256(frames.tobytes()).hexdigest() == case["frames_sha256"]
+    prompt = {"prompt": SAMPLING["prompt"], "mm_processor_kwargs": case["mm_processor_kwargs"],
+              "multi_modal_data": {"video": VideoInput(tuple(Image.fromarray(f) for f in frames), case["fps"])}}
+    settings = llm.engine.processor.video_settings.with_request(case["mm_processor_kwargs"], "case")
+    assert settings.frame_indices(len(frames), case["fps"], "case") == case["frames_indices"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=llm.model.config.text.vocab_size)
+    prepared = llm.engine.prepare(prompt, params)
+    (video,) = whole_media(prepared.images)
+    assert prepared.token_ids == case["input_ids"]
+    assert list(video.grid_thw) == case["video_grid_thw"] and video.fps == case["sampled_fps"]
+    pixel_values = video.pixel_values
+    assert hashlib.sha256(pixel_values.numpy().tobytes()).hexdigest() == case["pixel_values_sha256"]
+    if "second_per_grid_ts" in case:
+        assert video.second_per_grid == case["second_per_grid_ts"][0]
+    if sampling_case_id(case) not in GREEDY:
+        return
+    ids, cfg = torch.tensor([case["input_ids"]]), llm.model.config
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values_videos=pixel_values,  # bit for bit
+                  video_grid_thw=torch.tensor([case["video_grid_thw"]]),
+                  mm_token_type_ids=(ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int())
+    if "second_per_grid_ts" in case:
+        inputs["second_per_grid_ts"] = torch.tensor(case["second_per_grid_ts"], dtype=torch.float32)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert_answer_is_transformers(out, oracle, inputs, sampling_case_id(case))
+    assert_no_leaks(llm)
+
+
+def test_qwen2_vl_refuses_do_sample_frames_with_nothing_to_sample_by(qwen2_vl):
+    """transformers' Qwen2VLVideoProcessor fails there too (a TypeError in sample_frames); Qwen3-VL has its fps 2."""
+    llm, _ = qwen2_vl
+    with pytest.raises(InvalidInputError, match="do_sample_frames needs an fps or a num_frames"):
+        llm.engine.prepare({**video_prompt(lambda: None), "mm_processor_kwargs": {"do_sample_frames": True}}, None)
+    assert_no_leaks(llm)  # (a clip that cannot load: refused before that)
 
 
 # -- the encoder service encodes videos: a temporal patch at a time, cached by its own hash ----------------------

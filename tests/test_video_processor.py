@@ -96,7 +96,7 @@ def test_pixel_values_and_grid_equal_transformers(clip):
     assert sha256(expected.numpy()) == spec["pixel_values_sha256"]
 
     if "sampling" in spec:  # do_sample_frames=True: a rate or a count, the clip's own rate in its metadata
-        settings = VideoSettings("qwen2", CONFIG).with_request(spec["sampling"], clip)
+        settings = VideoSettings("qwen2", CONFIG).with_request({**spec["sampling"], "do_sample_frames": True}, clip)
         video = preprocess_video(load_video(frames, fps=spec["fps"]), CONFIG, settings=settings)
         assert settings.frame_indices(len(frames), spec["fps"], clip) == spec["frames_indices"]
         assert video.fps == spec["sampled_fps"]  # what Qwen2.5-VL's second_per_grid_ts comes from
@@ -319,6 +319,22 @@ def test_video_settings_read_a_checkpoint_s_video_preprocessor_config():
     assert not off.samples and off.frame_indices(50, 30.0, "clip") == list(range(50))
     assert VideoSettings.for_model("qwen3_vl", qwen3, {"do_sample_frames": True, "fps": 1}).fps == 1.0
     assert not VideoSettings.for_model("qwen2_vl", CONFIG).samples  # Qwen2-VL keeps every frame
+    # Each key is the processor's attribute (from_pretrained): a rate without do_sample_frames samples nothing, and
+    # turning sampling off keeps the rate for a request that turns it on again.
+    assert VideoSettings.for_model("qwen2_vl", CONFIG, {"fps": 1}).frame_indices(8, 4.0, "clip") == list(range(8))
+    qwen2_on = VideoSettings.for_model("qwen2_vl", CONFIG, {"do_sample_frames": True, "fps": 1})
+    assert qwen2_on.frame_indices(8, 4.0, "clip") == [0, 2, 4, 6]  # 2 s at 1 a second: min_frames (4)
+    assert off.with_request({"do_sample_frames": True}, "request").frame_indices(50, 25.0, "clip") == [0, 16, 33, 49]
+    # The engine's media_io_kwargs: a rate or a count samples every clip (vLLM's loader), unless told otherwise.
+    qwen2 = VideoSettings.for_model("qwen2_vl", CONFIG)
+    assert qwen2.with_engine_kwargs({"num_frames": 4}).frame_indices(8, 4.0, "clip") == [0, 2, 4, 6]
+    assert not qwen2.with_engine_kwargs({"num_frames": 4, "do_sample_frames": False}).samples
+    for bad, message in (({"do_sample_frames": True}, "needs an fps or a num_frames"),
+                         ({"do_sample_frames": 1}, "do_sample_frames must be true or false")):
+        with pytest.raises(InvalidInputError, match=message):
+            qwen2.with_engine_kwargs(bad)
+        with pytest.raises(InvalidInputError, match=message):
+            qwen2.with_request(bad, "request")
     with pytest.raises(InvalidInputError, match="video_preprocessor_config.json: max_frames"):
         VideoSettings.for_model("qwen3_vl", qwen3, {"max_frames": "many"})
     with pytest.raises(InvalidInputError, match="at least 2 frames"):

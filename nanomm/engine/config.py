@@ -63,7 +63,8 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None  # {"min_pixels": .., "max_pixels": ..}: the engine's pixel cap
     # {"video": {"fps": .., "num_frames": .., "min_frames": .., "max_frames": .., "video_max_pixels": ..}}: how the
     # engine samples and caps videos, over the checkpoint's video_preprocessor_config.json (inputs/video_settings.py;
-    # a request's mm_processor_kwargs may change the sampling and lower the caps)
+    # an fps or num_frames here samples every clip, as vLLM's loader does; a request's mm_processor_kwargs may
+    # change the sampling, with do_sample_frames as transformers reads it, and lower the caps)
     media_io_kwargs: dict | None = None
     video_pruning_rate: float = 0.0  # vLLM's name: drop this share of each later temporal patch's least-changed
     #                                  tokens (inputs/video_pruning.py); a request's mm_processor_kwargs may set it

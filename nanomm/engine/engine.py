@@ -459,8 +459,7 @@ def _video_settings(model_config, image_config, video_preprocessor: dict | None,
 
     try:
         settings = VideoSettings.for_model(model_config.model_type, image_config, video_preprocessor)
-        settings = settings.with_request((config.media_io_kwargs or {}).get("video", {}), "media_io_kwargs['video']",
-                                         cap=False)
+        settings = settings.with_engine_kwargs((config.media_io_kwargs or {}).get("video", {}))
         return settings.with_request({"video_pruning_rate": config.video_pruning_rate}, "engine", cap=False)
     except InvalidInputError as exc:
         raise ValueError(str(exc)) from None

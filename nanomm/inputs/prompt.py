@@ -27,8 +27,8 @@ PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_k
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
 LONG_CHAT_KEYS = {"old_image_policy", "keep_last_images"}  # inputs/old_images.py
 # inputs/video_settings.py REQUEST_KEYS: how a request's videos are sampled and capped (checked there, on use)
-VIDEO_KEYS = {"fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels",
-              "video_pruning_rate"}
+VIDEO_KEYS = {"do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "video_min_pixels",
+              "video_max_pixels", "video_pruning_rate"}
 PROCESSOR_KEYS = PIXEL_KEYS | {"visual_token_compression"} | LONG_CHAT_KEYS | VIDEO_KEYS
 
 

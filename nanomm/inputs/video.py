@@ -12,7 +12,8 @@ any pixel is decoded; then, here, `preprocess_video` reproduces transformers 5.2
 `Qwen2VLVideoProcessor` (Qwen2-VL, Qwen2.5-VL) and `Qwen3VLVideoProcessor` (tests/test_video_processor.py checks
 both against fixtures that transformers itself wrote). Which frames are kept, the pixel cap and Qwen3-VL's
 timestamps are the family's rules (inputs/video_settings.py); the rest is shared:
-  - the kept frames: every one for Qwen2-VL unless a rate or a count is asked for, 2 a second for Qwen3-VL;
+  - the kept frames: every one for Qwen2-VL unless do_sample_frames is asked for with a rate or a count, 2 a
+    second for Qwen3-VL;
   - smart_resize, with the cap of each frame (Qwen2-VL: the image processor's min_pixels / max_pixels) or of the
     whole clip (Qwen3-VL);
   - torch's antialiased bicubic resize of the uint8 frames, which is what torchvision runs on the CPU. It is not
@@ -44,7 +45,7 @@ from nanomm.inputs.video_pruning import kept_per_patch
 from nanomm.inputs.video_settings import VideoSettings
 from nanomm.model.rope import spaced_in_time
 
-HASH_VERSION = "nanomm-video-v2"  # bump when the preprocessing changes, so old cache keys stop matching
+HASH_VERSION = "nanomm-video-v3"  # bump when the preprocessing changes, so old cache keys stop matching
 
 
 @dataclass(eq=False)

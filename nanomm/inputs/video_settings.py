@@ -3,16 +3,21 @@
 Lesson: lessons/17-video.md (section "Three families, two video processors").
 
 The families differ, and transformers 5.24 is the reference for each:
-  - Qwen2-VL and Qwen2.5-VL (`Qwen2VLVideoProcessor`): every frame is kept unless the caller asks for a rate or
-    a count (do_sample_frames is False), and each frame is capped like a picture (min_pixels..max_pixels per frame).
-  - Qwen3-VL (`Qwen3VLVideoProcessor`): frames are sampled, 2 a second by default, at least min_frames and at most
-    max_frames, spread evenly over the clip; the pixel budget is the whole clip's (frames x height x width, the
-    `size` of video_preprocessor_config.json); and each temporal patch's time goes into the prompt as text,
-    "<1.5 seconds>", before its own <|vision_start|> ... <|vision_end|>.
+  - Qwen2-VL and Qwen2.5-VL (`Qwen2VLVideoProcessor`): do_sample_frames is False, so every frame is kept and a
+    request's `fps` or `num_frames` changes nothing unless it also sets do_sample_frames=True (then: a whole number
+    of temporal patches at a fixed stride); each frame is capped like a picture (min_pixels..max_pixels per frame).
+  - Qwen3-VL (`Qwen3VLVideoProcessor`): do_sample_frames is True and fps 2: frames are sampled, at least
+    min_frames and at most max_frames, spread evenly over the clip; the pixel budget is the whole clip's
+    (frames x height x width, the `size` of video_preprocessor_config.json); and each temporal patch's time goes
+    into the prompt as text, "<1.5 seconds>", before its own <|vision_start|> ... <|vision_end|>.
+A rate is read against the clip's own frame rate (transformers' video_metadata.fps); Qwen2.5-VL's
+second_per_grid_ts and Qwen3-VL's times follow from the frames kept (inputs/video.py).
 
 `VideoSettings` holds one engine's settings: the family's, then the checkpoint's video_preprocessor_config.json,
-then the engine's `media_io_kwargs["video"]`; a request's mm_processor_kwargs may change the sampling and lower the
-caps (`with_request`), never raise them. Everything here is arithmetic on sizes and indices: no pixel is touched.
+then the engine's `media_io_kwargs["video"]` (`with_engine_kwargs`: there a rate or a count turns sampling on, as
+vLLM's video loader samples the frames it decodes by them); a request's mm_processor_kwargs may change the sampling
+and lower the caps (`with_request`), never raise them. Everything here is arithmetic on sizes and indices: no pixel
+is touched.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from nanomm.inputs.image import MAX_ASPECT_RATIO, ImageProcessorConfig, smart_re
 QWEN3_CLIP_PIXELS = (4096, 25165824)  # Qwen3-VL's video_preprocessor_config.json size: shortest / longest edge
 QWEN3_MEAN_STD = (0.5, 0.5, 0.5)
 # The keys a request's mm_processor_kwargs (or the engine's media_io_kwargs["video"]) may set for its videos.
-SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
+SAMPLING_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames")
 PIXEL_KEYS = ("video_min_pixels", "video_max_pixels")
 REQUEST_KEYS = SAMPLING_KEYS + PIXEL_KEYS + ("video_pruning_rate",)  # the last: inputs/video_pruning.py
 
@@ -37,12 +42,15 @@ REQUEST_KEYS = SAMPLING_KEYS + PIXEL_KEYS + ("video_pruning_rate",)  # the last:
 class VideoSettings:
     """rules: "qwen2" (Qwen2-VL, Qwen2.5-VL) or "qwen3" (Qwen3-VL): which of transformers' processors to follow.
     pixels: the patch geometry and normalisation, with min_pixels/max_pixels the cap per frame ("qwen2") or per
-    clip ("qwen3"). fps / num_frames: sample that many frames a second, or that many in all (at most one of the
-    two); neither: keep every frame. Sampling keeps between min_frames and max_frames. pruning_rate: the share of
-    each later temporal patch's tokens dropped where they barely change (inputs/video_pruning.py)."""
+    clip ("qwen3"). do_sample_frames: False keeps every frame, whatever fps and num_frames say. fps / num_frames
+    (at most one of the two): sample that many frames a second, or that many in all; neither: refused ("qwen2",
+    as transformers fails) or every frame, between min_frames and max_frames ("qwen3"). A rate keeps between
+    min_frames and max_frames. pruning_rate: the share of each later temporal patch's tokens dropped where they
+    barely change (inputs/video_pruning.py)."""
 
     rules: str
     pixels: ImageProcessorConfig
+    do_sample_frames: bool = False
     fps: float | None = None
     num_frames: int | None = None
     min_frames: int = 4
@@ -57,24 +65,33 @@ class VideoSettings:
             lo, hi = QWEN3_CLIP_PIXELS
             pixels = replace(image_config, min_pixels=lo, max_pixels=hi, image_mean=QWEN3_MEAN_STD,
                              image_std=QWEN3_MEAN_STD)
-            settings = cls("qwen3", pixels, fps=2.0)
+            settings = cls("qwen3", pixels, do_sample_frames=True, fps=2.0)
         else:
             settings = cls("qwen2", image_config)
         return settings.with_file(video_preprocessor or {})
 
     def with_file(self, d: dict) -> "VideoSettings":
-        """What a video_preprocessor_config.json changes: the clip's pixel budget, mean and std, the sampling."""
+        """What a video_preprocessor_config.json changes: the clip's pixel budget, mean and std, the sampling (each
+        key the processor's attribute of that name, as from_pretrained sets it; a null fps or num_frames unsets it)."""
         size = d.get("size") or {}
         pixels = replace(self.pixels, **{key: d[key] for key in ("image_mean", "image_std") if key in d},
                          **{key: size[edge] for key, edge in (("min_pixels", "shortest_edge"),
                                                                ("max_pixels", "longest_edge")) if edge in size})
-        settings = replace(self, pixels=pixels)
-        if d.get("do_sample_frames") is False:
-            settings = replace(settings, fps=None, num_frames=None)
-        sampling = {key: d[key] for key in ("min_frames", "max_frames") if key in d}
-        if d.get("do_sample_frames"):
-            sampling.update(fps=d.get("fps", self.fps), num_frames=d.get("num_frames"))
+        settings = replace(self, pixels=pixels, **{key: None for key in ("fps", "num_frames")
+                                                   if key in d and d[key] is None})
+        sampling = {key: d[key] for key in SAMPLING_KEYS if d.get(key) is not None}
         return settings.with_request(sampling, "video_preprocessor_config.json", cap=False)
+
+    def with_engine_kwargs(self, kwargs: dict) -> "VideoSettings":
+        """The engine's media_io_kwargs["video"]: as a request's, except that a rate or a count turns sampling on
+        unless do_sample_frames says otherwise (vLLM's video loader samples the frames it decodes by these)."""
+        if not isinstance(kwargs, dict):
+            raise InvalidInputError(f"media_io_kwargs['video'] must be a dict, got {type(kwargs).__qualname__}")
+        if kwargs.get("fps") is not None or kwargs.get("num_frames") is not None:
+            kwargs = {"do_sample_frames": True, **kwargs}
+        settings = self.with_request(kwargs, "media_io_kwargs['video']", cap=False)
+        settings._check_something_to_sample_by("media_io_kwargs['video']")
+        return settings
 
     def with_request(self, kwargs: dict, name: str, cap: bool = True) -> "VideoSettings":
         """These settings with a request's (or the engine's media_io_kwargs') changes, each checked. With cap, the
@@ -86,6 +103,11 @@ class VideoSettings:
         for key in ("num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels"):
             if kwargs.get(key) is not None:
                 new[key] = check_int(kwargs[key], f"{name}: {key}", error=InvalidInputError)
+        if kwargs.get("do_sample_frames") is not None:
+            if not isinstance(kwargs["do_sample_frames"], bool):
+                raise InvalidInputError(f"{name}: do_sample_frames must be true or false, got "
+                                        f"{kwargs['do_sample_frames']!r}")
+            changes["do_sample_frames"] = kwargs["do_sample_frames"]
         if kwargs.get("fps") is not None:
             if not is_finite_number(kwargs["fps"]) or kwargs["fps"] <= 0:
                 raise InvalidInputError(f"{name}: fps must be a positive number, got {kwargs['fps']!r}")
@@ -109,7 +131,15 @@ class VideoSettings:
         if settings.min_frames > settings.max_frames:
             raise InvalidInputError(f"{name}: min_frames ({settings.min_frames}) is over max_frames "
                                     f"({settings.max_frames})")
+        if cap:  # a request's: refused before a frame is decoded (a file's may yet get a rate from the engine)
+            settings._check_something_to_sample_by(name)
         return settings
+
+    def _check_something_to_sample_by(self, name: str) -> None:
+        """Qwen2VLVideoProcessor told to sample with neither a rate nor a count fails (a TypeError in its
+        sample_frames); Qwen3VLVideoProcessor keeps every frame then, between min_frames and max_frames."""
+        if self.rules == "qwen2" and self.do_sample_frames and self.fps is None and self.num_frames is None:
+            raise InvalidInputError(f"{name}: do_sample_frames needs an fps or a num_frames to sample by")
 
     def _check_caps(self, new: dict, name: str) -> None:
         for key, cap in (("max_frames", self.max_frames), ("num_frames", self.max_frames),
@@ -119,14 +149,18 @@ class VideoSettings:
 
     @property
     def samples(self) -> bool:
-        return self.fps is not None or self.num_frames is not None
+        """Whether frames are chosen at all (transformers' do_sample_frames): else every frame is kept."""
+        return self.do_sample_frames
 
     def frame_indices(self, total: int, video_fps: float, name: str) -> list[int]:
-        """Which of a clip's `total` frames (taken at video_fps) are kept, in order, by the family's rule."""
-        if not self.samples:
+        """Which of a clip's `total` frames (taken at video_fps, its metadata's fps) are kept, in order, by the
+        family's rule."""
+        if not self.do_sample_frames:
             return list(range(total))
-        indices = _qwen3_indices(self, total, video_fps) if self.rules == "qwen3" else _qwen2_indices(self, total,
-                                                                                                        video_fps)
+        if self.rules == "qwen3":
+            indices = _qwen3_indices(self, total, video_fps)
+        else:
+            indices = _qwen2_indices(self, total, video_fps, name)
         if not indices:
             raise InvalidInputError(f"{name}: sampling {total} frame(s) at {self.fps or self.num_frames} keeps none "
                                     f"(a clip needs at least {self.pixels.temporal_patch_size} frames)")
@@ -154,8 +188,9 @@ class VideoSettings:
 
     def describe(self) -> dict:
         """The settings that change a clip's tokens, for its content hash."""
-        return {"rules": self.rules, "fps": self.fps, "num_frames": self.num_frames, "min_frames": self.min_frames,
-                "max_frames": self.max_frames, "pruning_rate": self.pruning_rate}
+        return {"rules": self.rules, "do_sample_frames": self.do_sample_frames, "fps": self.fps,
+                "num_frames": self.num_frames, "min_frames": self.min_frames, "max_frames": self.max_frames,
+                "pruning_rate": self.pruning_rate}
 
 
 def timestamp_text(seconds: float) -> str:
@@ -163,11 +198,13 @@ def timestamp_text(seconds: float) -> str:
     return f"<{seconds:.1f} seconds>"
 
 
-def _qwen2_indices(s: VideoSettings, total: int, video_fps: float) -> list[int]:
+def _qwen2_indices(s: VideoSettings, total: int, video_fps: float, name: str) -> list[int]:
     """Qwen2VLVideoProcessor.sample_frames: a whole number of temporal patches, taken at a fixed stride."""
     T = s.pixels.temporal_patch_size
     if s.num_frames is not None:
         count = round(s.num_frames / T) * T
+    elif s.fps is None:
+        s._check_something_to_sample_by(name)
     else:
         most = math.floor(min(s.max_frames, total) / T) * T
         count = min(max(total / video_fps * s.fps, s.min_frames), most, total)
@@ -178,10 +215,13 @@ def _qwen2_indices(s: VideoSettings, total: int, video_fps: float) -> list[int]:
 
 
 def _qwen3_indices(s: VideoSettings, total: int, video_fps: float) -> list[int]:
-    """Qwen3VLVideoProcessor.sample_frames: `count` frames spread evenly from the first to the last, rounded."""
+    """Qwen3VLVideoProcessor.sample_frames: `count` frames spread evenly from the first to the last, rounded (a
+    count over the clip's frames repeats some)."""
     count = s.num_frames
-    if count is None:
+    if count is None and s.fps is not None:
         count = min(max(int(total / video_fps * s.fps), s.min_frames), s.max_frames, total)
+    elif count is None:  # neither a rate nor a count: every frame, between min_frames and max_frames
+        count = min(max(total, s.min_frames), s.max_frames)
     if count == 1:
         return [0]
     step = (total - 1) / (count - 1)  # numpy's linspace: i * step, the last one exactly total - 1

@@ -127,7 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--keep-last-images", type=int, help="long chats: the last pictures of a prompt that stay whole")
     p.add_argument("--media-io-kwargs", type=_json_object, metavar="JSON",
                    help='how videos are sampled and capped, as in vLLM: \'{"video": {"num_frames": 32}}\' (keys: fps, '
-                        "num_frames, min_frames, max_frames, video_min_pixels, video_max_pixels)")
+                        "num_frames, min_frames, max_frames, do_sample_frames, video_min_pixels, video_max_pixels; "
+                        "an fps or num_frames here samples every clip)")
     p.add_argument("--video-pruning-rate", type=float, default=0.0,
                    help="drop this share of each later temporal patch's least-changed tokens (EVS, lesson 17)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
