@@ -275,12 +275,12 @@ class InputProcessor:
         from nanomm.inputs.video import preprocess_video
         from nanomm.inputs.video_io import encoded_video_bytes, load_video
 
-        def process(source):
+        def sampled_and_resized(source):
             return preprocess_video(load_video(source, name), self.image_config, settings=validated.video_settings,
                                     name=name)
 
         video = self._through_cache(clip, self._video_key(validated.video_settings),
-                                    lambda data: encoded_video_bytes(data, name), process)
+                                    lambda data: encoded_video_bytes(data, name), sampled_and_resized)
         return video.with_compression(validated.compression)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
