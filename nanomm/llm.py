@@ -25,7 +25,7 @@ from nanomm.engine.engine import LLMEngine
 from nanomm.engine.sizing import size_engine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
-from nanomm.inputs.tokenizer import Tokenizer, multi_modal_data
+from nanomm.inputs.tokenizer import Tokenizer, media_prompt
 from nanomm.model.config import read_checkpoint_json
 from nanomm.model.loader import load_model, resolve_checkpoint
 from nanomm.outputs import RequestOutput
@@ -211,7 +211,7 @@ class LLM:
                 text, media = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
             except InvalidInputError as exc:
                 raise InvalidInputError(f"conversation {i}: {exc}") from None
-            prompts.append({"prompt": text, "multi_modal_data": multi_modal_data(media)} if media else text)
+            prompts.append(media_prompt(text, media) if media else text)
         return self.generate(prompts, sampling_params, use_tqdm, mm_processor_kwargs)
 
     def stats(self) -> dict:

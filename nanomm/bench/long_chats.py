@@ -1,6 +1,7 @@
 """Long chats on the demo model: a new picture every turn, under each old-image policy.
 
     nanomm-bench long-chats --chats 20 --turns 12 --keep-last-images 2 --json lessons/data/16-long-chats.json
+    nanomm-bench long-chats --chats 3 --turns 12 --processor-cache off bytes uuids   # preprocessing per turn
 
 Lesson: lessons/16-long-conversations.md.
 
@@ -10,9 +11,17 @@ prefix-cache hit, and whether the reply is right and equal to the reply under "k
 K + 1, a probe (not added to the chat) asks about the picture K + 1 turns back: the one that the policy changed.
 The demo model was trained on one picture per question, so the probe shows what a policy takes away from the
 context rather than a skill the model has.
+
+With --processor-cache, it measures instead what a client's resent pictures cost to preprocess, under "keep": the
+pictures go as PNG data URLs, as a client sends them, and per turn it records the prompt's preprocessing time,
+its TTFT and the pictures decoded, on an engine of its own per mode: "off" (no processor cache), "bytes" (the
+cache finds each resent picture by its bytes) and "uuids" (each picture carries a uuid, and a resent one is sent
+as its uuid alone). nanomm/inputs/processor_cache.py is the cache.
 """
 
 import argparse
+import base64
+import io
 import json
 import random
 from pathlib import Path
@@ -107,6 +116,99 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CACHE_MODES = ("off", "bytes", "uuids")
+
+
+def png_data_url(picture) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def url_part(url: str, uuid: str, mode: str, new: bool) -> dict:
+    """A picture as a client sends it: its data URL, and under "uuids" its uuid (the uuid alone once sent)."""
+    if mode != "uuids":
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": url} if new else None, "uuid": uuid}
+
+
+def cached_chat_messages(urls: list[str], questions: list[tuple], t: int, mode: str, name: str) -> list[dict]:
+    """What a client sends at turn t (0-based): every earlier turn with its true answer, then the new picture.
+    Picture k's uuid is f"{name}/{k}"."""
+    messages = []
+    for k in range(t + 1):
+        question, answer = questions[k]
+        picture = url_part(urls[k], f"{name}/{k}", mode, new=k == t)
+        messages.append({"role": "user", "content": [picture, {"type": "text", "text": question}]})
+        if k < t:
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def run_cached_chat(llm, urls: list[str], questions: list[tuple], mode: str, name: str) -> list[dict]:
+    """One chat under "keep" with the pictures as data URLs: per turn, preprocessing, TTFT and pictures decoded.
+    The assistant turns are the questions' true answers, so every mode sends the same prompts."""
+    rows = []
+    for t in range(len(questions)):
+        decodes = llm.stats()["processor_cache_decodes"]
+        out = llm.chat(cached_chat_messages(urls, questions, t, mode, name), GREEDY, use_tqdm=False)[0]
+        rows.append({"turn": t + 1, "preprocess_s": out.metrics.preprocess_s, "ttft_s": out.metrics.ttft_s,
+                     "decodes": llm.stats()["processor_cache_decodes"] - decodes,
+                     "cached_tokens": out.metrics.num_cached_tokens, "reply": out.outputs[0].token_ids})
+    return rows
+
+
+def cache_table(by_mode: dict[str, list[list[dict]]]) -> list[dict]:
+    """Per turn, per mode: the mean preprocessing and TTFT over the chats, and the pictures decoded."""
+    turns = len(next(iter(by_mode.values()))[0])
+    table = []
+    for t in range(turns):
+        row = {"turn": t + 1}
+        for mode, chats in by_mode.items():
+            rows = [chat[t] for chat in chats]
+            row[mode] = {"preprocess_ms": 1000 * sum(r["preprocess_s"] for r in rows) / len(rows),
+                         "ttft_ms": 1000 * sum(r["ttft_s"] for r in rows) / len(rows),
+                         "decodes": sum(r["decodes"] for r in rows) / len(rows)}
+        table.append(row)
+    return table
+
+
+def cache_markdown(table: list[dict]) -> str:
+    modes = [k for k in table[0] if k != "turn"]
+    head = " | ".join(f"{m}: preprocess ms | TTFT ms | decoded" for m in modes)
+    lines = [f"| turn | {head} |", "|---:|" + "---:|" * 3 * len(modes)]
+    for row in table:
+        cells = " | ".join(f"{row[m]['preprocess_ms']:.1f} | {row[m]['ttft_ms']:.0f} | {row[m]['decodes']:.0f}"
+                           for m in modes)
+        lines.append(f"| {row['turn']} | {cells} |")
+    return "\n".join(lines)
+
+
+def run_cache_modes(args) -> int:
+    """--processor-cache: each mode on a fresh engine, the same chats (and one warm-up turn first)."""
+    chats = [chat_turns(args.seed * 100_000 + i, args.turns) for i in range(args.chats)]
+    urls = [[png_data_url(picture) for picture, _ in turns] for turns in chats]
+    questions = [[(qa.question, qa.answer) for _, qa in turns] for turns in chats]
+    warm_up = chat_turns(-1, 1)
+    by_mode = {}
+    for mode in args.processor_cache:
+        llm = LLM(demo_checkpoint(), num_preprocess_workers=0, mm_processor_cache_gb=0 if mode == "off" else 4)
+        run_cached_chat(llm, [png_data_url(warm_up[0][0])], [(warm_up[0][1].question, "")], mode, "warm-up")
+        by_mode[mode] = [run_cached_chat(llm, u, q, mode, f"chat-{i}")
+                         for i, (u, q) in enumerate(zip(urls, questions))]
+        llm.close()
+    replies = {mode: [[r.pop("reply") for r in chat] for chat in runs] for mode, runs in by_mode.items()}
+    same = all(r == next(iter(replies.values())) for r in replies.values())
+    table = cache_table(by_mode)
+    print(cache_markdown(table))
+    print(f"replies the same in every mode: {same}")
+    if args.json:
+        arguments = {k: v for k, v in vars(args).items() if k not in ("module", "parser")}
+        Path(args.json).write_text(json.dumps({"args": arguments, "table": table, "same_replies": same,
+                                               "chats": by_mode}, indent=1))
+    return 0
+
+
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chats", type=int, default=20)
     p.add_argument("--turns", type=int, default=12)
@@ -114,9 +216,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", nargs="+", default=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
+    p.add_argument("--processor-cache", nargs="+", choices=CACHE_MODES, metavar="MODE",
+                   help="measure preprocessing and TTFT per turn instead, under each of: off (no processor "
+                        "cache), bytes (found by the pictures' bytes), uuids (resent pictures as their uuid alone)")
 
 
 def main(args) -> int:
+    if args.processor_cache:
+        return run_cache_modes(args)
     policies = ["keep"] + [x for x in args.policy if x != "keep"]
     llm = LLM(demo_checkpoint(), num_preprocess_workers=0)
     chats = [chat_turns(args.seed * 100_000 + i, args.turns) for i in range(args.chats)]

@@ -47,6 +47,9 @@ class EngineConfig:
     encoder_cache_size: int = 16384  # visual tokens the encoder cache keeps
     max_num_encoder_tokens: int | None = None  # visual tokens encoded per step; None: max_num_batched_tokens
     num_preprocess_workers: int = 2  # threads decoding and resizing images; 0 = inline in add_request
+    # vLLM's name: GiB of preprocessed pictures and videos kept, keyed by their bytes or a client's uuid, so one sent
+    # again is not decoded again (inputs/processor_cache.py); 0: none kept
+    mm_processor_cache_gb: float = 4.0
     limit_images_per_prompt: int = 16
     limit_videos_per_prompt: int = 2  # videos (limit_mm_per_prompt={"video": n}); lesson 17
     speculative: SpeculativeConfig | dict | None = None  # see speculative.py
@@ -126,6 +129,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not is_finite_number(self.mm_processor_cache_gb) or self.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be a number >= 0, got {self.mm_processor_cache_gb!r}")
         if self.kv_cache_memory_gib is not None and not (is_finite_number(self.kv_cache_memory_gib)
                                                          and self.kv_cache_memory_gib > 0):
             raise ValueError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")

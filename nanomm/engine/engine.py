@@ -32,6 +32,7 @@ from nanomm.errors import InvalidInputError
 from nanomm.inputs.image import ImageProcessorConfig
 from nanomm.inputs.old_images import OldImages
 from nanomm.inputs.pool import PreprocessPool
+from nanomm.inputs.processor_cache import ProcessorCache
 from nanomm.inputs.prompt import InputProcessor, PreparedPrompt
 from nanomm.inputs.tokenizer import Tokenizer
 from nanomm.model.qwen2_vl import Qwen2VL
@@ -57,7 +58,8 @@ class LLMEngine:
                                         config.limit_images_per_prompt, config.visual_token_compression,
                                         OldImages(config.old_image_policy, config.keep_last_images),
                                         config.limit_videos_per_prompt, _no_video_reason(model.config),
-                                        _video_settings(model.config, image_config, video_preprocessor, config))
+                                        _video_settings(model.config, image_config, video_preprocessor, config),
+                                        ProcessorCache.from_gib(config.mm_processor_cache_gb))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCache(config.encoder_cache_size)
         # Visual tokens depend on the weights too: the cache key names the model (and its dtype).
@@ -380,6 +382,7 @@ class LLMEngine:
             **self.output_processor.stats(),
             **self.encoder_cache.stats(),
             **self.intake.stats(),
+            **self.processor.processor_cache.stats(),
             **self.runner.stats(),
         }
 

@@ -50,17 +50,28 @@ def load_image(image, name: str = "image", *, max_image_pixels: int = PILLOW_MAX
         with _decoding(name):
             image.load()  # a lazily opened PIL image is decoded here; an in-memory one is a no-op
         return image
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return _decode(bytes(image), name, max_image_pixels)
-    if isinstance(image, str) and image.startswith("data:"):
-        return _decode(_data_url_payload(image, name), name, max_image_pixels)
+    data = encoded_bytes(image, name)
+    if data is not None:
+        return _decode(data, name, max_image_pixels)
     if isinstance(image, str) and image.startswith(("http://", "https://")):
         raise InvalidInputError(f"{name}: URLs are not fetched here ({_short(image)}); pass its path or bytes, or "
                                 "give LLM allowed_media_domains (nanomm-serve --allowed-media-domains)")
-    if isinstance(image, (str, os.PathLike)):
-        return _decode(_read_file(image, name), name, max_image_pixels)
     raise InvalidInputError(f"{name}: an image must be a PIL image, a file path, bytes or a data:image/...;base64 URL, "
                             f"got {type(image).__module__}.{type(image).__qualname__}")
+
+
+def encoded_bytes(image, name: str = "image") -> bytes | None:
+    """The encoded bytes of bytes, a data URL or a file path, not decoded (the processor cache hashes them);
+    None for anything else (a PIL image, a URL, a wrong type), which `load_image` takes or refuses itself."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, str) and image.startswith("data:"):
+        return _data_url_payload(image, name)
+    if isinstance(image, str) and image.startswith(("http://", "https://")):
+        return None
+    if isinstance(image, (str, os.PathLike)):
+        return _read_file(image, name)
+    return None
 
 
 def _decode(data: bytes, name: str, max_image_pixels: int) -> Image.Image:

@@ -9,7 +9,7 @@ positions, computed once and sliced by every chunk later.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from PIL import Image
@@ -17,13 +17,17 @@ from PIL import Image
 from nanomm.model.config import ModelConfig
 from nanomm.errors import InvalidInputError, check_int
 from nanomm.inputs.compression import CompressionPolicy, parse_policy
-from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, preprocess_image
+from nanomm.inputs.image import ImageProcessorConfig, ProcessedImage, _pixel_cap, preprocess_image
+from nanomm.inputs.image_io import encoded_bytes
 from nanomm.inputs.old_images import (DEFAULT_KEEP_LAST_IMAGES, DROPPED_MARKER, ImageSettings, OldImagePolicy,
                                       OldImages, PlaceholderIds, check_keep_last_images, parse_old_image_policy)
+from nanomm.inputs.processor_cache import MediaWithUuid, ProcessorCache, settings_key
 from nanomm.model.rope import mrope_positions, video_time_interval
 from nanomm.inputs.tokenizer import Tokenizer
 
-PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+# multi_modal_uuids (vLLM's): {"image": [uuid or None, ...], "video": [...]}, one per item of multi_modal_data; an
+# item named by a uuid the processor cache holds may be None there (inputs/processor_cache.py)
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs"}
 PIXEL_KEYS = {"min_pixels", "max_pixels"}
 LONG_CHAT_KEYS = {"old_image_policy", "keep_last_images"}  # inputs/old_images.py
 # inputs/video_settings.py REQUEST_KEYS: how a request's videos are sampled and capped (checked there, on use)
@@ -92,14 +96,17 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, image_config: ImageProcessorConfig,
                  max_model_len: int, limit_images_per_prompt: int = 16,
                  compression: CompressionPolicy | None = None, old_images: OldImages | None = None,
-                 limit_videos_per_prompt: int = 2, no_video_reason: str | None = None, video_settings=None):
+                 limit_videos_per_prompt: int = 2, no_video_reason: str | None = None, video_settings=None,
+                 processor_cache: ProcessorCache | None = None):
         """no_video_reason: why this engine takes no video (a text-only model), or None. video_settings: the
-        engine's `VideoSettings` (inputs/video_settings.py); None: the family's, made when the first video comes."""
+        engine's `VideoSettings` (inputs/video_settings.py); None: the family's, made when the first video comes.
+        processor_cache: pictures and videos already preprocessed (processor_cache.py); None: none kept."""
         self.tokenizer, self.model_config, self.image_config = tokenizer, model_config, image_config
         self.max_model_len, self.limit_images_per_prompt = max_model_len, limit_images_per_prompt
         self.compression = compression  # the engine's default visual-token compression (compression.py)
         self.limit_videos_per_prompt, self.no_video_reason = limit_videos_per_prompt, no_video_reason
         self._video_settings = video_settings
+        self.processor_cache = processor_cache if processor_cache is not None else ProcessorCache(0)
         self.old_images = old_images or OldImages(OldImagePolicy("keep"), DEFAULT_KEEP_LAST_IMAGES)  # old_images.py
         self.placeholder_ids = PlaceholderIds(model_config.image_token_id, model_config.vision_start_token_id,
                                               model_config.vision_end_token_id, tokenizer.encode(DROPPED_MARKER))
@@ -119,6 +126,7 @@ class InputProcessor:
             compression = parse_policy(prompt["mm_processor_kwargs"]["visual_token_compression"],
                                        f"{name}: mm_processor_kwargs visual_token_compression")
         images, videos = self._media(prompt.get("multi_modal_data"), name)
+        images, videos = _with_uuids(images, videos, prompt.get("multi_modal_uuids"), name)
         self._check_counts(ids, images, videos, name)
         old_images = self._old_images(prompt.get("mm_processor_kwargs"), name)
         try:
@@ -126,7 +134,51 @@ class InputProcessor:
         except InvalidInputError as exc:
             raise InvalidInputError(f"{name}: {exc}") from None
         video_settings = self._request_video_settings(prompt.get("mm_processor_kwargs"), name) if videos else None
+        images, videos = self._resolve_uuids(images, videos, old_images, pixel_kwargs, video_settings, name)
         return ValidatedPrompt(name, text, ids, images, pixel_kwargs, compression, old_images, videos, video_settings)
+
+    def _resolve_uuids(self, images: list, videos: list, old_images: OldImages, pixel_kwargs: dict, video_settings,
+                       name: str) -> tuple[list, list]:
+        """The pictures and videos, each one sent as a uuid alone with the cache's entry for it (`_resolve_uuid`)."""
+        pictures = []
+        for i, item in enumerate(images):  # each lambda runs within its own iteration
+            where = f"{name}, image {i}"
+            pictures.append(self._resolve_uuid(
+                item, lambda: self._image_key(old_images, pixel_kwargs, i, len(images), where), where))
+        clips = [self._resolve_uuid(item, lambda: self._video_key(video_settings), f"{name}, video {i}")
+                 for i, item in enumerate(videos)]
+        return pictures, clips
+
+    def _resolve_uuid(self, item, settings_of, name: str):
+        """An item sent as a uuid alone -> with its cached entry (under the settings `settings_of()` names), found
+        now so that an unknown uuid is a 400 before anything is decoded. Any other item as it is."""
+        if not isinstance(item, MediaWithUuid) or item.data is not None:
+            return item
+        cached = self.processor_cache.lookup_uuid(settings_of(), item.uuid)
+        if cached is None:
+            raise InvalidInputError(f"{name}: uuid {item.uuid!r:.80} came without data, and the processor cache holds "
+                                    "nothing under that uuid for these processing settings; send the data with it")
+        return replace(item, cached=cached)
+
+    def _image_key(self, old_images: OldImages, pixel_kwargs: dict, index: int, num_images: int, name: str) -> str:
+        """The processor cache's settings for picture `index`: the model family, the config and its pixel cap."""
+        kwargs = self._picture_settings(old_images, pixel_kwargs, None, index, num_images).pixel_kwargs
+        lo, hi = _pixel_cap(self.image_config, kwargs.get("min_pixels"), kwargs.get("max_pixels"), name)
+        return settings_key("image", self.model_config.model_type, self.image_config, lo, hi)
+
+    def _video_key(self, video_settings) -> str:
+        """The processor cache's settings for a video: the model family, the config and the sampling settings."""
+        return settings_key("video", self.model_config.model_type, self.image_config, video_settings)
+
+    def _through_cache(self, raw, key: str, payload_of, process):
+        """`process(source)` for one picture or video, unless the processor cache holds its result: found by the
+        encoded bytes (`payload_of(data)`, None when there are none to hash) or by the client's uuid."""
+        if isinstance(raw, MediaWithUuid) and raw.cached is not None:
+            return raw.cached
+        data, uuid = (raw.data, raw.uuid) if isinstance(raw, MediaWithUuid) else (raw, None)
+        payload = payload_of(data) if self.processor_cache.enabled else None
+        source = data if payload is None else payload  # decoded from the bytes already read, not read twice
+        return self.processor_cache.get_or_process(key, payload, uuid, lambda: process(source))
 
     def _request_video_settings(self, kwargs, name: str):
         """The engine's video settings with the request's VIDEO_KEYS applied, checked before any frame is decoded."""
@@ -221,20 +273,33 @@ class InputProcessor:
         imported only for videos), under the engine's video settings and what the request changed, and compressed as its pictures
         are, patch by patch (unless pruned)."""
         from nanomm.inputs.video import preprocess_video
-        from nanomm.inputs.video_io import load_video
+        from nanomm.inputs.video_io import encoded_video_bytes, load_video
 
-        video = preprocess_video(load_video(clip, name), self.image_config, settings=validated.video_settings,
-                                 name=name)
+        def sampled_and_resized(source):
+            return preprocess_video(load_video(source, name), self.image_config, settings=validated.video_settings,
+                                    name=name)
+
+        video = self._through_cache(clip, self._video_key(validated.video_settings),
+                                    lambda data: encoded_video_bytes(data, name), sampled_and_resized)
         return video.with_compression(validated.compression)
 
     def _preprocess_image(self, validated: ValidatedPrompt, index: int) -> ProcessedImage:
         """One picture under its prompt's cap and compression, or the old pictures' (old_images.py)."""
+        name, count = f"{validated.name}, image {index}", len(validated.raw_images)
+        settings = self._picture_settings(validated.old_images, validated.pixel_kwargs, validated.compression,
+                                          index, count)
+        key = self._image_key(validated.old_images, validated.pixel_kwargs, index, count, name)
+        image = self._through_cache(validated.raw_images[index], key, lambda data: encoded_bytes(data, name),
+                                    lambda source: preprocess_image(source, self.image_config, name=name,
+                                                                    **settings.pixel_kwargs))
+        return image.with_compression(settings.compression)
+
+    def _picture_settings(self, old_images: OldImages, pixel_kwargs: dict, compression, index: int,
+                          num_images: int) -> ImageSettings:
+        """Picture `index`'s pixel cap and compression: its prompt's, or the old pictures' (old_images.py)."""
         config = self.image_config
-        settings = validated.old_images.settings(index, len(validated.raw_images),
-                                                 ImageSettings(validated.pixel_kwargs, validated.compression),
-                                                 config.min_pixels, config.max_pixels)
-        return preprocess_image(validated.raw_images[index], config, name=f"{validated.name}, image {index}",
-                                **settings.pixel_kwargs).with_compression(settings.compression)
+        return old_images.settings(index, num_images, ImageSettings(pixel_kwargs, compression),
+                                   config.min_pixels, config.max_pixels)
 
     def _old_images(self, kwargs, name: str) -> OldImages:
         """The engine's long-chat setting, with what the request's mm_processor_kwargs override (checked there)."""
@@ -291,6 +356,26 @@ class InputProcessor:
         if kwargs.get("max_pixels", cap) > cap or kwargs.get("min_pixels", 1) > cap:
             raise InvalidInputError(f"{name}: mm_processor_kwargs {kwargs} exceed the engine's max_pixels={cap}")
         return dict(kwargs)
+
+
+def _with_uuids(images: list, videos: list, uuids, name: str) -> tuple[list, list]:
+    """multi_modal_uuids applied: each item the client named becomes a `MediaWithUuid` (its data may be None)."""
+    if uuids is None:
+        return images, videos
+    if not isinstance(uuids, dict) or set(uuids) - {"image", "video"}:
+        raise InvalidInputError(f"{name}: 'multi_modal_uuids' must be a dict with 'image' and/or 'video' keys, "
+                                f"got {uuids!r:.80}")
+    named = []
+    for key, items in (("image", images), ("video", videos)):
+        names = uuids.get(key, [])
+        names = list(names) if isinstance(names, (list, tuple)) else [names]
+        if len(names) != len(items):
+            raise InvalidInputError(f"{name}: multi_modal_uuids['{key}'] has {len(names)} entries for {len(items)} "
+                                    f"{key}(s) in multi_modal_data")
+        if any(u is not None and not (isinstance(u, str) and u) for u in names):
+            raise InvalidInputError(f"{name}: multi_modal_uuids['{key}'] must hold non-empty strings or None")
+        named.append([item if u is None else MediaWithUuid(item, u) for item, u in zip(items, names)])
+    return named[0], named[1]
 
 
 def _compressed_image_origins(images: list[ProcessedImage]) -> list:

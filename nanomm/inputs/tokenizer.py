@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from nanomm.errors import CheckpointError, InvalidInputError
+from nanomm.inputs.processor_cache import MediaWithUuid
 from nanomm.model.config import read_checkpoint_json
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -61,10 +62,48 @@ class VideoPart:
 
 
 def multi_modal_data(media: list) -> dict:
-    """A chat's media, in order -> vLLM's multi_modal_data: {"image": [...], "video": [...]}, the empty ones left out."""
-    images = [m for m in media if not isinstance(m, VideoPart)]
-    videos = [m.source for m in media if isinstance(m, VideoPart)]
-    return {key: items for key, items in (("image", images), ("video", videos)) if items}
+    """A chat's media, in order -> vLLM's multi_modal_data: {"image": [...], "video": [...]}, the empty ones left out.
+    A part the client named by a uuid gives its data (None if it sent the uuid alone)."""
+    return {key: [_data(m) for m in items] for key, items in _by_kind(media) if items}
+
+
+def multi_modal_uuids(media: list) -> dict | None:
+    """The uuids the chat's parts carry, as vLLM's multi_modal_uuids ({"image": [uuid or None, ...], ...}); None
+    if no part carries one."""
+    named = {key: [m.uuid if isinstance(m, MediaWithUuid) else None for m in items] for key, items in _by_kind(media)
+             if items}
+    return named if any(u is not None for uuids in named.values() for u in uuids) else None
+
+
+def media_prompt(text: str, media: list) -> dict:
+    """A rendered chat and its media -> a prompt for the engine (with multi_modal_uuids where parts carry uuids)."""
+    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(media)}
+    uuids = multi_modal_uuids(media)
+    if uuids is not None:
+        prompt["multi_modal_uuids"] = uuids
+    return prompt
+
+
+def map_media_sources(media: list, source_of) -> list:
+    """Each part's data replaced by `source_of(data, "an image" or "a video")`, its VideoPart and uuid kept; a part
+    sent as a uuid alone has no data to map."""
+    def mapped(m, what):
+        if isinstance(m, MediaWithUuid):
+            return m if m.data is None else MediaWithUuid(source_of(m.data, what), m.uuid)
+        return source_of(m, what)
+
+    return [VideoPart(mapped(m.source, "a video")) if isinstance(m, VideoPart) else mapped(m, "an image")
+            for m in media]
+
+
+def _by_kind(media: list) -> tuple:
+    """(("image", pictures), ("video", videos)): each video's VideoPart unwrapped."""
+    return (("image", [m for m in media if not isinstance(m, VideoPart)]),
+            ("video", [m.source for m in media if isinstance(m, VideoPart)]))
+
+
+def _data(m):
+    return m.data if isinstance(m, MediaWithUuid) else m
 
 
 class Tokenizer:
@@ -220,6 +259,18 @@ def _render_content(content, i: int, images: list) -> str:
     return "".join(_render_part(part, i, j, images) for j, part in enumerate(content))
 
 
+def _part_uuid(part: dict, where: str) -> str | None:
+    uuid = part.get("uuid")
+    if uuid is not None and not (isinstance(uuid, str) and uuid):
+        raise InvalidInputError(f"{where}: 'uuid' must be a non-empty string, got {uuid!r:.80}")
+    return uuid
+
+
+def _named(data, uuid: str | None):
+    """A part's data, wrapped with its uuid if it carries one."""
+    return data if uuid is None else MediaWithUuid(data, uuid)
+
+
 def _render_part(part, i: int, j: int, images: list) -> str:
     where = f"message {i} part {j}"
     if not isinstance(part, dict) or "type" not in part:
@@ -229,25 +280,26 @@ def _render_part(part, i: int, j: int, images: list) -> str:
         if not isinstance(part.get("text"), str):
             raise InvalidInputError(f"{where} is a text part without a string 'text'")
         return part["text"]
+    uuid = _part_uuid(part, where)  # vLLM's: with a uuid the processor cache holds, the data may be left out
     if kind == "image":
-        if part.get("image") is None:
+        if part.get("image") is None and uuid is None:
             raise InvalidInputError(f"{where} is an image part without an 'image'")
-        images.append(part["image"])
+        images.append(_named(part.get("image"), uuid))
         return IMAGE_PLACEHOLDER
     if kind == "image_url":
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str):
+        if not isinstance(url, str) and not (url is None and uuid is not None):
             raise InvalidInputError(f"{where} is an image_url part without a string 'image_url' or 'image_url.url'")
-        images.append(url)
+        images.append(_named(url, uuid))
         return IMAGE_PLACEHOLDER
     if kind in ("video", "video_url"):
         source = part.get(kind)
         source = source.get("url") if kind == "video_url" and isinstance(source, dict) else source
-        if source is None or (kind == "video_url" and not isinstance(source, str)):
+        if (source is None and uuid is None) or (kind == "video_url" and not isinstance(source, (str, type(None)))):
             raise InvalidInputError(f"{where} is a {kind} part without a " + ("'video'" if kind == "video" else
                                     "string 'video_url' or 'video_url.url'"))
-        images.append(VideoPart(source))
+        images.append(VideoPart(_named(source, uuid)))
         return VIDEO_PLACEHOLDER
     raise InvalidInputError(f"{where} has type {kind!r}; expected 'text', 'image', 'image_url', 'video' or "
                             "'video_url'")

@@ -121,6 +121,16 @@ def _frames_from_array(array, name: str, limits: VideoLimits) -> tuple:
     return tuple(Image.frombytes("RGB", (width, height), data[i * n:(i + 1) * n]) for i in range(num_frames))
 
 
+def encoded_video_bytes(source, name: str = "video") -> bytes | None:
+    """A clip's encoded bytes (a path, bytes or a data URL), not decoded, for the processor cache to hash; None for
+    a clip given as frames or an array, or a URL (which `load_video` takes or refuses itself)."""
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        return None
+    if isinstance(source, (bytes, bytearray, memoryview, str, os.PathLike)):
+        return _encoded_bytes(source, name, VideoLimits())
+    return None
+
+
 def _encoded_bytes(source, name: str, limits: VideoLimits) -> bytes:
     """A path, bytes or data URL -> the file's bytes, refused before reading or decoding if over max_bytes."""
     if isinstance(source, (bytes, bytearray, memoryview)):

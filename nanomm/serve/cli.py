@@ -97,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--device"), p.add_argument("--dtype")
     p.add_argument("--max-model-len", type=int), p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-pixels", type=int, help="the engine's pixel cap per image")
+    p.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GIB",
+                   help="preprocessed pictures and videos kept, so that one sent again (by its bytes or a content "
+                        "part's uuid) is not decoded again; 0: none (vLLM's name)")
     p.add_argument("--max-num-encoder-tokens", type=int, metavar="TOKENS",
                    help="visual tokens one vision forward encodes at most, a larger picture alone: an engine's "
                         "per step (default: its token budget), an encoder's per batch of concurrent requests' "
@@ -228,6 +231,7 @@ def engine_args(args) -> dict:
     """The command's options that are LLM's arguments (an engine instance's; the encoder reads its share)."""
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_pixels=args.max_pixels,
+                mm_processor_cache_gb=args.mm_processor_cache_gb,
                 max_num_encoder_tokens=args.max_num_encoder_tokens, generation_config=args.generation_config,
                 encoder_url=args.encoder_url[0] if args.encoder_url else None, encoder_timeout_s=args.peer_timeout,
                 kv_handoff_timeout_s=args.kv_handoff_timeout, emulate=args.emulate,

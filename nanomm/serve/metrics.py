@@ -54,6 +54,13 @@ ENGINE_STATS = {
     "steps": ("nanomm_engine_steps", "engine steps", "counter"),
     "visual_tokens_encoded": ("nanomm_encoder_visual_tokens", "visual tokens this instance's own tower encoded "
                               "(0 with an encoder service)", "counter"),
+    "processor_cache_decodes": ("nanomm_processor_cache_decodes", "pictures and videos decoded and preprocessed "
+                                "(not served by the processor cache)", "counter"),
+    "processor_cache_hits": ("nanomm_processor_cache_hits", "pictures and videos served by the processor cache, "
+                             "by their bytes or a client's uuid", "counter"),
+    "processor_cache_misses": ("nanomm_processor_cache_misses", "processor-cache lookups that found nothing",
+                               "counter"),
+    "processor_cache_bytes": ("nanomm_processor_cache_bytes", "pixel bytes the processor cache holds", "gauge"),
     "kv_requests_parked": ("nanomm_kv_requests_parked", "prefilled requests whose KV waits for a decode instance",
                            "gauge"),
 }

@@ -9,6 +9,9 @@ A decode instance continuing a prefill instance's handoff (kv_transfer_params) r
 (`parse_continuation`): the prompt was run on the prefill instance, so the body may leave out the messages or
 prompt, and those it still carries are not read (nor are their pictures).
 
+A content part may carry a `uuid` (vLLM's): with a uuid the processor cache holds, its data may be left out (null);
+an unknown one is a 400 (nanomm/inputs/processor_cache.py).
+
 Images arrive as data URLs, as http(s) URLs whose host is listed with `--allowed-media-domains` (checked here,
 fetched by app.py off the event loop: nanomm/inputs/media_fetch.py), or as local files (a path or a file:// URL)
 read only under the folder given with `--allowed-local-media-path`.
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from nanomm.errors import InvalidInputError
-from nanomm.inputs.tokenizer import VideoPart, multi_modal_data
+from nanomm.inputs.tokenizer import map_media_sources, media_prompt
 from nanomm.outputs import CompletionOutput, RequestOutput
 from nanomm.sampling import SamplingParams
 
@@ -62,9 +65,9 @@ def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | Non
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
     text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    media = [VideoPart(_image_source(m.source, media_root, "a video", media_urls)) if isinstance(m, VideoPart)
-             else _image_source(m, media_root, media_urls=media_urls) for m in media]  # a data URL, URL or path
-    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(media)}
+    # every picture and video: a data URL, an allowed URL or a path (a part sent as a uuid alone has none)
+    media = map_media_sources(media, lambda source, what: _image_source(source, media_root, what, media_urls))
+    prompt = media_prompt(text, media)
     return _finish(body, prompt, defaults, _chat_num_top(body), chat=True)
 
 
