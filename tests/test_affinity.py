@@ -213,3 +213,40 @@ def test_on_the_twin_dp4_affinity_hits_the_prefix_cache_more_with_goodput_no_low
     # the best affinity can do: every turn after the first finds the whole of its session's history
     history = sum(r.prompt_tokens - r.image_tokens[-1] - 200 for r in requests) / sum(r.prompt_tokens for r in requests)
     assert affinity["caches"]["prefix_hit_rate"] <= history + 0.01
+
+
+# -- Ray's request router ------------------------------------------------------------------------------------------
+
+def test_ray_s_request_router_puts_the_session_s_replica_first_within_the_slack():
+    """Ray calls choose_replicas, then on_request_routed and on_request_completed around each call; the state alone,
+    as tests/test_ray.py drives LeastWorkRouter's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray")
+    from nanomm.serve.ray import CacheAffinityRouter
+
+    router = object.__new__(CacheAffinityRouter)
+    router.initialize_state(slack=1000)
+    a, b, c = (SimpleNamespace(replica_id=name) for name in "abc")
+
+    def call(request_id: str, body: dict, tokens: float):
+        return SimpleNamespace(kwargs={"work": 1, "affinity": (prompt_keys(body), tokens)},
+                               metadata=SimpleNamespace(internal_request_id=request_id))
+
+    def ranking(request) -> list[str]:
+        return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas([a, b, c], request))]
+
+    first = call("turn 1", session_body(0, 1), 900)
+    assert ranking(first) == ["a", "b", "c"]  # nothing known: the load order
+    router.on_request_routed(first, "b", None)  # Ray sent it to b after all: b is remembered
+    second = call("turn 2", session_body(0, 2), 1500)
+    assert ranking(second) == ["b", "a", "c"]  # b holds 900 tokens, within the slack of a's and c's 0
+    router.on_request_routed(second, "b", None)
+    assert ranking(call("turn 3", session_body(0, 3), 2000)) == ["a", "c", "b"]  # b: 2400 tokens, past the slack
+    router.on_request_completed("b", "turn 1")
+    router.on_request_completed("b", "turn 2")
+    assert ranking(call("turn 3", session_body(0, 3), 2000)) == ["b", "a", "c"]
+    router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}  # Ray's own state
+    router.on_replica_actor_died("b")
+    assert ranking(call("turn 3", session_body(0, 3), 2000)) == ["a", "b", "c"]  # b's keys forgotten

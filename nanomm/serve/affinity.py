@@ -139,16 +139,20 @@ class CacheAffinity:
         self.slack, self.map = slack, AffinityMap(capacity)
         self.outcomes = dict.fromkeys(self.OUTCOMES, 0)
 
-    def pick(self, keys: PromptKeys, outstanding: dict, fallback):
-        """One of `outstanding`'s engines (engine -> its work now); `fallback` is the load policy's pick."""
+    def choose(self, keys: PromptKeys, outstanding: dict, fallback) -> tuple:
+        """(engine, outcome): one of `outstanding`'s engines (engine -> its work now); `fallback` is the load
+        policy's pick. Remembers nothing: a caller that may still send elsewhere (Ray) records what it did."""
         saved = {engine: tokens for engine, tokens in self.map.savings(keys).items() if engine in outstanding}
-        choice, outcome = fallback, "new"
-        if saved:
-            best = max(saved, key=lambda engine: (saved[engine], -outstanding[engine]))
-            if outstanding[best] - min(outstanding.values()) <= self.slack:
-                choice, outcome = best, "affine"
-            else:
-                outcome = "spilled"
+        if not saved:
+            return fallback, "new"
+        best = max(saved, key=lambda engine: (saved[engine], -outstanding[engine]))
+        if outstanding[best] - min(outstanding.values()) <= self.slack:
+            return best, "affine"
+        return fallback, "spilled"
+
+    def pick(self, keys: PromptKeys, outstanding: dict, fallback):
+        """`choose`, counted, and the request's keys remembered as sent to the engine chosen."""
+        choice, outcome = self.choose(keys, outstanding, fallback)
         self.outcomes[outcome] += 1
         self.map.record(keys, choice)
         return choice
