@@ -84,7 +84,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", nargs="+", default=["requests"], choices=["requests", "load", "affinity"],
                    help="with --emulate: how whole engines are picked: the fewest requests (default), the router's "
                         "least work, or cache affinity (serve/affinity.py); several: one row each")
-    p.add_argument("--affinity-slack", type=float, default=2048.0, help="with --routing affinity: prompt tokens an "
+    p.add_argument("--affinity-slack", type=float, default=8192.0, help="with --routing affinity: prompt tokens an "
                    "affine pick may hold beyond the least loaded engine's")
     p.add_argument("--json", metavar="FILE")
 

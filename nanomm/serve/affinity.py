@@ -31,6 +31,10 @@ from dataclasses import dataclass
 
 BLOCK_CHARACTERS = 64  # about 16 tokens of English text: one KV block of the prefix cache
 CHARACTERS_PER_TOKEN = 4
+# Prompt tokens an affine pick may hold beyond the least loaded engine's: a few chat histories' worth. On the twin's
+# dp4 over six-turn chats of 1,024-token pictures, 2,048 spilled so often that TTFT p99 stayed 2.5x 8,192's
+# (BENCHMARKS.md, "Cache-affine routing").
+DEFAULT_SLACK = 8192.0
 
 
 @dataclass(frozen=True)

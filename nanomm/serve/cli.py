@@ -35,7 +35,7 @@ class InstanceSpec:
     server_options: dict = field(default_factory=dict)  # more of ServerConfig (max_pending_requests, media_root ...)
     engine_urls: tuple[str, ...] = ()  # the router's pool of engines that take whole requests (dp<N>, <X>e<Y>pd)
     routing: str = "affinity"  # the router's pick among engines or prefill instances (serve/affinity.py)
-    affinity_slack: float = 2048.0  # work an affine pick may hold beyond the least loaded instance's
+    affinity_slack: float = 8192.0  # work an affine pick may hold beyond the least loaded instance's
 
 
 def build_server(role: str, spec: InstanceSpec):
@@ -92,10 +92,10 @@ def parse_args(argv=None):
                    help="router: how a request picks among engines (or prefill instances): 'affinity' sends it "
                         "where its prefix and pictures went before, within --affinity-slack of the least loaded; "
                         "'load' to the least loaded alone (default: affinity; with nothing seen before, the same)")
-    p.add_argument("--affinity-slack", type=float, default=2048.0, metavar="TOKENS",
+    p.add_argument("--affinity-slack", type=float, default=8192.0, metavar="TOKENS",
                    help="router: the outstanding work (prompt tokens for engines, visual tokens for prefill "
-                        "instances) an affine pick may hold beyond the least loaded instance's (default 2048: "
-                        "about one step's token budget)")
+                        "instances) an affine pick may hold beyond the least loaded instance's (default 8192: "
+                        "a few chat histories, serve/affinity.py)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds a peer may stay silent (a KV pull, an encode, a stream) before it is an error")
     p.add_argument("--kv-handoff-timeout", type=float, default=30.0,

@@ -54,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanomm.serve import protocol
-from nanomm.serve.affinity import CacheAffinity, prompt_keys
+from nanomm.serve.affinity import DEFAULT_SLACK, CacheAffinity, prompt_keys
 from nanomm.serve.app_spec import AppSpec
 from nanomm.serve.autoscaling import SLO_SHARES, LoadWindow
 from nanomm.serve.cli import build_server
@@ -203,7 +203,7 @@ class CacheAffinityRouter(LeastWorkRouter):
     the least loaded one (each replica's tokens counted here, from routing to completion); the others follow in
     the load order. The keys are remembered at `on_request_routed`, for the replica Ray actually sent them to."""
 
-    def initialize_state(self, slack: float = 2048.0, **kwargs):
+    def initialize_state(self, slack: float = DEFAULT_SLACK, **kwargs):
         super().initialize_state()
         self.policy = CacheAffinity(slack)
         self.tokens: dict = {}  # replica id -> prompt tokens

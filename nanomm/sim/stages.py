@@ -325,7 +325,7 @@ class SimResult:
 
 def simulate(topology: "str | Topology", costs, requests: list[SimRequest], slo_ttft_s: float,
              slo_tpot_s: float, token_budget: int = 2048, routing: str = "requests",
-             affinity_slack: float = 2048.0) -> SimResult:
+             affinity_slack: float = 8192.0) -> SimResult:
     """costs: StageCosts (this file's engine), or nanomm.sim.twin.TwinCosts (nanomm's scheduler on the emulated
     device's cost model; token_budget then comes from the twin's engine config; `routing` and `affinity_slack`
     pick its whole engines, twin.py)."""

@@ -44,7 +44,7 @@ generator reports its CPU share), link contention, tensor parallelism.
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from nanomm.serve.affinity import CacheAffinity, PromptKeys
+from nanomm.serve.affinity import DEFAULT_SLACK, CacheAffinity, PromptKeys
 from nanomm.sim.events import EventClock, least_loaded
 from nanomm.topology import Topology, parse_topology
 
@@ -456,7 +456,7 @@ def engine_picker(routing: str, affinity_slack: float, block_size: int):
 
 
 def build_twin_pools(topology: Topology, clock, costs: TwinCosts, routing: str = "requests",
-                     affinity_slack: float = 2048.0):
+                     affinity_slack: float = DEFAULT_SLACK):
     """The instances of each pool, and the function an arriving request goes to (after its host delay)."""
 
     def delayed(entry):
@@ -525,7 +525,7 @@ def cache_hits(tracks: list, prefix_tokens: int = 0) -> dict:
 
 
 def run_twin(topology: "str | Topology", costs: TwinCosts, requests: list, routing: str = "requests",
-             affinity_slack: float = 2048.0) -> tuple[list, dict, dict]:
+             affinity_slack: float = DEFAULT_SLACK) -> tuple[list, dict, dict]:
     """Every request through the topology: ([(TTFT, TPOT, finish) or None for a failed one], each pool's busy
     share, the caches' hits)."""
     clock = EventClock()
