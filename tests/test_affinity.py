@@ -187,9 +187,9 @@ def twin_costs():
 
 
 def test_on_the_twin_a_session_s_turns_share_their_blocks_and_pictures(twin_costs):
-    from nanomm.sim.sessions import make_sessions
+    from nanomm.sim.chats import make_chats
 
-    turns = [r for r in make_sessions("1x448x448:1", 1.0, 2, 3, 2.0, seed=3) if r.id < 3]  # session 0
+    turns = [r for r in make_chats("1x448x448:1", 1.0, 2, 3, 2.0, seed=3) if r.id < 3]  # session 0
     assert [len(r.image_tokens) for r in turns] == [1, 2, 3] and turns[0].image_tokens == (256,)
     assert turns[1].prompt_tokens == 16 + 256 + 64 + 32 + 256 + 64  # template, turn 1 with its answer, turn 2
     assert turns[1].image_offsets == (16, 16 + 256 + 64 + 32)
@@ -200,10 +200,10 @@ def test_on_the_twin_a_session_s_turns_share_their_blocks_and_pictures(twin_cost
 def test_on_the_twin_dp4_affinity_hits_the_prefix_cache_more_with_goodput_no_lower(twin_costs):
     """Multi-turn sessions on dp4, seeded: affinity routing finds more of each prompt in its engine's prefix
     cache than the router's load routing, and keeps at least as many requests within the SLO."""
-    from nanomm.sim.sessions import make_sessions
+    from nanomm.sim.chats import make_chats
     from nanomm.sim.stages import simulate
 
-    requests = make_sessions("1x448x448:1", 10.0, 40, 4, 2.0, seed=0, text_tokens=200, output_tokens=50)
+    requests = make_chats("1x448x448:1", 10.0, 40, 4, 2.0, seed=0, text_tokens=200, output_tokens=50)
     runs = {routing: simulate("dp4", twin_costs, requests, 0.5, 0.05, routing=routing)
             for routing in ("load", "affinity")}
     load, affinity = (runs[r].summary() for r in ("load", "affinity"))

@@ -19,7 +19,7 @@ Topologies follow the one grammar (nanomm/topology.py); --search tries every siz
 Replay (--replay): instead of drawing requests from --mix, take every answered request of a `nanomm-bench load`
 JSON (its `records`), one simulation per rate in it, so a prediction and a measurement see the same arrivals
 and pictures. --factor is the pixels per visual token's side (28 for Qwen2-VL; 14 for the demo model).
-Sessions (--sessions, with --emulate): multi-turn chats (nanomm/sim/sessions.py), --rate their starts per second,
+Sessions (--sessions, with --emulate): multi-turn chats (nanomm/sim/chats.py), --rate their starts per second,
 each turn's pictures drawn from --mix; --routing names how the twin's router picks whole engines (twin.py), and
 each row then has the prefix- and encoder-cache hit rates.
 """
@@ -36,7 +36,7 @@ from nanomm.sim.stages import MODELS, SimResult, StageCosts, search_pools, simul
 from nanomm.sim.sweep import highest_rate_within
 from nanomm.topology import SHAPES, parse_topology
 from nanomm.sim.twin import HostCosts, TwinCosts
-from nanomm.sim.sessions import make_sessions
+from nanomm.sim.chats import make_chats
 from nanomm.sim.workload import FACTOR, make_requests, requests_from_load
 
 SHORT = {"worker": "W", "encode": "E", "lm": "PD", "prefill": "P", "decode": "D"}  # pool labels in the table
@@ -123,7 +123,7 @@ def requests_by_rate(args, costs) -> dict:
         if not args.emulate:
             raise SystemExit("--sessions needs the twin (--emulate): the stage model has no caches")
         limits = costs.limits
-        return {rate: make_sessions(args.mix, rate, args.sessions, args.turns, args.think_time, args.seed,
+        return {rate: make_chats(args.mix, rate, args.sessions, args.turns, args.think_time, args.seed,
                                     args.text_tokens, args.output_tokens, limits.prefix_tokens, limits.block_size,
                                     args.max_pixels, args.factor) for rate in args.rate}
     body_bytes = getattr(getattr(costs, "host", None), "body_bytes_per_pixel", 0.0)

@@ -24,7 +24,7 @@ leaves out, never in a formula. What it models, as the engine does (engine/sched
 - the router's pick of a whole engine (dp<N>, <X>e<Y>pd): `routing="requests"` (the default), the one with the
   fewest requests queued or running; `"load"`, as the router's Pool.pick (the fewest outstanding prompt tokens,
   then the fewest sent); `"affinity"`, serve/affinity.py's policy over the request's prefix blocks and pictures
-  (the keys a session's turns share, nanomm/sim/sessions.py), within `affinity_slack` prompt tokens of the
+  (the keys a session's turns share, nanomm/sim/chats.py), within `affinity_slack` prompt tokens of the
   engine holding the fewest; each engine's prefix cache (by block key, unbounded here) then skips the blocks
   it holds, and every request counts its prefix-cache and encoder-cache hits (`cache_hits`);
 - the router (<X>e<Y>p<Z>d): each request goes to the prefill instance with the least outstanding visual tokens (the

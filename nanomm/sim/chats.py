@@ -20,7 +20,7 @@ from nanomm.inputs.image import DEFAULT_MAX_PIXELS
 from nanomm.sim.workload import FACTOR, MixEntry, SimRequest, parse_mix, visual_tokens
 
 
-def session_turns(session: int, arrivals: list[float], turns: list[MixEntry], text_tokens: int,
+def chat_turns(session: int, arrivals: list[float], turns: list[MixEntry], text_tokens: int,
                   output_tokens: int, prefix_tokens: int, block_size: int, max_pixels: int,
                   factor: int) -> list[SimRequest]:
     """One session's requests: turn t (from 0) arrives at arrivals[t]."""
@@ -42,7 +42,7 @@ def session_turns(session: int, arrivals: list[float], turns: list[MixEntry], te
     return requests
 
 
-def make_sessions(mix: "str | list[MixEntry]", rate: float, sessions: int, turns: int, think_s: float,
+def make_chats(mix: "str | list[MixEntry]", rate: float, sessions: int, turns: int, think_s: float,
                   seed: int = 0, text_tokens: int = 64, output_tokens: int = 32, prefix_tokens: int = 16,
                   block_size: int = 16, max_pixels: int = DEFAULT_MAX_PIXELS, factor: int = FACTOR) -> list[SimRequest]:
     """`sessions` chats of `turns` turns each, every turn's pictures drawn from the mix; in arrival order."""
@@ -56,6 +56,6 @@ def make_sessions(mix: "str | list[MixEntry]", rate: float, sessions: int, turns
         arrivals = [start]
         for _ in range(turns - 1):
             arrivals.append(arrivals[-1] + think_s * rng.uniform(0.5, 1.5))
-        requests += session_turns(session, arrivals, drawn, text_tokens, output_tokens, prefix_tokens,
+        requests += chat_turns(session, arrivals, drawn, text_tokens, output_tokens, prefix_tokens,
                                   block_size, max_pixels, factor)
     return sorted(requests, key=lambda r: (r.arrival_s, r.id))
