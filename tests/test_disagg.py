@@ -473,7 +473,7 @@ def test_a_router_of_whole_engines_passes_each_request_through_and_uses_every_en
         received.append(recorded.bodies)
     with BackgroundServer(Server(make_llm(ckpt), ServerConfig("m"))) as whole_url, \
             BackgroundServer(engines[0]) as first_url, BackgroundServer(engines[1]) as second_url, \
-            BackgroundServer(Router([], [], [], engine_urls=[first_url, second_url])) as router_url:
+            BackgroundServer(Router([], [], [], engine_urls=[first_url, second_url], routing="load")) as router_url:
         for path, body in requests:
             whole, routed = answer_of(whole_url, path, body), answer_of(router_url, path, body)
             assert routed["logprobs"] == pytest.approx(whole["logprobs"], abs=1e-5), path

@@ -208,7 +208,7 @@ SCRIPTS = ROOT / "scripts"
 # engine's configuration for the twin's limits, smart_resize for visual tokens, the autoscaling policies Ray runs),
 # never the engine's runtime, the server or the drivers.
 SIM_MAY_IMPORT = ("nanomm.sim", "nanomm.topology", "nanomm.emulate", "nanomm.engine.config", "nanomm.inputs.image",
-                  "nanomm.serve.autoscaling", "nanomm.serve.app_spec")
+                  "nanomm.serve.autoscaling", "nanomm.serve.app_spec", "nanomm.serve.affinity")
 NOT_IN_THE_SIMULATOR = ("socket", "subprocess", "httpx", "ray", "starlette", "uvicorn", "asyncio", "threading")
 WORKBENCH = ("nanomm.sim", "nanomm.bench", "nanomm.workshop")
 

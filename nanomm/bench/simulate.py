@@ -10,6 +10,8 @@
         --topologies integrated 1e1pd 1e1p1d 1e2p1d          # nanomm's scheduler on the twin's cost model
     nanomm-bench simulate --emulate a100:qwen3-vl-4b --topologies dp4 1e3pd --mix 4x640x640:1 --text-tokens 400 \\
         --output-tokens 150 --slo-ttft 20 --slo-tpot 0.1 --p99-goodput 1 96 --repeats 3   # vLLM's EPD experiment
+    nanomm-bench simulate --emulate h200:qwen2-vl-2b --topologies dp4 --sessions 200 --turns 6 --think-time 2 \\
+        --mix 1x896x896:1 --rate 20 --routing load affinity    # multi-turn chats: cache-affine routing (lesson 15)
 
 Lesson: lessons/13-three-topologies.md. The models are nanomm/sim/stages.py (StageCosts, a roofline sketch per
 stage) and, with --emulate, nanomm/sim/twin.py (nanomm's scheduler on the emulated device's cost model).
@@ -17,6 +19,9 @@ Topologies follow the one grammar (nanomm/topology.py); --search tries every siz
 Replay (--replay): instead of drawing requests from --mix, take every answered request of a `nanomm-bench load`
 JSON (its `records`), one simulation per rate in it, so a prediction and a measurement see the same arrivals
 and pictures. --factor is the pixels per visual token's side (28 for Qwen2-VL; 14 for the demo model).
+Sessions (--sessions, with --emulate): multi-turn chats (nanomm/sim/chats.py), --rate their starts per second,
+each turn's pictures drawn from --mix; --routing names how the twin's router picks whole engines (twin.py), and
+each row then has the prefix- and encoder-cache hit rates.
 """
 
 import argparse
@@ -31,6 +36,7 @@ from nanomm.sim.stages import MODELS, SimResult, StageCosts, search_pools, simul
 from nanomm.sim.sweep import highest_rate_within
 from nanomm.topology import SHAPES, parse_topology
 from nanomm.sim.twin import HostCosts, TwinCosts
+from nanomm.sim.chats import make_chats
 from nanomm.sim.workload import FACTOR, make_requests, requests_from_load
 
 SHORT = {"worker": "W", "encode": "E", "lm": "PD", "prefill": "P", "decode": "D"}  # pool labels in the table
@@ -71,6 +77,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "--slo-tpot (nanomm/sim/sweep.py)")
     p.add_argument("--repeats", type=int, default=1, help="with --p99-goodput: runs of different arrivals and "
                    "pictures (seeds --seed, --seed + 1, ...), each searched on its own")
+    p.add_argument("--sessions", type=int, help="with --emulate: this many multi-turn chats instead of single "
+                   "requests (--rate: sessions started per second)")
+    p.add_argument("--turns", type=int, default=4, help="with --sessions: turns per chat")
+    p.add_argument("--think-time", type=float, default=2.0, help="with --sessions: mean seconds between turns")
+    p.add_argument("--routing", nargs="+", default=["requests"], choices=["requests", "load", "affinity"],
+                   help="with --emulate: how whole engines are picked: the fewest requests (default), the router's "
+                        "least work, or cache affinity (serve/affinity.py); several: one row each")
+    p.add_argument("--affinity-slack", type=float, default=8192.0, help="with --routing affinity: prompt tokens an "
+                   "affine pick may hold beyond the least loaded engine's")
     p.add_argument("--json", metavar="FILE")
 
 
@@ -88,15 +103,29 @@ def format_row(rate: float, result: SimResult | None, what: str) -> str:
     s, pools = result.summary(), " ".join(f"{SHORT[k]}={v}" for k, v in result.pools.items())
     goodput = "-" if s["goodput_rps"] is None else f"{s['goodput_rps']:.2f}"
     busy = " ".join(f"{SHORT[k]}={v:.0%}" for k, v in result.utilisation.items())
-    return (f"{result.topology:<11} {pools:<14} {rate:>7g} {s['ttft_p50_s']:>8.3f} {s['ttft_p90_s']:>8.3f} "
+    label = what if what.startswith(result.topology) else result.topology  # a run's routing, when named
+    return (f"{label:<11} {pools:<14} {rate:>7g} {s['ttft_p50_s']:>8.3f} {s['ttft_p90_s']:>8.3f} "
             f"{s['tpot_p50_s'] * 1e3:>8.1f} {s['tpot_p90_s'] * 1e3:>8.1f} {s['share_within_slo']:>7.0%} "
-            f"{goodput:>8}  {busy}")
+            f"{goodput:>8}  {busy}" + caches_column(s["caches"]))
+
+
+def caches_column(caches: dict) -> str:
+    if not caches:
+        return ""
+    return f"  prefix hits {caches['prefix_hit_rate']:.1%}, encoder hits {caches['encoder_hit_rate']:.1%}"
 
 
 def requests_by_rate(args, costs) -> dict:
     if args.replay:
         with open(args.replay) as f:
             return {run["rate"]: requests_from_load(run) for run in json.load(f)["results"]}
+    if args.sessions:
+        if not args.emulate:
+            raise SystemExit("--sessions needs the twin (--emulate): the stage model has no caches")
+        limits = costs.limits
+        return {rate: make_chats(args.mix, rate, args.sessions, args.turns, args.think_time, args.seed,
+                                    args.text_tokens, args.output_tokens, limits.prefix_tokens, limits.block_size,
+                                    args.max_pixels, args.factor) for rate in args.rate}
     body_bytes = getattr(getattr(costs, "host", None), "body_bytes_per_pixel", 0.0)
     return {rate: make_requests(args.mix, rate, args.num_requests, args.seed, args.text_tokens, args.output_tokens,
                                 args.max_pixels, args.factor, body_bytes) for rate in args.rate}
@@ -141,10 +170,12 @@ def main(args) -> int:
             runs = [(shape, search_pools(shape, costs, requests, *slo, args.max_workers, args.target_share,
                                          args.token_budget)) for shape in args.shapes]
         else:
-            runs = [(t.name, simulate(t, costs, requests, *slo, args.token_budget)) for t in args.topologies]
+            runs = [(f"{t.name}" + (f" {routing}" if len(args.routing) > 1 else ""),
+                     simulate(t, costs, requests, *slo, args.token_budget, routing, args.affinity_slack))
+                    for t in args.topologies for routing in args.routing]
         for what, result in runs:
             print(format_row(rate, result, what))
-            results.append({"rate": rate, "topology": result.topology if result else what,
+            results.append({"rate": rate, "topology": result.topology if result else what, "run": what,
                             **(result.summary() if result else {"pools": None})})
     return write_report(args, costs, results)
 

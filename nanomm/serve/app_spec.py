@@ -45,6 +45,8 @@ class AppSpec:
     kv_handoff_timeout_s: float = 30.0
     num_cpus: float = 0.0  # Ray resources per replica (a real model on a GPU: num_gpus=1)
     num_gpus: float = 0.0
+    routing: str = "affinity"  # how the router's pools of whole engines and prefill instances pick (serve/affinity.py)
+    affinity_slack: float = 8192.0  # routing "affinity": prompt tokens a replica may hold beyond the least loaded's
     host: str = "127.0.0.1"  # where each replica serves its connector port; a multi-node cluster: "node"
 
     @classmethod
@@ -84,6 +86,9 @@ class AppSpec:
 
     def check(self) -> None:
         pools = self.pools  # an unknown topology raises here, naming the grammar
+        if self.routing not in ("affinity", "load") or self.affinity_slack < 0:
+            raise ValueError(f"routing={self.routing!r}, affinity_slack={self.affinity_slack}: the routings are "
+                             f"'affinity' and 'load', the slack >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown autoscaling policy {self.policy!r}; the policies are {list(POLICIES)}")
         if sum(x is not None for x in (self.model, self.demo, self.emulate)) != 1:

@@ -34,6 +34,8 @@ class InstanceSpec:
     max_body_bytes: int = 32 * 2**20
     server_options: dict = field(default_factory=dict)  # more of ServerConfig (max_pending_requests, media_root ...)
     engine_urls: tuple[str, ...] = ()  # the router's pool of engines that take whole requests (dp<N>, <X>e<Y>pd)
+    routing: str = "affinity"  # the router's pick among engines or prefill instances (serve/affinity.py)
+    affinity_slack: float = 8192.0  # work an affine pick may hold beyond the least loaded instance's
 
 
 def build_server(role: str, spec: InstanceSpec):
@@ -43,7 +45,8 @@ def build_server(role: str, spec: InstanceSpec):
         from nanomm.serve.router import Router
 
         return Router(list(spec.encoder_urls), list(spec.prefill_urls), list(spec.decode_urls), spec.peer_timeout_s,
-                      spec.max_body_bytes, engine_urls=list(spec.engine_urls))
+                      spec.max_body_bytes, engine_urls=list(spec.engine_urls), routing=spec.routing,
+                      affinity_slack=spec.affinity_slack)
     if role == "encoder":
         from nanomm.serve.encoder_server import EncoderServer
 
@@ -85,6 +88,14 @@ def parse_args(argv=None):
     p.add_argument("--engine-url", action="append", default=[], metavar="URL",
                    help="router: an engine that takes whole requests, integrated or with its own --encoder-url "
                         "(dp<N>, <X>e<Y>pd; instead of --prefill-url and --decode-url)")
+    p.add_argument("--routing", choices=["affinity", "load"], default="affinity",
+                   help="router: how a request picks among engines (or prefill instances): 'affinity' sends it "
+                        "where its prefix and pictures went before, within --affinity-slack of the least loaded; "
+                        "'load' to the least loaded alone (default: affinity; with nothing seen before, the same)")
+    p.add_argument("--affinity-slack", type=float, default=8192.0, metavar="TOKENS",
+                   help="router: the outstanding work (prompt tokens for engines, visual tokens for prefill "
+                        "instances) an affine pick may hold beyond the least loaded instance's (default 8192: "
+                        "a few chat histories, serve/affinity.py)")
     p.add_argument("--peer-timeout", type=float, default=30.0,
                    help="seconds a peer may stay silent (a KV pull, an encode, a stream) before it is an error")
     p.add_argument("--kv-handoff-timeout", type=float, default=30.0,
@@ -210,7 +221,7 @@ def instance_spec(args, console) -> InstanceSpec:
                       "gpu_hourly_price": args.gpu_hourly_price}
     return InstanceSpec(name, model, engine_args(args), tuple(args.encoder_url), tuple(args.prefill_url),
                         tuple(args.decode_url), args.peer_timeout, int(args.max_body_mib * 2**20), server_options,
-                        tuple(args.engine_url))
+                        tuple(args.engine_url), args.routing, args.affinity_slack)
 
 
 def media_url_policy(args):

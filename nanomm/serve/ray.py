@@ -23,7 +23,10 @@ command's own `build_server`, cli.py) served on its own port: the visual tokens 
 through the existing connectors (transfer.py), not through Ray's object store. Ray carries the requests: it places,
 restarts and drains replicas, counts each one's ongoing requests, and routes each call to the replica of the pool
 that holds the least outstanding work (`LeastWorkRouter`, a Ray request router): visual tokens for encoders and
-prefill instances, running sequences for decode instances.
+prefill instances, running sequences for decode instances. With `routing=affinity` (the default) the integrated
+and prefill pools route by `CacheAffinityRouter` instead: a call goes to the replica its prompt's prefix and
+pictures were sent to before, unless that replica holds more than `affinity_slack` prompt tokens beyond the least
+loaded one (serve/affinity.py, the policy lesson 13's router runs too).
 
 Each replica reports its load to Ray (`record_autoscaling_stats`, from a `LoadWindow`), and `policy=` picks
 how each pool's replica count follows it (serve/autoscaling.py): Ray's `default` (ongoing requests), `load`
@@ -51,10 +54,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanomm.serve import protocol
+from nanomm.serve.affinity import DEFAULT_SLACK, CacheAffinity, prompt_keys
 from nanomm.serve.app_spec import AppSpec
 from nanomm.serve.autoscaling import SLO_SHARES, LoadWindow
 from nanomm.serve.cli import build_server
 from nanomm.serve.router import Router, continuation_fields, estimated_visual_tokens
+from nanomm.serve.router_pools import estimated_prompt_tokens, picture_tokens
 
 ROUTER_MAX_ONGOING_REQUESTS = 4096  # the router only waits on its pools: it holds every request in flight
 
@@ -99,7 +104,7 @@ class Instance:
         finally:
             self.window.leave()
 
-    async def answer(self, path: str, body: dict, work: float) -> tuple[int, bytes, str]:
+    async def answer(self, path: str, body: dict, work: float, affinity=None) -> tuple[int, bytes, str]:
         """A whole answer: (HTTP status, body, this replica's URL)."""
         arrival = time.monotonic()
         self.window.arrive(arrival, work)
@@ -115,7 +120,7 @@ class Instance:
                 lease.cancel()
             self.window.leave()
 
-    async def stream(self, path: str, body: dict, work: float):
+    async def stream(self, path: str, body: dict, work: float, affinity=None):
         """A streamed answer: first the HTTP status, then the body's pieces as they come."""
         arrival = time.monotonic()
         self.window.arrive(arrival, work)
@@ -192,14 +197,57 @@ class LeastWorkRouter(FIFOMixin, RequestRouter):
         self.outstanding.pop(replica_id, None)
 
 
+class CacheAffinityRouter(LeastWorkRouter):
+    """LeastWorkRouter, with serve/affinity.py's policy in front: a call that names `affinity=(keys, tokens)` goes
+    first to the replica its keys were sent to, unless that replica holds more than `slack` prompt tokens beyond
+    the least loaded one (each replica's tokens counted here, from routing to completion); the others follow in
+    the load order. The keys are remembered at `on_request_routed`, for the replica Ray actually sent them to."""
+
+    def initialize_state(self, slack: float = DEFAULT_SLACK, **kwargs):
+        super().initialize_state()
+        self.policy = CacheAffinity(slack)
+        self.tokens: dict = {}  # replica id -> prompt tokens
+        self.charged_tokens: dict = {}  # request id -> (replica id, tokens)
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request=None) -> list[list]:
+        ranked = await super().choose_replicas(candidate_replicas, pending_request)
+        affinity = pending_request.kwargs.get("affinity") if pending_request is not None else None
+        if not affinity or not ranked:
+            return ranked
+        outstanding = {replica.replica_id: self.tokens.get(replica.replica_id, 0.0) for replica in candidate_replicas}
+        chosen, _ = self.policy.choose(affinity[0], outstanding, ranked[0][0].replica_id)
+        return sorted(ranked, key=lambda rank: rank[0].replica_id != chosen)  # stable: the load order after it
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        affinity = pending_request.kwargs.get("affinity")
+        if affinity:
+            keys, tokens = affinity
+            self.policy.map.record(keys, replica_id)
+            self.charged_tokens[pending_request.metadata.internal_request_id] = (replica_id, tokens)
+            self.tokens[replica_id] = self.tokens.get(replica_id, 0.0) + tokens
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        replica, tokens = self.charged_tokens.pop(internal_request_id, (replica_id, 0.0))
+        self.tokens[replica] = self.tokens.get(replica, 0.0) - tokens
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.tokens.pop(replica_id, None)
+        self.policy.map.forget(replica_id)
+
+
 # -- the ingress: the router over deployment handles -----------------------------------------------------------
 
 class RayRouter(Router):
     """lesson 13's router, over Ray deployment handles instead of URLs (same OpenAI API, same errors)."""
 
-    def __init__(self, topology: str, pools: dict, model_name: str, peer_timeout_s: float):
-        super().__init__([], [], [], peer_timeout_s)
+    def __init__(self, topology: str, pools: dict, model_name: str, peer_timeout_s: float,
+                 routing: str = "affinity"):
+        super().__init__([], [], [], peer_timeout_s, routing="load")  # Ray's request routers pick, not the pools
         self.topology, self.handles, self.model_name = topology, pools, model_name
+        self.with_affinity = routing == "affinity"
         self.split = "prefill" in pools  # <X>e<Y>p<Z>d: prefill, then decode; dp<N>: integrated engines
         self.last_pool = "decode" if self.split else "integrated"
 
@@ -239,7 +287,7 @@ class RayRouter(Router):
         request = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         try:
             status, content, prefill_url = await self.handles["prefill"].answer.remote(
-                path, request, work=estimated_visual_tokens(body))
+                path, request, work=estimated_visual_tokens(body), **self._affinity(body))
         except RayError as exc:
             return self._fail(f"a prefill replica failed ({type(exc).__name__})", 502)
         if status != 200:
@@ -249,9 +297,17 @@ class RayRouter(Router):
         handoff["remote_url"] = prefill_url
         return handoff
 
+    def _affinity(self, body: dict) -> dict:
+        """The keyword that CacheAffinityRouter reads (the prompt's keys and tokens), for a call that runs the
+        prompt; nothing with routing=load."""
+        if not self.with_affinity or "kv_transfer_params" in body and self.split:
+            return {}
+        return {"affinity": (prompt_keys(body, picture_tokens), estimated_prompt_tokens(body))}
+
     async def _answer_from_decode(self, path: str, body: dict, arrival: float) -> Response:
         try:
-            status, content, _ = await self.handles[self.last_pool].answer.remote(path, body, work=1)
+            status, content, _ = await self.handles[self.last_pool].answer.remote(path, body, work=1,
+                                                                                  **self._affinity(body))
         except RayError as exc:
             return self._fail(f"a {self.last_pool} replica failed ({type(exc).__name__})", 502)
         self.requests.labels(outcome=str(status)).inc()
@@ -260,7 +316,8 @@ class RayRouter(Router):
         return Response(content, status, media_type="application/json")
 
     async def _stream_from_decode(self, path: str, body: dict, arrival: float) -> Response:
-        upstream = self.handles[self.last_pool].options(stream=True).stream.remote(path, body, work=1)
+        upstream = self.handles[self.last_pool].options(stream=True).stream.remote(path, body, work=1,
+                                                                                 **self._affinity(body))
         try:
             status = await upstream.__anext__()
             if status != 200:
@@ -311,9 +368,12 @@ def build(spec: AppSpec):
     resources = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}
 
     def pool(role: str, *extra):
+        affine = spec.routing == "affinity" and role in ("integrated", "prefill")
+        routing = RequestRouterConfig(request_router_class=CacheAffinityRouter if affine else LeastWorkRouter,
+                                      request_router_kwargs={"slack": spec.affinity_slack} if affine else {})
         deployment = serve.deployment(Instance, name=role, ray_actor_options=resources,
                                       autoscaling_config=autoscaling_config(role, spec),
-                                      request_router_config=RequestRouterConfig(request_router_class=LeastWorkRouter),
+                                      request_router_config=routing,
                                       max_ongoing_requests=max(spec.max_num_seqs, 64), health_check_period_s=2,
                                       graceful_shutdown_timeout_s=spec.peer_timeout_s)
         return deployment.bind(role, asdict(spec), *extra)
@@ -327,7 +387,7 @@ def build(spec: AppSpec):
     # Ray's default of 5 requests at a time would queue every request past the fifth in front of the router
     router = serve.deployment(RayRouter, name="router", ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)
-    return router.bind(spec.topology, handles, spec.name, spec.peer_timeout_s)
+    return router.bind(spec.topology, handles, spec.name, spec.peer_timeout_s, spec.routing)
 
 
 def app(args: dict):

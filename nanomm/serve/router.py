@@ -48,8 +48,11 @@ from starlette.routing import Route
 
 from nanomm.serve import protocol
 from nanomm.serve.metrics import LATENCY_BUCKETS, HostCPUCollector
-from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens
+from nanomm.serve.affinity import DEFAULT_SLACK, CacheAffinity, prompt_keys
+from nanomm.serve.router_pools import Pool, estimated_prompt_tokens, estimated_visual_tokens, picture_tokens
 
+ROUTINGS = ("affinity", "load")
+AFFINE_POOLS = ("engine", "prefill")  # the pools whose instances hold a prefix cache (and, whole, an encoder cache)
 PEER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)  # a peer refused, reset, cut a stream or went quiet
 
 
@@ -62,7 +65,10 @@ class Router:
     """The router's routes over its pools: `engine_urls` (whole requests), or encoder, prefill and decode URLs."""
 
     def __init__(self, encoder_urls: list[str], prefill_urls: list[str], decode_urls: list[str],
-                 peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20, engine_urls: list[str] = ()):
+                 peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20, engine_urls: list[str] = (),
+                 routing: str = "affinity", affinity_slack: float = DEFAULT_SLACK):
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r}; the routings are {list(ROUTINGS)}")
         if engine_urls and (encoder_urls or prefill_urls or decode_urls):
             raise ValueError("a router sends whole requests to engines (--engine-url, each with its own "
                              "--encoder-url if any) or splits them (--prefill-url, --decode-url), not both")
@@ -70,6 +76,10 @@ class Router:
         roles = [("engine", engine_urls)] if self.whole else \
             [("encoder", encoder_urls), ("prefill", prefill_urls), ("decode", decode_urls)]
         self.pools = {role: Pool(role, list(urls)) for role, urls in roles}
+        self.affine = routing == "affinity"
+        for role in AFFINE_POOLS if self.affine else ():
+            if role in self.pools:
+                self.pools[role].affinity = CacheAffinity(affinity_slack)
         self.answering = self.pools["engine" if self.whole else "decode"]  # the pool whose answers go to clients
         self.peer_timeout_s, self.max_body_bytes = peer_timeout_s, max_body_bytes
         self.registry = CollectorRegistry()
@@ -78,6 +88,7 @@ class Router:
         self.ttft = Histogram("nanomm_time_to_first_token_seconds", "arrival at the router -> first token out",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(self.pools))
+        self.registry.register(_AffinityCollector(self.pools))
         self.registry.register(HostCPUCollector())
         self.client: aiohttp.ClientSession | None = None
         routes = [Route("/v1/chat/completions", self.route, methods=["POST"]),
@@ -120,9 +131,11 @@ class Router:
         if isinstance(body, Response):
             return body
         path = request.url.path
+        keys = prompt_keys(body, picture_tokens) if self.affine else None
         if self.whole:
-            return await self._pass_through(self.pools["engine"], path, body, arrival, estimated_prompt_tokens(body))
-        handoff = await self._prefill(path, body)
+            return await self._pass_through(self.pools["engine"], path, body, arrival, estimated_prompt_tokens(body),
+                                            keys)
+        handoff = await self._prefill(path, body, keys)
         if isinstance(handoff, Response):
             return handoff
         decode_body = {**continuation_fields(body), "kv_transfer_params": handoff}
@@ -140,13 +153,13 @@ class Router:
             return self._fail("the request body must be a JSON object", 400)
         return body
 
-    async def _prefill(self, path: str, body: dict):
+    async def _prefill(self, path: str, body: dict, keys=None):
         """Hop 1: the handoff from the least loaded prefill instance (its encoder picked the same way), or an
         error Response: the prefill instance's own (a 400 for bad input), or the router's 502/504."""
         work = estimated_visual_tokens(body)
         encoders, prefills = self.pools["encoder"], self.pools["prefill"]
         encoder = encoders.pick(work) if encoders.urls else None
-        prefill = prefills.pick(work)
+        prefill = prefills.pick(work, keys)
         instruction = {"do_remote_decode": True, **({"encoder_url": encoder} if encoder else {})}
         try:
             status, content = await self._post_or_get("POST", prefill + path, {
@@ -164,15 +177,17 @@ class Router:
         handoff["remote_url"] = prefill  # where the decode instance pulls the KV from
         return handoff
 
-    async def _pass_through(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
-        """The last hop: `body` to the pool's least loaded instance, charged `work` until its answer ends; the
-        answer, streamed or not, goes back to the client as it comes."""
+    async def _pass_through(self, pool: Pool, path: str, body: dict, arrival: float, work: float,
+                            keys=None) -> Response:
+        """The last hop: `body` to the pool's least loaded instance (or, with `keys`, its cache's: affinity),
+        charged `work` until its answer ends; the answer, streamed or not, goes back to the client as it comes."""
+        url = pool.pick(work, keys)
         if body.get("stream"):
-            return await self._stream_from(pool, path, body, arrival, work)
-        return await self._answer_from(pool, path, body, arrival, work)
+            return await self._stream_from(pool, url, path, body, arrival, work)
+        return await self._answer_from(pool, url, path, body, arrival, work)
 
-    async def _answer_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
-        url = pool.pick(work)
+    async def _answer_from(self, pool: Pool, url: str, path: str, body: dict, arrival: float,
+                           work: float) -> Response:
         try:
             status, content = await self._post_or_get("POST", url + path, body)
         except PEER_ERRORS as exc:
@@ -189,10 +204,10 @@ class Router:
         async with self.client.request(method, url, json=body) as answer:
             return answer.status, await answer.read()
 
-    async def _stream_from(self, pool: Pool, path: str, body: dict, arrival: float, work: float) -> Response:
+    async def _stream_from(self, pool: Pool, url: str, path: str, body: dict, arrival: float,
+                           work: float) -> Response:
         """The instance's events passed through as they come; a peer that dies or goes quiet for peer_timeout_s
         ends the stream with an error event."""
-        url = pool.pick(work)
         try:
             upstream = await self.client.post(url + path, json=body)
             status = upstream.status
@@ -249,3 +264,17 @@ class _PoolCollector:
                 routed.add_metric([role, url], pool.routed[url])
         yield work
         yield routed
+
+
+class _AffinityCollector:
+    def __init__(self, pools: dict[str, Pool]):
+        self.pools = pools
+
+    def collect(self):
+        picks = CounterMetricFamily("nanomm_router_affinity_picks", "affinity routing's picks: affine (sent where its "
+                                    "prefix or pictures went), spilled (that instance was past the slack), new",
+                                    labels=["role", "outcome"])
+        for role, pool in self.pools.items():
+            for outcome, count in (pool.affinity.outcomes.items() if pool.affinity else ()):
+                picks.add_metric([role, outcome], count)
+        yield picks

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from nanomm.serve.affinity import CacheAffinity, PromptKeys
+
 PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14 x 14 patches, 2 x 2 of them merged into one token
 CHARACTERS_PER_TOKEN = 4  # English text in a BPE vocabulary, roughly
 
@@ -27,16 +29,21 @@ class Pool:
     urls: list[str]
     outstanding: dict[str, float] = field(default_factory=dict)
     routed: dict[str, int] = field(default_factory=dict)
+    affinity: CacheAffinity | None = None  # --routing affinity: where each request's prefix and pictures went
 
     def __post_init__(self):
         self.urls = [u.rstrip("/") for u in self.urls]
         self.outstanding = {u: 0.0 for u in self.urls}
         self.routed = {u: 0 for u in self.urls}
 
-    def pick(self, work: float) -> str:
+    def pick(self, work: float, keys: PromptKeys | None = None) -> str:
         """The instance with the least outstanding work, charged `work` until `done`. Among equals, the one sent
-        the fewest requests so far (then the first): one request at a time still goes round the pool."""
+        the fewest requests so far (then the first): one request at a time still goes round the pool. With
+        affinity and the request's `keys`: the instance its cache entries went to, within the slack
+        (serve/affinity.py)."""
         url = min(self.urls, key=lambda u: (self.outstanding[u], self.routed[u]))
+        if self.affinity is not None and keys is not None:
+            url = self.affinity.pick(keys, self.outstanding, url)
         self.outstanding[url] += work
         self.routed[url] += 1
         return url
@@ -72,6 +79,15 @@ def picture_size(payload: str) -> tuple[int, int]:
         if len(head) == len(payload):
             raise
     return Image.open(io.BytesIO(base64.b64decode(payload))).size
+
+
+def picture_tokens(payload: str) -> float:
+    """One base64 picture's visual tokens from its header (1 when it cannot be read: the engine will say why)."""
+    try:
+        width, height = picture_size(payload)
+    except (binascii.Error, OSError, ValueError):
+        return 1.0
+    return max(1, math.ceil(width / 28) * math.ceil(height / 28))
 
 
 def estimated_prompt_tokens(body: dict) -> float:

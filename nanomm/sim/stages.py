@@ -312,6 +312,7 @@ class SimResult:
     goodput_rps: float | None  # None when every request arrives at t=0
     arrival_span_s: float
     utilisation: dict[str, float]
+    caches: dict = field(default_factory=dict)  # the twin's prefix- and encoder-cache hits (twin.cache_hits)
 
     def summary(self) -> dict:
         return {"topology": self.topology, "pools": self.pools, "requests": len(self.ttft_s),
@@ -319,27 +320,32 @@ class SimResult:
                 "ttft_p99_s": percentile(self.ttft_s, 99),
                 "tpot_p50_s": percentile(self.tpot_s, 50), "tpot_p90_s": percentile(self.tpot_s, 90),
                 "tpot_p99_s": percentile(self.tpot_s, 99), "share_within_slo": self.share_within_slo, "goodput_rps": self.goodput_rps,
-                "arrival_span_s": self.arrival_span_s, "utilisation": self.utilisation}
+                "arrival_span_s": self.arrival_span_s, "utilisation": self.utilisation, "caches": self.caches}
 
 
 def simulate(topology: "str | Topology", costs, requests: list[SimRequest], slo_ttft_s: float,
-             slo_tpot_s: float, token_budget: int = 2048) -> SimResult:
+             slo_tpot_s: float, token_budget: int = 2048, routing: str = "requests",
+             affinity_slack: float = 8192.0) -> SimResult:
     """costs: StageCosts (this file's engine), or nanomm.sim.twin.TwinCosts (nanomm's scheduler on the emulated
-    device's cost model; token_budget then comes from the twin's engine config)."""
+    device's cost model; token_budget then comes from the twin's engine config; `routing` and `affinity_slack`
+    pick its whole engines, twin.py)."""
     topology = parse_topology(topology)
     if any(r.prompt_tokens < 1 or r.output_tokens < 1 for r in requests):
         raise ValueError("every request needs a prompt token and an output token")
+    caches = {}
     if isinstance(costs, StageCosts):
+        if routing != "requests":
+            raise ValueError("the stage model routes by requests alone: other routings need the twin (--emulate)")
         ttft, tpot, busy = _simulate_stages(topology, costs, requests, token_budget)
     else:
-        from nanomm.sim.twin import simulate_twin
+        from nanomm.sim.twin import run_twin
 
-        outcomes, busy = simulate_twin(topology, costs, requests)
+        outcomes, busy, caches = run_twin(topology, costs, requests, routing, affinity_slack)
         ttft, tpot = [o[0] for o in outcomes if o], [o[1] for o in outcomes if o]  # failed requests: neither
     good = sum(a <= slo_ttft_s and b <= slo_tpot_s for a, b in zip(ttft, tpot))
     span = max((r.arrival_s for r in requests), default=0.0)
     return SimResult(topology.name, topology.pools, ttft, tpot, good / max(1, len(requests)),
-                     good / span if span > 0 else None, span, busy)
+                     good / span if span > 0 else None, span, busy, caches)
 
 
 def _simulate_stages(topology: Topology, costs: StageCosts, requests: list[SimRequest],

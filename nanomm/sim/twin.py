@@ -21,6 +21,12 @@ leaves out, never in a formula. What it models, as the engine does (engine/sched
 - an encoder service: one job (a request's pictures) at a time, first come first served; a request reaching an
   engine sends its pictures there first and waits off the step for the answer and its link time (encode-ahead,
   as nanomm's engine does), so no step of the engine waits on a remote encode;
+- the router's pick of a whole engine (dp<N>, <X>e<Y>pd): `routing="requests"` (the default), the one with the
+  fewest requests queued or running; `"load"`, as the router's Pool.pick (the fewest outstanding prompt tokens,
+  then the fewest sent); `"affinity"`, serve/affinity.py's policy over the request's prefix blocks and pictures
+  (the keys a session's turns share, nanomm/sim/chats.py), within `affinity_slack` prompt tokens of the
+  engine holding the fewest; each engine's prefix cache (by block key, unbounded here) then skips the blocks
+  it holds, and every request counts its prefix-cache and encoder-cache hits (`cache_hits`);
 - the router (<X>e<Y>p<Z>d): each request goes to the prefill instance with the least outstanding visual tokens (the
   first of equals), charged until its handoff, as `Router` picks; decode instances by their running requests;
 - prefill then decode: a prompt's KV crosses the link to the decode instance, whose next step emits the
@@ -38,6 +44,7 @@ generator reports its CPU share), link contention, tensor parallelism.
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from nanomm.serve.affinity import DEFAULT_SLACK, CacheAffinity, PromptKeys
 from nanomm.sim.events import EventClock, least_loaded
 from nanomm.topology import Topology, parse_topology
 
@@ -128,6 +135,8 @@ class TwinRequest:  # one request's progress in the engine it is in
     failed: bool = False
     handed_to: "TwinRequest | None" = None  # a prefill instance's request: its decode instance's copy
     release: object = None  # the router's charge for it, given back when its prefill instance answers
+    prefix_hit: int | None = None  # prompt positions the engine's prefix cache held when it was admitted
+    pictures_cached: set = field(default_factory=set)  # indices of its pictures the engine's encoder cache held
 
     @property
     def known(self) -> int:  # positions whose token is known: the prompt and the tokens generated so far
@@ -138,6 +147,8 @@ class TwinRequest:  # one request's progress in the engine it is in
         return max(1, self.known - self.computed) if self.generated else self.request.prompt_tokens - self.computed
 
     def image_spans(self, prefix_tokens: int) -> list[tuple[int, int]]:
+        if self.request.image_offsets:  # a session's turn: each picture where its turn put it
+            return list(zip(self.request.image_offsets, self.request.image_tokens))
         start, spans = prefix_tokens, []
         for tokens in self.request.image_tokens:
             spans.append((start, tokens))
@@ -192,15 +203,23 @@ class TwinEngine:
         self.waiting, self.running = deque(), []
         self.free_blocks = costs.limits.num_kv_blocks
         self.cached_pictures: set = set()  # the encoder cache's keys
+        self.cached_blocks: set = set()  # the prefix cache's block keys
         self.busy, self.busy_s = False, 0.0
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def outstanding_tokens(self) -> int:
+        """The prompt tokens of the requests it holds, as the router counts an engine's work."""
+        return sum(t.request.prompt_tokens for t in self.waiting) + sum(t.request.prompt_tokens for t in self.running)
+
     def submit(self, track: TwinRequest) -> None:
         """A prompt to run. With an encoder service, its pictures the cache lacks go there first, and the request
         waits off the step until they have crossed (encode-ahead, as nanomm's engine/encode_ahead.py)."""
         missing = self._missing_pictures(track) if self.encoders else []
+        if self.encoders:  # encode-ahead asks the encoder cache first (the prefix cache, later, may cover more)
+            track.pictures_cached |= {i for i in range(len(track.request.image_tokens)) if i not in missing
+                                      and self._key(track, i) in self.cached_pictures}
         if not missing:
             self.waiting.append(track)
             self._start()
@@ -290,8 +309,10 @@ class TwinEngine:
         while self.waiting and budget > 0 and len(self.running) < limits.max_num_seqs:
             track = self.waiting[0]
             if track.computed == 0:
-                track.computed = min(track.request.cached_tokens // limits.block_size * limits.block_size,
-                                     track.request.prompt_tokens - 1)
+                cached = max(track.request.cached_tokens, self._prefix_held(track))
+                track.computed = min(cached // limits.block_size * limits.block_size, track.request.prompt_tokens - 1)
+                if track.prefix_hit is None:
+                    track.prefix_hit = track.computed
             found = []
             n = self._fit_encoder(track, track.computed, min(track.remaining, budget), state, found)
             need = self._blocks_for(track.computed + n) - track.blocks
@@ -314,6 +335,8 @@ class TwinEngine:
             if span_start + tokens <= start or span_start >= start + n:
                 continue
             key = self._key(track, index)
+            if key in self.cached_pictures and index not in track.encoded:
+                track.pictures_cached.add(index)
             if index in track.encoded or key in self.cached_pictures or key in state["keys"]:
                 continue
             alone = state["encoder"] == limits.encoder_budget  # nothing else encodes this step
@@ -363,7 +386,21 @@ class TwinEngine:
         self.busy = False
         self._start()
 
+    def _prefix_held(self, track: TwinRequest) -> int:
+        """Positions of the prompt's leading full blocks that this engine's prefix cache holds."""
+        held, full = 0, track.request.prompt_tokens // self.costs.limits.block_size
+        for key in track.request.block_keys[:full]:
+            if key not in self.cached_blocks:
+                break
+            held += 1
+        return held * self.costs.limits.block_size
+
+    def _cache_blocks(self, track: TwinRequest) -> None:
+        """Name the request's full, computed blocks (prompt, then answer) in the prefix cache, as nanomm does."""
+        self.cached_blocks.update(track.request.block_keys[:track.computed // self.costs.limits.block_size])
+
     def emit_token(self, track: TwinRequest, now: float) -> None:
+        self._cache_blocks(track)
         if track.generated == 0 and self.role == "prefill":
             self.running.remove(track)
             self.free_blocks += track.blocks  # the pull takes the KV right away (nanomm frees it as it leaves)
@@ -387,20 +424,53 @@ class TwinEngine:
         return keys[index] if index < len(keys) else (track.request.id, index)
 
 
-def build_twin_pools(topology: Topology, clock, costs: TwinCosts):
+ROUTINGS = ("requests", "load", "affinity")
+
+
+def prompt_keys_of(request, block_size: int) -> PromptKeys:
+    """A simulated request's keys for the affinity policy: its prompt's full blocks and its pictures."""
+    full = request.prompt_tokens // block_size
+    return PromptKeys(tuple((key, block_size) for key in request.block_keys[:full]),
+                      tuple(zip(request.image_keys, request.image_tokens)))
+
+
+def engine_picker(routing: str, affinity_slack: float, block_size: int):
+    """pick(engines, track) -> the engine a whole request goes to: "requests", the fewest queued or running (the
+    first of equals); "load", as the router's `Pool.pick` (the fewest outstanding prompt tokens, then the fewest
+    sent so far); "affinity", serve/affinity.py's policy over that load pick."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; the routings are {list(ROUTINGS)}")
+    if routing == "requests":
+        return lambda engines, track: least_loaded(engines)
+    routed, policy = {}, CacheAffinity(affinity_slack) if routing == "affinity" else None
+
+    def pick(engines: list, track: TwinRequest):
+        outstanding = {engine: engine.outstanding_tokens() for engine in engines}
+        engine = min(engines, key=lambda e: (outstanding[e], routed.get(e, 0)))
+        if policy is not None:
+            engine = policy.pick(prompt_keys_of(track.request, block_size), outstanding, engine)
+        routed[engine] = routed.get(engine, 0) + 1
+        return engine
+
+    return pick
+
+
+def build_twin_pools(topology: Topology, clock, costs: TwinCosts, routing: str = "requests",
+                     affinity_slack: float = DEFAULT_SLACK):
     """The instances of each pool, and the function an arriving request goes to (after its host delay)."""
 
     def delayed(entry):
         return lambda track: clock.at(clock.now + costs.host.request_delay(topology, track.request.body_bytes),
                                       entry, track)
 
+    pick = engine_picker(routing, affinity_slack, costs.limits.block_size)
     if topology.shape == "dp<N>":
         workers = [TwinEngine(clock, costs, "integrated") for _ in range(topology.prefill)]
-        return {"worker": workers}, delayed(lambda track: least_loaded(workers).submit(track))
+        return {"worker": workers}, delayed(lambda track: pick(workers, track).submit(track))
     encoders = [EncoderService(clock, costs) for _ in range(topology.encoders)]
     if topology.shape == "<X>e<Y>pd":
         lms = [TwinEngine(clock, costs, "lm", encoders) for _ in range(topology.prefill)]
-        return {"encode": encoders, "lm": lms}, delayed(lambda track: least_loaded(lms).submit(track))
+        return {"encode": encoders, "lm": lms}, delayed(lambda track: pick(lms, track).submit(track))
     decodes = [TwinEngine(clock, costs, "decode") for _ in range(topology.decode)]
 
     def hand_off(track: TwinRequest) -> None:
@@ -439,11 +509,27 @@ def outcome(track: TwinRequest) -> tuple[float, float, float] | None:
             end.finish_s)
 
 
-def simulate_twin(topology: "str | Topology", costs: TwinCosts, requests: list) -> tuple[list, dict]:
+def cache_hits(tracks: list, prefix_tokens: int = 0) -> dict:
+    """Over the requests an engine admitted: the share of prompt positions its prefix cache held, and the share
+    of the pictures it had to embed (those past the prefix hit) that its encoder cache held."""
+    admitted = [t for t in tracks if t.prefix_hit is not None]
+    positions = sum(t.request.prompt_tokens for t in admitted)
+    hit = sum(t.prefix_hit for t in admitted)
+    past = [[i for i, (start, tokens) in enumerate(t.image_spans(prefix_tokens)) if start + tokens > t.prefix_hit]
+            for t in admitted]  # the pictures each had to embed: those the prefix hit did not cover
+    needed = sum(len(indices) for indices in past)
+    cached = sum(len(t.pictures_cached.intersection(indices)) for t, indices in zip(admitted, past))
+    return {"prefix_hit_rate": hit / positions if positions else 0.0,
+            "encoder_hit_rate": cached / needed if needed else 0.0,
+            "pictures_embedded": needed, "pictures_from_cache": cached}
+
+
+def run_twin(topology: "str | Topology", costs: TwinCosts, requests: list, routing: str = "requests",
+             affinity_slack: float = DEFAULT_SLACK) -> tuple[list, dict, dict]:
     """Every request through the topology: ([(TTFT, TPOT, finish) or None for a failed one], each pool's busy
-    share)."""
+    share, the caches' hits)."""
     clock = EventClock()
-    workers, entry = build_twin_pools(parse_topology(topology), clock, costs)
+    workers, entry = build_twin_pools(parse_topology(topology), clock, costs, routing, affinity_slack)
     tracks = [TwinRequest(r) for r in requests]
     for track in tracks:
         clock.at(track.request.arrival_s, entry, track)
@@ -451,5 +537,11 @@ def simulate_twin(topology: "str | Topology", costs: TwinCosts, requests: list) 
     outcomes = [outcome(t) for t in tracks]
     end = max((final(t).finish_s or 0.0 for t in tracks), default=0.0)
     busy = {name: sum(w.busy_s for w in pool) / (len(pool) * end) if end else 0.0 for name, pool in workers.items()}
+    return outcomes, busy, cache_hits(tracks, costs.limits.prefix_tokens)
+
+
+def simulate_twin(topology: "str | Topology", costs: TwinCosts, requests: list) -> tuple[list, dict]:
+    """run_twin's outcomes and busy shares, each request to the engine with the fewest requests."""
+    outcomes, busy, _ = run_twin(topology, costs, requests)
     return outcomes, busy
 

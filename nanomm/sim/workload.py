@@ -64,6 +64,8 @@ class SimRequest:
     cached_tokens: int = 0  # prompt positions the prefix cache held (a replay's records say)
     body_bytes: int = 0  # the request's JSON body, pictures included
     image_keys: tuple = ()  # each picture's identity, for encoder-cache hits (default: every picture new)
+    image_offsets: tuple = ()  # each picture's first prompt position (default: together, after the template's)
+    block_keys: tuple = ()  # each full KV block's identity (prompt, then answer), for prefix-cache hits
 
     @property
     def prompt_tokens(self) -> int:
