@@ -287,3 +287,13 @@ def test_tool_choice_none_leaves_the_calls_in_the_text(scripted):
         assert reply.choices[0].finish_reason == "stop" and "# Tools" in server.prompts[0]
         plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         assert plain.choices[0].message.content == PARIS and "# Tools" not in server.prompts[1]
+
+
+def test_llm_chat_takes_tools_as_vllm_does(ckpt):
+    from nanomm import LLM, SamplingParams
+
+    with LLM(str(ckpt), device="cpu", dtype="float32") as llm:
+        messages = [{"role": "user", "content": "Weather?"}]
+        out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=TOOLS)[0]
+        assert out.prompt == llm.tokenizer.apply_chat_template(messages, tools=TOOLS)[0]
+        assert "# Tools" in out.prompt and out.prompt.count("<|im_start|>system\n") == 1
