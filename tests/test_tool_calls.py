@@ -111,6 +111,11 @@ def test_the_parser_reads_one_call_several_and_text_around_them():
     # keys in the other order: the arguments are printed back as JSON
     content, calls = parse_tool_calls('<tool_call>{"arguments": {"a": [1, 2]}, "name": "f"}</tool_call>')
     assert content is None and calls_of(calls) == [("f", '{"a": [1, 2]}')]
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a":1}, "id": 3}</tool_call>')
+    assert content is None and calls_of(calls) == [("f", '{"a": 1}')]
+    # the model's own spacing is kept
+    assert calls_of(parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a":1} }</tool_call>')[1]) == [
+        ("f", '{"a":1}')]
 
 
 def test_a_malformed_or_unfinished_block_stays_in_the_content():

@@ -124,10 +124,20 @@ def parse_block(body: str) -> tuple[str, str] | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
         return None
+    return call["name"], _arguments_text(body, call["arguments"])
+
+
+def _arguments_text(body: str, arguments) -> str:
+    """The arguments as the model wrote them (the text between `"arguments": ` and the block's last `}`), or
+    printed back as JSON where that text is not them (keys in another order, a key after "arguments")."""
     head = HEADER.match(body)
-    arguments = body[head.end():].rstrip()[:-1].rstrip() if head else json.dumps(call["arguments"],
-                                                                               ensure_ascii=False)
-    return call["name"], arguments
+    written = body[head.end():].rstrip()[:-1].rstrip() if head else ""
+    try:
+        if head and json.loads(written) == arguments:
+            return written
+    except ValueError:
+        pass
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _openai_call(name: str, arguments: str, call_id: str) -> dict:
