@@ -24,6 +24,9 @@ from nanomm.serve.testing import BackgroundServer
 from nanomm.serve.tool_calls import ToolCallStream, parse_tool_calls, tool_call_grammar, tool_options
 
 DATA = Path(__file__).parent / "data"
+# Qwen2.5's text chat template with its tools section, in the variant whose default system prompt is the VL families'
+# ("You are a helpful assistant."; the Instruct models' says "You are Qwen, created by Alibaba Cloud. ..."). Copied
+# from a public llama.cpp dump of a Qwen2.5-3B GGUF's template (the hub cannot be reached); not hash-verified.
 QWEN2_5_TEMPLATE = (DATA / "qwen2_5_tools.jinja").read_text()
 QWEN3_VL_TEMPLATE = json.loads((DATA / "Qwen3-VL-2B-Instruct" / "chat_template.json").read_text())["chat_template"]
 
