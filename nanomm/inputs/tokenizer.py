@@ -25,7 +25,6 @@ from tokenizers.decoders import DecodeStream
 
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.inputs.processor_cache import MediaWithUuid
-from nanomm.inputs.tool_prompt import check_tools, tool_call_blocks, tool_response, tools_system_turn
 from nanomm.model.config import read_checkpoint_json
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -184,6 +183,8 @@ class Tokenizer:
         pieces, images = [], []
         first_is_system = _message_role(messages[0], 0) == "system"
         if tools is not None:  # the system turn carries the tools (tool_prompt.py); the first system message is in it
+            from nanomm.inputs.tool_prompt import check_tools, tools_system_turn  # loaded by the first chat with tools
+
             system = (_render_content(messages[0].get("content"), 0, images) if first_is_system
                       else self.default_system_prompt)
             pieces.append(tools_system_turn(system, check_tools(tools)))
@@ -206,6 +207,8 @@ class Tokenizer:
         if "content" not in message and not calls:
             raise InvalidInputError(f"message {i} has no 'content'")
         content = "" if calls and message.get("content") is None else _render_content(message["content"], i, images)
+        if role == "tool" or calls:
+            from nanomm.inputs.tool_prompt import tool_call_blocks, tool_response  # loaded by the first tool turn
         if role == "tool":
             return tool_response(content, first=i == 0 or messages[i - 1].get("role") != "tool",
                                  last=i == len(messages) - 1 or messages[i + 1].get("role") != "tool")

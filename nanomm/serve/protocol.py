@@ -34,10 +34,12 @@ from nanomm.errors import InvalidInputError
 from nanomm.inputs.tokenizer import map_media_sources, media_prompt
 from nanomm.outputs import CompletionOutput, RequestOutput
 from nanomm.sampling import SamplingParams
-from nanomm.serve.tool_calls import ToolCallStream, ToolOptions, constrain, parse_tool_calls, stream_delta, tool_options
 
 if TYPE_CHECKING:
     from nanomm.inputs.media_fetch import MediaUrlPolicy
+    from nanomm.serve.tool_calls import ToolCallStream, ToolOptions
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 # OpenAI's names -> SamplingParams fields; vLLM's extras keep their own names.
 OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -61,13 +63,25 @@ class ChatRequest:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.parse_tools = False  # the answer's <tool_call> blocks become tool_calls (tool_calls.py)
-        self.tool_streams: dict[int, ToolCallStream] = {}  # a streamed answer's parsers, by completion index
+        self.tool_streams: "dict[int, ToolCallStream]" = {}  # a streamed answer's parsers, by completion index
 
-    def use_tools(self, options: ToolOptions) -> "ChatRequest":
+    def use_tools(self, options: "ToolOptions | None") -> "ChatRequest":
         """Parse the answer's tool calls if asked; force one through the grammar if tool_choice says so."""
-        self.parse_tools = options.parse
-        self.params = constrain(self.params, options.grammar)
+        if options is not None:
+            from nanomm.serve.tool_calls import constrain
+
+            self.parse_tools = options.parse
+            self.params = constrain(self.params, options.grammar)
         return self
+
+
+def _tool_options(body: dict) -> "ToolOptions | None":
+    """The request's tool fields, checked (tool_calls.py, loaded by the first request with one); None: none."""
+    if not any(body.get(name) is not None for name in TOOL_FIELDS):
+        return None
+    from nanomm.serve.tool_calls import tool_options
+
+    return tool_options(body)
 
 
 def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None,
@@ -76,8 +90,9 @@ def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | Non
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
-    tools = tool_options(body)
-    text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools.tools)
+    tools = _tool_options(body)
+    text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tools=None if tools is None else tools.tools)
     # every picture and video: a data URL, an allowed URL or a path (a part sent as a uuid alone has none)
     media = map_media_sources(media, lambda source, what: _image_source(source, media_root, what, media_urls))
     prompt = media_prompt(text, media)
@@ -99,7 +114,7 @@ def parse_continuation(body, defaults: SamplingParams, chat: bool) -> ChatReques
     body = _check_object(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     num_top = _chat_num_top(body) if chat else _completion_num_top(body)
     request = _finish(body, {"prompt": None}, defaults, num_top, chat)
-    return request.use_tools(tool_options(body)) if chat else request
+    return request.use_tools(_tool_options(body)) if chat else request
 
 
 def _chat_num_top(body: dict) -> int | None:
@@ -223,6 +238,8 @@ def delta_choice(request: ChatRequest, completion: CompletionOutput, logprobs_se
 
 def _tool_delta(request: ChatRequest, completion: CompletionOutput, choice: dict) -> None:
     """A streamed choice's content replaced by what its tool-call parser lets out (tool_calls.py)."""
+    from nanomm.serve.tool_calls import ToolCallStream, stream_delta
+
     stream = request.tool_streams.setdefault(completion.index, ToolCallStream())
     deltas = stream.feed(completion.delta_text, final=completion.finish_reason is not None)
     choice["delta"] = {"role": "assistant", **stream_delta(deltas)}
@@ -248,6 +265,8 @@ def _choice(request: ChatRequest, completion: CompletionOutput, text: str, logpr
 
 def _tool_message(choice: dict, text: str) -> None:
     """A whole answer's <tool_call> blocks as the message's tool_calls (finish_reason "tool_calls" if any)."""
+    from nanomm.serve.tool_calls import parse_tool_calls
+
     content, calls = parse_tool_calls(text)
     choice["message"]["content"] = content
     if calls:
