@@ -165,43 +165,43 @@ class ToolCallStream:
     content_started: bool = False  # blank text is held until some content is not blank (see parse_tool_calls)
     blank: str = ""  # the blank text held so far
     num_calls: int = 0
-    _out: list = field(default_factory=list)
+    _out: list = field(default_factory=list)  # this feed's deltas
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """The deltas that `text` (new model output) lets go out; `final`: the output ended, send what is left."""
         self.pending += text
         self._out = []
-        while self._step(final):
+        while self._step():
             pass
         if final and self.pending:
-            self._content(self.pending, final=True)
+            self._content(self.pending)
             self.pending = ""
         return self._out
 
-    def _step(self, final: bool) -> bool:
+    def _step(self) -> bool:
         """Send what the pending text settles; True if it should be looked at again."""
         start = self.pending.find(OPEN)
         if start < 0:
             keep = _partial_tag_length(self.pending)
-            self._content(self.pending[:len(self.pending) - keep], final)
+            self._content(self.pending[:len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep:]
             return False
         end = self.pending.find(CLOSE, start)
         if end < 0:  # a block still open: send the text before it, hold the block
-            self._content(self.pending[:start], final)
+            self._content(self.pending[:start])
             self.pending = self.pending[start:]
             return False
         block_end = end + len(CLOSE)
         parsed = parse_block(self.pending[start + len(OPEN):end])
         if parsed is None:
-            self._content(self.pending[:block_end], final)
+            self._content(self.pending[:block_end])
         else:
-            self._content(self.pending[:start], final)
+            self._content(self.pending[:start])
             self._call(*parsed)
         self.pending = self.pending[block_end:]
         return True
 
-    def _content(self, text: str, final: bool) -> None:
+    def _content(self, text: str) -> None:
         if not text:
             return
         if not self.content_started and not text.strip():
