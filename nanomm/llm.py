@@ -200,15 +200,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations; generates the assistant turn."""
+             mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations; generates the assistant turn.
+        `tools`: OpenAI function tools, written into each prompt (nanomm/inputs/tool_prompt.py); the outputs' text
+        keeps the model's `<tool_call>` blocks (nanomm/serve/tool_calls.py parses them)."""
         if chat_template is not None:
             raise ValueError("chat_template: nanomm renders Qwen2-VL's own chat template and takes no other")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                text, media = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+                text, media = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, tools=tools)
             except InvalidInputError as exc:
                 raise InvalidInputError(f"conversation {i}: {exc}") from None
             prompts.append(media_prompt(text, media) if media else text)

@@ -505,7 +505,7 @@ def test_a_decode_instance_checks_a_continuations_fields_and_handoff_and_only_it
             BackgroundServer(Server(make_llm(ckpt), ServerConfig("m"))) as whole_url:
         for path, prompt in prompts.items():
             instruction = {**prompt, "kv_transfer_params": {"do_remote_decode": True}}
-            cases = [(decode_url, {**handoff, "tools": []}, "['tools']"),
+            cases = [(decode_url, {**handoff, "functions": []}, "['functions']"),
                      (decode_url, {**handoff, "temperature": -1}, "temperature"),
                      (decode_url, handoff, "not a handoff from a nanomm prefill instance"),
                      (decode_url, {**handoff, **prompt}, "not a handoff from a nanomm prefill instance"),

@@ -22,7 +22,7 @@ SAMPLING = {  # the fields a client may send, as each endpoint spells its logpro
     "vLLM extras": ({"repetition_penalty": 1.1, "min_p": 0.1, "stop_token_ids": [2]}, {"top_k": 5, "min_p": 0.2}),
 }
 REFUSED = {  # (chat fields, completion fields, words the message names)
-    "an unknown field": ({"tools": []}, {"tools": []}, "tools"),
+    "an unknown field": ({"functions": []}, {"tools": []}, "functions|tools"),
     "a bad temperature": ({"temperature": -1}, {"temperature": -1}, "temperature"),
     "stream not a bool": ({"stream": "yes"}, {"stream": "yes"}, "stream"),
     "logprobs of the other endpoint": ({"logprobs": 2}, {"logprobs": True}, "logprobs"),

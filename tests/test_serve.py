@@ -239,7 +239,7 @@ def corrupt_png_url() -> str:
 
 
 BAD_BODIES = {
-    "unknown field": ({"messages": user("hi"), "tools": []}, "tools"),
+    "unknown field": ({"messages": user("hi"), "functions": []}, "functions"),
     "no messages": ({"max_tokens": 2}, "messages"),
     "bad temperature": ({"messages": user("hi"), "temperature": -1}, "temperature"),
     "n is zero": ({"messages": user("hi"), "n": 0}, "n"),

@@ -173,7 +173,7 @@ MALFORMED = {
     "not a list": ("hello", "non-empty list"),
     "empty": ([], "non-empty list"),
     "message not a dict": ([GOOD, "hi"], "message 1 must be a dict"),
-    "unknown role": ([GOOD, {"role": "tool", "content": "x"}], "message 1 has role 'tool'"),
+    "unknown role": ([GOOD, {"role": "function", "content": "x"}], "message 1 has role 'function'"),
     "missing role": ([{"content": "x"}], "message 0 has role None"),
     "missing content": ([GOOD, GOOD, {"role": "user"}], "message 2 has no 'content'"),
     "content not str or list": ([{"role": "user", "content": 3}], "message 0 content must be"),

@@ -31,7 +31,7 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # Qwen2-VL's and Qwen2.5-VL's templates add it; Qwen3-VL's not
 NO_DEFAULT_SYSTEM_PROMPT = ("qwen3_vl",)  # config.json model types whose chat template adds no system turn
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # The Qwen2-VL-*-Instruct chat template, verbatim. It is written into tokenizer_config.json by
 # nanomm.tools.tokenizers so that transformers (the test oracle) renders the same prompts we do.
@@ -167,29 +167,54 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool | None = None):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool | None = None,
+                            tools: list[dict] | None = None):
         """Render an OpenAI-style conversation as Qwen2-VL prompt text. Returns (text, media in order): each
-        picture's source, and each video as a `VideoPart`.
+        picture's source, and each video as a `VideoPart`. `tools` (OpenAI function tools), assistant turns'
+        `tool_calls` and `role: "tool"` messages are written as Qwen's templates write them (tool_prompt.py).
 
         With `tokenize` given, it answers as a Hugging Face tokenizer does, for scripts written for vLLM's
         `llm.get_tokenizer()`: the text alone (tokenize=False) or its token ids (tokenize=True)."""
         if tokenize is not None:
-            text, _ = self.apply_chat_template(messages, add_generation_prompt)
+            text, _ = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
             return self.encode(text) if tokenize else text
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         pieces, images = [], []
-        if _message_role(messages[0], 0) != "system" and self.default_system_prompt is not None:
+        first_is_system = _message_role(messages[0], 0) == "system"
+        if tools is not None:  # the system turn carries the tools (tool_prompt.py); the first system message is in it
+            from nanomm.inputs.tool_prompt import check_tools, tools_system_turn  # loaded by the first chat with tools
+
+            system = (_render_content(messages[0].get("content"), 0, images) if first_is_system
+                      else self.default_system_prompt)
+            pieces.append(tools_system_turn(system, check_tools(tools)))
+        elif not first_is_system and self.default_system_prompt is not None:
             pieces.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
         for i, message in enumerate(messages):
-            role = _message_role(message, i)
-            if "content" not in message:
-                raise InvalidInputError(f"message {i} has no 'content'")
-            content = _render_content(message["content"], i, images)
-            pieces.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            if i == 0 and first_is_system and tools is not None:
+                continue
+            pieces.append(self._render_turn(messages, i, images))
         if add_generation_prompt:
             pieces.append("<|im_start|>assistant\n")
         return "".join(pieces), images
+
+    def _render_turn(self, messages, i: int, images: list) -> str:
+        """Message i as a turn: `<|im_start|>role\ncontent<|im_end|>\n`, its tool calls after an assistant's
+        content; a tool message is a `<tool_response>` block in a user turn shared with its neighbours."""
+        message = messages[i]
+        role = _message_role(message, i)
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if "content" not in message and not calls:
+            raise InvalidInputError(f"message {i} has no 'content'")
+        content = "" if calls and message.get("content") is None else _render_content(message["content"], i, images)
+        if role == "tool" or calls:
+            from nanomm.inputs.tool_prompt import tool_call_blocks, tool_response  # loaded by the first tool turn
+        if role == "tool":
+            return tool_response(content, first=i == 0 or messages[i - 1].get("role") != "tool",
+                                 last=i == len(messages) - 1 or messages[i + 1].get("role") != "tool")
+        if calls:
+            content = tool_call_blocks(content, calls, i)
+        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
 
     def expand_image_placeholders(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
         """Replace the i-th single <|image_pad|> by tokens_per_image[i] copies of it."""

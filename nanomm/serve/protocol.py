@@ -9,6 +9,9 @@ A decode instance continuing a prefill instance's handoff (kv_transfer_params) r
 (`parse_continuation`): the prompt was run on the prefill instance, so the body may leave out the messages or
 prompt, and those it still carries are not read (nor are their pictures).
 
+Tools: `tools`, `tool_choice` and `parallel_tool_calls` are read by tool_calls.py; the tools go into the prompt
+(nanomm/inputs/tool_prompt.py) and the answer's `<tool_call>` blocks come back as `tool_calls`.
+
 A content part may carry a `uuid` (vLLM's): with a uuid the processor cache holds, its data may be left out (null);
 an unknown one is a 400 (nanomm/inputs/processor_cache.py).
 
@@ -34,6 +37,9 @@ from nanomm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from nanomm.inputs.media_fetch import MediaUrlPolicy
+    from nanomm.serve.tool_calls import ToolCallStream, ToolOptions
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 # OpenAI's names -> SamplingParams fields; vLLM's extras keep their own names.
 OPENAI_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -43,7 +49,7 @@ VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
                "skip_special_tokens", "include_stop_str_in_output")
 IGNORED_FIELDS = ("model", "user", "stream_options", "kv_transfer_params")  # read elsewhere or meaningless here
 COMMON_FIELDS = {*OPENAI_FIELDS, *VLLM_EXTRAS, *IGNORED_FIELDS, "stream", "logprobs", "mm_processor_kwargs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 
 
@@ -56,6 +62,26 @@ class ChatRequest:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.parse_tools = False  # the answer's <tool_call> blocks become tool_calls (tool_calls.py)
+        self.tool_streams: "dict[int, ToolCallStream]" = {}  # a streamed answer's parsers, by completion index
+
+    def use_tools(self, options: "ToolOptions | None") -> "ChatRequest":
+        """Parse the answer's tool calls if asked; force one through the grammar if tool_choice says so."""
+        if options is not None:
+            from nanomm.serve.tool_calls import constrain
+
+            self.parse_tools = options.parse
+            self.params = constrain(self.params, options.grammar)
+        return self
+
+
+def _tool_options(body: dict) -> "ToolOptions | None":
+    """The request's tool fields, checked (tool_calls.py, loaded by the first request with one); None: none."""
+    if not any(body.get(name) is not None for name in TOOL_FIELDS):
+        return None
+    from nanomm.serve.tool_calls import tool_options
+
+    return tool_options(body)
 
 
 def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | None,
@@ -64,11 +90,13 @@ def parse_chat(body, tokenizer, defaults: SamplingParams, media_root: Path | Non
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError("'messages' must be a non-empty list of {role, content} objects")
-    text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    tools = _tool_options(body)
+    text, media = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tools=None if tools is None else tools.tools)
     # every picture and video: a data URL, an allowed URL or a path (a part sent as a uuid alone has none)
     media = map_media_sources(media, lambda source, what: _image_source(source, media_root, what, media_urls))
     prompt = media_prompt(text, media)
-    return _finish(body, prompt, defaults, _chat_num_top(body), chat=True)
+    return _finish(body, prompt, defaults, _chat_num_top(body), chat=True).use_tools(tools)
 
 
 def parse_completion(body, defaults: SamplingParams) -> ChatRequest:
@@ -85,7 +113,8 @@ def parse_continuation(body, defaults: SamplingParams, chat: bool) -> ChatReques
     prompt may be absent; present, they are not read. The prompt's text is None: it ran on the prefill instance."""
     body = _check_object(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     num_top = _chat_num_top(body) if chat else _completion_num_top(body)
-    return _finish(body, {"prompt": None}, defaults, num_top, chat)
+    request = _finish(body, {"prompt": None}, defaults, num_top, chat)
+    return request.use_tools(_tool_options(body)) if chat else request
 
 
 def _chat_num_top(body: dict) -> int | None:
@@ -200,15 +229,30 @@ def delta_choice(request: ChatRequest, completion: CompletionOutput, logprobs_se
     choice = _choice(request, completion, completion.delta_text, new_logprobs, completion.finish_reason)
     if request.chat:
         choice["delta"] = choice.pop("message")
+        if request.parse_tools:
+            _tool_delta(request, completion, choice)
         if not first:
             del choice["delta"]["role"]
     return choice
+
+
+def _tool_delta(request: ChatRequest, completion: CompletionOutput, choice: dict) -> None:
+    """A streamed choice's content replaced by what its tool-call parser lets out (tool_calls.py)."""
+    from nanomm.serve.tool_calls import ToolCallStream, stream_delta
+
+    stream = request.tool_streams.setdefault(completion.index, ToolCallStream())
+    deltas = stream.feed(completion.delta_text, final=completion.finish_reason is not None)
+    choice["delta"] = {"role": "assistant", **stream_delta(deltas)}
+    if completion.finish_reason and stream.num_calls:
+        choice["finish_reason"] = "tool_calls"
 
 
 def _choice(request: ChatRequest, completion: CompletionOutput, text: str, logprobs: list, finish) -> dict:
     choice = {"index": completion.index, "finish_reason": FINISH_REASONS.get(finish)}
     if request.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if request.parse_tools and not request.stream:
+            _tool_message(choice, text)
         choice["logprobs"] = None if request.num_top_logprobs is None else {
             "content": [_chat_logprob(entry, token, request.num_top_logprobs)
                         for entry, token in zip(logprobs, _new_tokens(completion, logprobs))]}
@@ -217,6 +261,17 @@ def _choice(request: ChatRequest, completion: CompletionOutput, text: str, logpr
         choice["logprobs"] = None if request.num_top_logprobs is None else _completion_logprobs(
             logprobs, _new_tokens(completion, logprobs), request.num_top_logprobs)
     return choice
+
+
+def _tool_message(choice: dict, text: str) -> None:
+    """A whole answer's <tool_call> blocks as the message's tool_calls (finish_reason "tool_calls" if any)."""
+    from nanomm.serve.tool_calls import parse_tool_calls
+
+    content, calls = parse_tool_calls(text)
+    choice["message"]["content"] = content
+    if calls:
+        choice["message"]["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls"
 
 
 def _new_tokens(completion: CompletionOutput, logprobs: list) -> list[int]:
