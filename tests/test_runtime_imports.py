@@ -76,7 +76,8 @@ def test_the_image_path_imports_no_other_capability():
     assert run.returncode == 0 and run.stdout.strip() == "image path ok", run.stderr[-3000:]
 
 
-CLOSURE_GOAL = 8_000  # lines of nanomm source a served image chat loads: each lever is imported when it is on
+CLOSURE_GOAL = 8_400  # lines of nanomm source a served image chat loads: each lever is imported when it is on
+# (the processor cache is on by default, as in vLLM, so its 160 lines are in; fetching, shapes and tools are not)
 LEVERS_OFF = ("nanomm.planner", "nanomm.engine.speculative", "nanomm.engine.draft", "nanomm.accel.quant",
               "nanomm.accel.compile", "nanomm.engine.cuda_graphs", "nanomm.engine.memory_profile",
               "nanomm.engine.handoff", "nanomm.engine.parallel_sampling", "nanomm.transfer", "nanomm.emulate")
