@@ -80,7 +80,8 @@ CLOSURE_GOAL = 8_400  # lines of nanomm source a served image chat loads: each l
 # (the processor cache is on by default, as in vLLM, so its 160 lines are in; fetching, shapes and tools are not)
 LEVERS_OFF = ("nanomm.planner", "nanomm.engine.speculative", "nanomm.engine.draft", "nanomm.accel.quant",
               "nanomm.accel.compile", "nanomm.engine.cuda_graphs", "nanomm.engine.memory_profile",
-              "nanomm.engine.handoff", "nanomm.engine.parallel_sampling", "nanomm.transfer", "nanomm.emulate")
+              "nanomm.engine.handoff", "nanomm.engine.parallel_sampling", "nanomm.transfer", "nanomm.emulate",
+              "nanomm.inputs.media_fetch", "nanomm.inputs.tool_prompt", "nanomm.serve.tool_calls")
 
 CLOSURE = textwrap.dedent("""
     import sys
