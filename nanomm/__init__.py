@@ -8,8 +8,8 @@ from nanomm.engine.engine import LLMEngine
 from nanomm.errors import CheckpointError, InvalidInputError
 from nanomm.llm import LLM
 from nanomm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanomm.sampling import SamplingParams
+from nanomm.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "InvalidInputError", "CheckpointError", "demo_checkpoint"]
 __version__ = "0.1.0"

@@ -87,6 +87,7 @@ class LLMEngine:
         self.proposer = _make_proposer(config, draft_model, model, (self.encoder_cache, self.model_identity))
         self._handoffs: KVHandoffs | None = None  # prefill here, decode there: made when first used (handoff.py)
         self.parallel: ParallelSampling | None = None  # requests with n > 1, from the first one (parallel_sampling.py)
+        self.grammars = None  # constrained requests' grammars, from the first one (structured.py)
         self.requests: dict[str, Request] = {}  # scheduled and not finished
         self._ids = itertools.count()
         self.num_steps, self.step_s, self.num_computed_tokens = 0, 0.0, 0
@@ -105,12 +106,12 @@ class LLMEngine:
 
     def prepare(self, prompt, params: SamplingParams | None, name: str = "prompt") -> PreparedPrompt:
         """Validate and preprocess one prompt; raises InvalidInputError and touches nothing in the engine."""
-        params = _check_params(params, name)
+        params = _check_params(params, name, self)
         return self.intake.prepare(self.processor.validate(prompt, name), params)
 
     def prepare_all(self, prompts: list, params: list[SamplingParams | None]) -> list[PreparedPrompt]:
         """`prepare` for many prompts, images decoded in parallel on the pool; the first bad prompt raises."""
-        params = [_check_params(p, f"prompt {i}") for i, p in enumerate(params)]
+        params = [_check_params(p, f"prompt {i}", self) for i, p in enumerate(params)]
         validated = [self.processor.validate(p, f"prompt {i}") for i, p in enumerate(prompts)]
         return self.intake.prepare_all(validated, params)
 
@@ -178,7 +179,7 @@ class LLMEngine:
         """The sampling params, checked, of a request whose id is free; InvalidInputError otherwise."""
         if self._id_in_use(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already in use")
-        return _check_params(params, f"request {request_id}")
+        return _check_params(params, f"request {request_id}", self)
 
     def _admit(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
         """A prepared request becomes the scheduler's: one request, or n children (parallel_sampling.py)."""
@@ -206,7 +207,7 @@ class LLMEngine:
         return Request(request_id, prepared, [self.encoder_cache_key_for(im) for im in prepared.images],
                        params=params, generator=generator, stop_token_ids=frozenset(stop), metrics=metrics,
                        completion_index=completion_index, hands_off=request_id in marked,
-                       encoder_url=marked.get(request_id))
+                       encoder_url=marked.get(request_id), grammar=_new_matcher(self, params))
 
     def _add_to_scheduler(self, request: Request, running: bool = False) -> None:
         """running: its prompt KV is already in its blocks (a decode instance's transferred request)."""
@@ -333,7 +334,9 @@ class LLMEngine:
         if request.hands_off and emitted.token_ids:  # a prefill instance: the first token goes with the KV
             self.scheduler.commit(chunk)
             return self.handoffs.park(request, emitted)
-        tokens, reason = self.output_processor.take_tokens(request, emitted.token_ids, emitted.logprobs)
+        token_ids, grammar_complete = _follow_grammar(request, emitted.token_ids)  # structured.py
+        tokens, reason = self.output_processor.take_tokens(request, token_ids, emitted.logprobs)
+        reason = reason or ("stop" if grammar_complete and tokens else None)
         if tokens and request.output_token_ids:  # a decode step (the prefill's first token is not)
             self.output_processor.count_decode_step(request.metrics, len(chunk.spec_token_ids),
                                                     min(emitted.num_accepted, len(tokens)), len(tokens))
@@ -468,15 +471,39 @@ def _video_settings(model_config, image_config, video_preprocessor: dict | None,
         raise ValueError(str(exc)) from None
 
 
-def _check_params(params, name: str) -> SamplingParams:
+def _check_params(params, name: str, engine: LLMEngine) -> SamplingParams:
+    """Checked sampling params; a structured_outputs constraint is compiled here (once), before any compute."""
     if params is None:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InvalidInputError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
     try:
-        return params.validate()
+        params.validate()
+        if params.structured_outputs is not None:
+            _grammar_compiler(engine).compile(params.structured_outputs)
+        return params
     except InvalidInputError as exc:
         raise InvalidInputError(f"{name}: {exc}") from None
+
+
+def _grammar_compiler(engine: LLMEngine):
+    """The engine's grammar compiler (structured.py), made by the first constrained request."""
+    if engine.grammars is None:
+        from nanomm.engine.structured import GrammarCompiler
+
+        engine.grammars = GrammarCompiler(engine.tokenizer, engine.model.config.text.vocab_size)
+    return engine.grammars
+
+
+def _new_matcher(engine: LLMEngine, params: SamplingParams):
+    """A constrained sequence's own matcher (each completion of n > 1 gets one); None without a constraint."""
+    return None if params.structured_outputs is None else _grammar_compiler(engine).matcher(params.structured_outputs)
+
+
+def _follow_grammar(request: Request, token_ids: list[int]) -> tuple[list[int], bool]:
+    """A constrained request's matcher takes its committed tokens: those that stand, and whether the grammar is
+    complete (the request then stops). Unconstrained: the tokens as they are."""
+    return (token_ids, False) if request.grammar is None else request.grammar.advance(token_ids)
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -254,6 +254,9 @@ class KVHandoffs:
         if params.n > 1:
             raise InvalidInputError(f"request {request_id}: n={params.n} is served by an integrated engine only; a "
                                     "prefill instance hands off one completion per request")
+        if params.structured_outputs is not None:  # the grammar's state does not travel with the KV
+            raise InvalidInputError(f"request {request_id}: structured_outputs are served by an integrated engine "
+                                    "only; a prefill instance does not hand a grammar's state off")
         self.marked[request_id] = encoder_url
 
     def forget_marks(self, outputs: list[RequestOutput]) -> None:

@@ -91,6 +91,7 @@ class Request(Sequence):
     hands_off: bool = False  # a prefill instance's request: parked after its first token (handoff.py)
     encoder_url: str | None = None  # the encoder service its images go to; None: the engine's default
     waits_for_prefill_of: "Request | None" = None
+    grammar: object | None = None  # structured outputs: its GrammarMatcher (structured.py), None if unconstrained
 
     @property
     def ready_to_prefill(self) -> bool:

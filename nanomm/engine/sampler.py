@@ -39,15 +39,21 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[SampledTokens]:
     with them, speculative.py's acceptance rules. Greedy rows share one argmax; plain sampled rows that share their
     settings are drawn together (`draw_plain`), each with its own request's generator, and read back once per
     step. Penalties and min_tokens see, at each row, the output so far plus the proposals before it: the
-    history that row would have in plain decoding."""
+    history that row would have in plain decoding. A constrained request's rows are masked by its grammar first
+    (structured.py): its logprobs are those of the masked logits, as vLLM's."""
     greedy = any(c.request.params.greedy and not c.request.params.reads_history for c in chunks)
     argmax = greedy_tokens(logits).tolist() if greedy else []  # read back only when a greedy row takes it
     per_chunk, plain, row = [], {}, 0  # per chunk: (its first row, its tokens or None while drawn in a group)
+    masked = {}  # chunk index -> its rows masked by its grammar
     for chunk in chunks:
         request, proposed = chunk.request, chunk.spec_token_ids
         rows = 1 + len(proposed)
-        raw = logits[row:row + rows] if proposed or request.params.reads_history else None  # (rows, vocab)
+        constrained = request.grammar is not None
+        raw = logits[row:row + rows] if proposed or request.params.reads_history or constrained else None
+        if constrained:  # (rows, vocab) with the tokens that would leave the grammar at -inf
+            raw = masked[len(per_chunk)] = request.grammar.mask(raw, proposed)
         adjusted = adjusted_rows(request, proposed, raw) if request.params.reads_history else None
+        adjusted = raw if constrained and adjusted is None else adjusted
         if request.params.greedy:
             chosen = adjusted.argmax(dim=-1).tolist() if adjusted is not None else argmax[row:row + rows]
             tokens = accept_greedy(proposed, chosen)
@@ -68,7 +74,8 @@ def sample_and_verify(chunks, logits: torch.Tensor) -> list[SampledTokens]:
     for i, (chunk, (row, tokens)) in enumerate(zip(chunks, per_chunk)):
         tokens = [drawn[i]] if tokens is None else tokens
         num_top = chunk.request.params.logprobs
-        logprobs = None if num_top is None else top_logprobs(logits[row:row + len(tokens)], tokens, num_top)
+        rows = masked[i][:len(tokens)] if i in masked else logits[row:row + len(tokens)]
+        logprobs = None if num_top is None else top_logprobs(rows, tokens, num_top)
         emitted.append(SampledTokens(tokens, len(tokens) - 1, logprobs))  # every token but the last was a proposal
     return emitted
 
