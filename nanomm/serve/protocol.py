@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 from nanomm.errors import InvalidInputError
 from nanomm.inputs.tokenizer import map_media_sources, media_prompt
 from nanomm.outputs import CompletionOutput, RequestOutput
-from nanomm.sampling import SamplingParams, StructuredOutputsParams
+from nanomm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from nanomm.inputs.media_fetch import MediaUrlPolicy
@@ -144,58 +144,13 @@ def _finish(body: dict, prompt: dict, defaults: SamplingParams, num_top: int | N
     fields.update({name: body[name] for name in VLLM_EXTRAS if body.get(name) is not None})
     if num_top is not None:
         fields["logprobs"] = num_top
-    structured = _structured_outputs(body)
-    if structured is not None:
-        fields["structured_outputs"] = structured
+    if body.get("response_format") is not None or body.get("structured_outputs") is not None:
+        from nanomm.serve.structured_outputs import structured_outputs  # parsed where a body asks for a shape
+
+        fields["structured_outputs"] = structured_outputs(body)
     # A field the client leaves out takes the model's default; max_tokens left out: until EOS or the context ends.
     params = replace(defaults, **{"max_tokens": None, **fields})
     return ChatRequest(prompt, params, _field(body, "stream", bool, False), num_top, chat)
-
-
-# -- structured outputs: OpenAI's response_format, vLLM's structured_outputs (nanomm/engine/structured.py) ----------
-
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    """The answer's shape a body asks for, from `response_format` or vLLM's `structured_outputs` (not both)."""
-    from_format = _response_format(body.get("response_format"))
-    extra = body.get("structured_outputs")
-    if extra is None:
-        return from_format
-    if from_format is not None:
-        raise InvalidInputError("set either 'response_format' or 'structured_outputs', not both")
-    if not isinstance(extra, dict):
-        raise InvalidInputError(f"'structured_outputs' must be an object, got {extra!r}")
-    unknown = sorted(set(extra) - set(STRUCTURED_KINDS))
-    if unknown:
-        raise InvalidInputError(f"'structured_outputs': unsupported field(s) {unknown}; supported: {STRUCTURED_KINDS}")
-    return StructuredOutputsParams(**{k: v for k, v in extra.items() if v is not None})
-
-
-def _response_format(value) -> StructuredOutputsParams | None:
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in RESPONSE_FORMATS:
-        raise InvalidInputError(f"'response_format' must be an object whose 'type' is one of {RESPONSE_FORMATS}, "
-                                f"got {value!r}")
-    unknown = sorted(set(value) - {"type", "json_schema"})
-    if unknown:
-        raise InvalidInputError(f"'response_format': unsupported field(s) {unknown}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise InvalidInputError("'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
-                                f"'schema': {{...}}, 'strict': ...}}, got {spec!r}")
-    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
-    if unknown:
-        raise InvalidInputError(f"'response_format.json_schema': unsupported field(s) {unknown}")
-    return StructuredOutputsParams(json=spec.get("schema", {}))
 
 
 def _check_object(body, allowed: set) -> dict:
