@@ -296,3 +296,10 @@ def test_the_demo_model_names_colours_from_a_choice():
         replies = [out.outputs[0].text for out in demo.chat([conversation(item, []) for item in items], params)]
     assert all(reply in PALETTE for reply in replies), replies
     assert sum(grade(item.turns[-1], reply) for item, reply in zip(items, replies)) >= 10, replies
+
+
+def test_a_prefill_instance_refuses_a_constrained_hand_off(llm):
+    """The grammar's state does not travel with the KV: a constrained request is served by an integrated engine."""
+    with pytest.raises(InvalidInputError, match="integrated engine"):
+        llm.engine.add_request(PROMPTS[0], constrained("regex"), hand_off=True)
+    assert not llm.engine.has_unfinished_requests()
