@@ -303,3 +303,19 @@ def test_a_prefill_instance_refuses_a_constrained_hand_off(llm):
     with pytest.raises(InvalidInputError, match="integrated engine"):
         llm.engine.add_request(PROMPTS[0], constrained("regex"), hand_off=True)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_constraint_compiles_once_per_engine(ckpt, monkeypatch):
+    from nanomm.engine.structured import GrammarCompiler
+
+    compiled = []
+    original = GrammarCompiler._compile
+    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, kind, text: compiled.append(kind) or
+                        original(self, kind, text))
+    llm = make_llm(ckpt)
+    same = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(json=json.dumps(PERSON, sort_keys=True))]
+    llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=40, structured_outputs=s, n=2)
+                           for s in same + same[:1]])
+    llm.generate(PROMPTS[0], constrained("choice"))
+    assert compiled == ["json", "choice"]
+    llm.close()
