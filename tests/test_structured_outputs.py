@@ -319,3 +319,24 @@ def test_a_constraint_compiles_once_per_engine(ckpt, monkeypatch):
     llm.generate(PROMPTS[0], constrained("choice"))
     assert compiled == ["json", "choice"]
     llm.close()
+
+
+def test_a_forced_tool_call_through_the_tool_grammar(llm):
+    """The server's tool_choice="required" grammar (nanomm/serve/tool_calls.py) run by the engine: each answer is
+    one well-formed call, parsed back by the tool-call parser and its arguments checked against the schema here."""
+    from nanomm.serve.tool_calls import parse_tool_calls, tool_call_grammar
+
+    cities = ["Paris", "Oslo"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": cities}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    grammar = tool_call_grammar(tools, "required", parallel=False)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=100,
+                            structured_outputs=StructuredOutputsParams(grammar=grammar))
+    for out in llm.generate(["Weather?", "Hi"], params):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        content, calls = parse_tool_calls(completion.text)
+        assert content is None and len(calls) == 1
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert json.loads(calls[0]["function"]["arguments"]) in [{"city": c} for c in cities]
