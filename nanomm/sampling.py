@@ -28,7 +28,7 @@ The order is vLLM's (v1 sampler), so the same parameters mean the same distribut
 
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,45 +37,6 @@ from nanomm.errors import InvalidInputError, check_int, is_finite_number
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """vLLM's constraint on the shape of an answer: exactly one of these is set. json: a JSON schema (a dict or
-    its text); json_object: any JSON object; regex: a regular expression (Rust's `regex` syntax); choice: one of
-    these strings; grammar: a Lark grammar in llguidance's dialect. The engine compiles it with llguidance (the
-    `structured` extra) and masks every token that would leave it (nanomm/engine/structured.py)."""
-    json: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | tuple[str, ...] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self):
-        chosen = self.kinds_set()
-        _check(len(chosen) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice, "
-                                 f"grammar; got {chosen or 'none'}")
-        _check(self.json is None or isinstance(self.json, (dict, str)),
-               f"structured_outputs.json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
-        _check(isinstance(self.json_object, bool), f"structured_outputs.json_object must be a bool, got "
-                                                   f"{self.json_object!r}")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name} must be a "
-                                                                        f"non-empty string, got {value!r}")
-        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
-                                       and all(isinstance(c, str) for c in self.choice)),
-               f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
-
-    def kinds_set(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
-
-    def key(self) -> tuple[str, str]:
-        """(kind, its text): the same constraint gives the same key, whatever form it came in."""
-        kind = self.kinds_set()[0]
-        value = getattr(self, kind)
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True) if kind != "json_object" else ""
-        return kind, text
 
 
 @dataclass
@@ -99,7 +60,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none: None)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured_outputs: StructuredOutputsParams | None = None  # the answer's shape (a JSON schema, regex, ...)
+    structured_outputs: "StructuredOutputsParams | None" = None  # the answer's shape (a JSON schema, regex, ...)
 
     def __post_init__(self):
         self.n = check_int(self.n, "n", error=InvalidInputError)
@@ -126,8 +87,10 @@ class SamplingParams:
                 setattr(self, name, check_int(getattr(self, name), name, minimum=0, error=InvalidInputError))
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:  # its own module, loaded by the requests that ask for a shape
+            from nanomm.structured_params import StructuredOutputsParams
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a "
+                   f"StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     def _check_seed(self) -> None:
         if self.seed is not None:
@@ -166,6 +129,13 @@ class SamplingParams:
         """Whether the logits depend on the tokens so far (penalties, min_tokens): then each row is adjusted."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+
+def __getattr__(name: str):
+    if name == "StructuredOutputsParams":  # `from nanomm.sampling import StructuredOutputsParams`, as in vLLM
+        from nanomm.structured_params import StructuredOutputsParams
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check(ok: bool, message: str):

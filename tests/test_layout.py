@@ -132,6 +132,7 @@ def test_the_engine_class_reads_at_a_glance():
 # and workshop sit on top: nothing in the runtime imports them.
 FLOORS = (
     ("errors", "topology"),  # topology: the one grammar of cluster shapes, standard library only
+    ("structured_params",),  # loaded by sampling when a request asks for a shape
     ("model", "sampling", "outputs"),
     ("accel", "inputs"),  # accel: the speed-up seam, on the model alone
     ("transfer", "reference", "tools"),

@@ -480,29 +480,23 @@ def _check_params(params, name: str, engine: LLMEngine) -> SamplingParams:
     try:
         params.validate()
         if params.structured_outputs is not None:
-            _grammar_compiler(engine).compile(params.structured_outputs)
+            from nanomm.engine.structured import compiler_of
+            compiler_of(engine).compile(params.structured_outputs)
         return params
     except InvalidInputError as exc:
         raise InvalidInputError(f"{name}: {exc}") from None
 
 
-def _grammar_compiler(engine: LLMEngine):
-    """The engine's grammar compiler (structured.py), made by the first constrained request."""
-    if engine.grammars is None:
-        from nanomm.engine.structured import GrammarCompiler
-
-        engine.grammars = GrammarCompiler(engine.tokenizer, engine.model.config.text.vocab_size)
-    return engine.grammars
-
-
 def _new_matcher(engine: LLMEngine, params: SamplingParams):
-    """A constrained sequence's own matcher (each completion of n > 1 gets one); None without a constraint."""
-    return None if params.structured_outputs is None else _grammar_compiler(engine).matcher(params.structured_outputs)
+    """A constrained sequence's own matcher (structured.py; one per completion of n > 1), or None."""
+    if params.structured_outputs is None:
+        return None
+    from nanomm.engine.structured import compiler_of
+    return compiler_of(engine).matcher(params.structured_outputs)
 
 
 def _follow_grammar(request: Request, token_ids: list[int]) -> tuple[list[int], bool]:
-    """A constrained request's matcher takes its committed tokens: those that stand, and whether the grammar is
-    complete (the request then stops). Unconstrained: the tokens as they are."""
+    """The tokens that stand and whether the grammar is complete (then the request stops); structured.py."""
     return (token_ids, False) if request.grammar is None else request.grammar.advance(token_ids)
 
 

@@ -27,7 +27,7 @@ import json
 import torch
 
 from nanomm.errors import InvalidInputError
-from nanomm.sampling import StructuredOutputsParams
+from nanomm.structured_params import StructuredOutputsParams
 
 EXTRA_HINT = "structured outputs need llguidance: pip install nanomm[structured]"
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or choice list larger than this is refused
@@ -43,6 +43,13 @@ def _llguidance():
     except ImportError:
         raise InvalidInputError(EXTRA_HINT) from None
     return llguidance
+
+
+def compiler_of(engine) -> "GrammarCompiler":
+    """The engine's grammar compiler, made by its first constrained request."""
+    if engine.grammars is None:
+        engine.grammars = GrammarCompiler(engine.tokenizer, engine.model.config.text.vocab_size)
+    return engine.grammars
 
 
 class GrammarCompiler:

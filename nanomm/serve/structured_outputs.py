@@ -4,7 +4,7 @@ Lesson: "Answers in a shape" (structured outputs), to come. The engine side is n
 """
 
 from nanomm.errors import InvalidInputError
-from nanomm.sampling import StructuredOutputsParams
+from nanomm.structured_params import StructuredOutputsParams
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
