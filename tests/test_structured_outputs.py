@@ -340,3 +340,36 @@ def test_a_forced_tool_call_through_the_tool_grammar(llm):
         assert content is None and len(calls) == 1
         assert calls[0]["function"]["name"] == "get_weather"
         assert json.loads(calls[0]["function"]["arguments"]) in [{"city": c} for c in cities]
+
+
+def test_the_openai_clients_parse_fills_a_pydantic_model_on_the_demo_model():
+    """`client.chat.completions.parse(response_format=Model)`, as an application calls it: the client sends the
+    model's strict JSON schema, and the answer (compact JSON, on the shipped model) parses into the model."""
+    import base64
+    import io
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel
+
+    import nanomm
+    from nanomm.demo.evaluation import held_out_items
+    from nanomm.demo.scenes import COLOURS as PALETTE
+
+    class Answer(BaseModel):
+        colour: Literal[tuple(PALETTE)]
+
+    item = held_out_items("colour", 1, seed=1)[0]
+    picture = io.BytesIO()
+    item.images[0].save(picture, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": item.turns[0].question}]}]
+    with LLM(str(nanomm.demo_checkpoint())) as demo, BackgroundServer(Server(demo, ServerConfig("demo"))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.parse(model="demo", messages=messages, response_format=Answer,
+                                              max_tokens=24, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Answer)
+    assert json.loads(choice.message.content) == {"colour": choice.message.parsed.colour}
+    assert choice.message.parsed.colour in PALETTE
