@@ -373,3 +373,40 @@ def test_the_openai_clients_parse_fills_a_pydantic_model_on_the_demo_model():
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Answer)
     assert json.loads(choice.message.content) == {"colour": choice.message.parsed.colour}
     assert choice.message.parsed.colour in PALETTE
+
+
+def test_a_named_tool_round_trip_through_the_openai_client(ckpt):
+    """The engine itself behind the server (random weights): a named tool_choice gives one call whose arguments
+    fit the schema, the same streamed as whole, and the tool's result sent back is answered."""
+    import openai
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    ask = {"model": "tiny", "tools": tools, "max_tokens": 150, "temperature": 1.0, "seed": 3, "parallel_tool_calls": False,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    messages = user("What is the weather in Oslo?")
+    llm = make_llm(ckpt, max_model_len=1024)  # the tools' system turn is long
+    with BackgroundServer(Server(llm, ServerConfig("tiny"))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(messages=messages, **ask)
+        whole = first.choices[0]
+        streamed = {}
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **ask):
+            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                piece = streamed.setdefault(call.index, {"name": "", "arguments": ""})
+                piece["name"] += call.function.name or ""
+                piece["arguments"] += call.function.arguments or ""
+        (call,) = whole.message.tool_calls
+        assert whole.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Oslo"})
+        assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+        answer = client.chat.completions.create(
+            model="tiny", tools=tools, tool_choice="none", max_tokens=4, temperature=0, messages=[
+                *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 3}'}])
+        # the call and its result are in the prompt now: the first prompt, then at least the call's own tokens
+        assert answer.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+        assert answer.usage.completion_tokens == 4 and answer.choices[0].message.content is not None
+    assert_no_leaks(llm)
+    llm.close()

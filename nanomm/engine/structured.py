@@ -8,8 +8,8 @@ matcher walks it token by token. At each sampled row the matcher's bitmask says 
 answer inside the grammar; the sampler sets the others to -inf (`GrammarMatcher.mask`), greedy and sampled alike, before the
 penalties and filters, as vLLM applies its bitmask to the logits before its sampler (so `logprobs` are those of the
 masked distribution). EOS is in the mask only where the grammar accepts; once the grammar can take nothing more the
-request stops with finish reason "stop" (`advance`). JSON answers are compact (no free whitespace between tokens,
-unlike llguidance's and vLLM's default): the trained demo model, free to, filled 40 tokens with blanks.
+request stops with finish reason "stop" (`advance`). JSON answers are laid out as json.dumps writes them (no free
+whitespace, unlike llguidance's and vLLM's default): the trained demo model, free to, filled 40 tokens with blanks.
 
 The matcher lives on the request and advances only on committed tokens: a chunked prefill samples nothing until
 its last chunk, a preempted request keeps its matcher (its recompute re-reads tokens the matcher already took,
@@ -106,9 +106,13 @@ class GrammarCompiler:
         return GrammarMatcher(matcher, self.model_vocab_size)
 
 
+# JSON as json.dumps writes it, and as Qwen's templates write tool calls: one space after ":" and ",", no other blank
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
 def compact_json_schema(text: str) -> str:
-    """The schema with llguidance's whitespace fixed (`"x-guidance": {"whitespace_flexible": false}`) unless it
-    sets its own x-guidance: answers are compact JSON, so a small model cannot spend its max_tokens on blanks."""
+    """The schema with llguidance's layout fixed (JSON_LAYOUT, in its "x-guidance") unless it sets its own
+    x-guidance: no free whitespace, so a small model cannot spend its max_tokens on blanks."""
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -116,7 +120,7 @@ def compact_json_schema(text: str) -> str:
     if not isinstance(schema, (dict, bool)):
         raise InvalidInputError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     if isinstance(schema, dict) and "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        schema = {**schema, "x-guidance": JSON_LAYOUT}
     return json.dumps(schema)
 
 

@@ -83,6 +83,8 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool = True) -> 
     """A Lark grammar (llguidance's dialect) whose sentences are one `<tool_call>` block (several, a newline apart,
     when `parallel`) calling one of the functions tool_choice allows, its arguments valid for the function's
     parameters schema."""
+    from nanomm.engine.structured import compact_json_schema  # as response_format's JSON: compact
+
     functions = _forced_functions(tools, tool_choice)
     rules = ["start: call" + (' ("\\n" call)*' if parallel else ""),
              "call: " + " | ".join(f"call_{k}" for k in range(len(functions)))]
@@ -90,7 +92,7 @@ def tool_call_grammar(tools: list[dict], tool_choice, parallel: bool = True) -> 
         head = json.dumps('<tool_call>\n{"name": ' + json.dumps(function["name"]) + ', "arguments": ')
         schema = function.get("parameters") or {"type": "object"}
         rules.append(f'call_{k}: {head} args_{k} "}}\\n</tool_call>"')
-        rules.append(f"args_{k}: %json {json.dumps(schema)}")
+        rules.append(f"args_{k}: %json {compact_json_schema(json.dumps(schema))}")  # no free whitespace
     return "\n".join(rules) + "\n"
 
 
