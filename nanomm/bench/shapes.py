@@ -26,11 +26,11 @@ advance, timed with perf_counter), per token; again under n-gram speculation (`-
 import argparse
 import contextlib
 import json
-import platform
 import time
 from pathlib import Path
 
 from nanomm import LLM, SamplingParams, StructuredOutputsParams, demo_checkpoint
+from nanomm.bench.machine import machine_info
 from nanomm.demo.evaluation import EvalItem, conversation, held_out_items
 from nanomm.demo.scenes import COLOURS, SHAPES
 from nanomm.demo.tasks import grade
@@ -205,6 +205,6 @@ def main(args) -> int:
     print(markdown(rows, costs))
     if args.json:
         arguments = {k: v for k, v in vars(args).items() if k not in ("module", "parser")}
-        Path(args.json).write_text(json.dumps({"args": arguments, "machine": platform.processor() or platform.machine(),
+        Path(args.json).write_text(json.dumps({"args": arguments, "machine": machine_info(),
                                                "rows": rows, "costs": costs}, indent=1, ensure_ascii=False))
     return 0
