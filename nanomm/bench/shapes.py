@@ -159,7 +159,8 @@ def cost_pair(llm, items_by_kind: dict[str, list[EvalItem]], speculation: str) -
                 runs[False].append(timed_answer(llm, item, kind, free, spent))
     return [{"speculation": speculation, "schema": constrained, "requests": len(rs),
              "tokens": sum(r["tokens"] for r in rs),
-             "decode_us_per_token": 1e6 * sum(r["decode_s"] for r in rs) / max(sum(r["decode_tokens"] for r in rs), 1),
+             "decode_us_per_token": 1e6 * sum(r["decode_s"] for r in rs)
+             / max(sum(r["decode_tokens"] for r in rs), 1),
              "grammar_us_per_token": 1e6 * sum(r["grammar_s"] for r in rs) / max(sum(r["tokens"] for r in rs), 1)}
             for constrained, rs in ((False, runs[False]), (True, runs[True]))]
 
