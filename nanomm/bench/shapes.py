@@ -174,7 +174,8 @@ def markdown(rows: list[dict], costs: list[dict]) -> str:
     lines = ["| kind | condition | valid JSON | field right | graded right |", "|---|---|---:|---:|---:|"]
     lines += [f"| {r['kind']} | {r['condition']} | {r['valid_json']:.1%} | {r['field_right']:.1%} | "
               f"{r['graded_right']:.1%} |" for r in rows]
-    lines += ["", "| speculation | schema | tokens | decode µs/token | grammar µs/token |", "|---|---|---:|---:|---:|"]
+    lines += ["", "| speculation | schema | tokens | decode µs/token | grammar µs/token |",
+              "|---|---|---:|---:|---:|"]
     lines += [f"| {c['speculation']} | {c['schema']} | {c['tokens']} | {c['decode_us_per_token']:.0f} | "
               f"{c['grammar_us_per_token']:.0f} |" for c in costs]
     return "\n".join(lines)
