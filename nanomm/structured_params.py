@@ -2,7 +2,7 @@
 grammar). Its own module, loaded by the requests that ask for a shape; the engine's side is
 nanomm/engine/structured.py.
 
-Lesson: "Answers in a shape" (structured outputs), to come.
+Lesson: lessons/18-answers-in-a-shape.md.
 """
 
 import json

@@ -1,6 +1,7 @@
 """`nanomm-bench`, the workbench's one command (nanomm/bench/cli.py): every subcommand is listed, each module keeps
 vLLM's `add_cli_args(parser)` / `main(args)` convention, and each subcommand's own help runs as a user types it."""
 
+import json
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 
 from nanomm.bench import cli
 
-EXPECTED = ["load", "simulate", "autoscale", "stage-costs", "validate", "day", "soak", "long-chats"]
+EXPECTED = ["load", "simulate", "autoscale", "stage-costs", "validate", "day", "soak", "long-chats", "shapes"]
 
 
 def test_the_help_lists_every_subcommand():
@@ -44,3 +45,39 @@ def test_the_simulator_runs_from_the_command_line(tmp_path, capsys):
                      "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert all(name in printed for name in ("dp2", "1e1pd", "1e1p1d")) and out.is_file()
+
+
+def test_shapes_checks_answers_by_hand():
+    from nanomm.bench.shapes import parse_answer
+
+    assert parse_answer("colour", '{"colour":"red"}') == "red"
+    assert parse_answer("count", '{"count": 3}') == "3"
+    for kind, text in (("colour", "red"), ("colour", '{"colour":"teal"}'), ("colour", '{"colour":"red","n":1}'),
+                       ("count", '{"count":true}'), ("count", '{"count":10}'), ("count", '{"count":"3"}'),
+                       ("shape", '{"shape":"circle"'), ("shape", '["circle"]')):
+        assert parse_answer(kind, text) is None, (kind, text)
+
+
+def test_shapes_runs_from_the_command_line(tmp_path, capsys):
+    """The smallest run: one question per kind, timed without speculation. Every answer under a schema is JSON
+    with the kind's one field (checked here with json.loads), and both timed runs decode the same tokens."""
+    pytest.importorskip("llguidance")
+    out = tmp_path / "shapes.json"
+    assert cli.main(["shapes", "--per-kind", "1", "--timed", "1", "--no-ngram", "--json", str(out)]) == 0
+    assert "asked + schema" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {(r["kind"], r["condition"]): r for r in result["rows"]}
+    assert len(rows) == 15 and all(r["n"] == 1 for r in rows.values())
+    for kind in ("colour", "shape", "count"):
+        for condition in ("schema", "asked + schema"):
+            row = rows[kind, condition]
+            assert row["valid_json"] == 1.0 and list(json.loads(row["examples"][0])) == [kind]
+    free, shaped = result["costs"]
+    assert (free["schema"], shaped["schema"]) == (False, True) and free["tokens"] == shaped["tokens"] > 3
+    assert free["grammar_us_per_token"] == 0 < shaped["grammar_us_per_token"]
+
+
+def test_shapes_refuses_more_timed_questions_than_asked(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["shapes", "--per-kind", "2", "--timed", "3"])
+    assert done.value.code == 2 and "--timed" in capsys.readouterr().err

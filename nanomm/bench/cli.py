@@ -8,11 +8,12 @@
     nanomm-bench day --policy load                              # the shifting day on Ray Serve, per policy
     nanomm-bench soak --clients 4 --seconds 5                   # many streaming clients for a while: leaks
     nanomm-bench long-chats --chats 2 --turns 4                 # old-picture policies over long chats
+    nanomm-bench shapes --per-kind 4 --timed 2                  # JSON answers with and without a schema
 
-Lessons: lessons/11-serving-under-load.md, 13-three-topologies.md, 15-scaling-each-pool.md and
-16-long-conversations.md. Each subcommand's module has `add_cli_args(parser)` and `main(args)`, and may have
-`check_args(parser, args)` for what argparse alone cannot check; `parse` and `run` build the same arguments for
-tests and other Python callers.
+Lessons: lessons/11-serving-under-load.md, 13-three-topologies.md, 15-scaling-each-pool.md,
+16-long-conversations.md and 18-answers-in-a-shape.md. Each subcommand's module has `add_cli_args(parser)` and
+`main(args)`, and may have `check_args(parser, args)` for what argparse alone cannot check; `parse` and `run` build
+the same arguments for tests and other Python callers.
 """
 
 import argparse
@@ -31,6 +32,7 @@ SUBCOMMANDS = {  # name: the module under nanomm/bench that runs it
     "day": "day",
     "soak": "soak",
     "long-chats": "long_chats",
+    "shapes": "shapes",
 }
 
 
@@ -53,7 +55,7 @@ def summary_of(module) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanomm-bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[1:11]))
+                                     epilog="\n".join(__doc__.splitlines()[1:12]))
     subcommands = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:
         module = module_of(name)

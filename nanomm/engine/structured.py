@@ -1,6 +1,6 @@
 """Answers in a shape: a request's `structured_outputs` compiled to a grammar, and one matcher per sequence.
 
-Lesson: "Answers in a shape" (structured outputs), to come.
+Lesson: lessons/18-answers-in-a-shape.md.
 
 llguidance (the `structured` extra, imported here and only when a constrained request arrives) turns a JSON
 schema, a regular expression, a list of choices or a Lark grammar into a grammar over the tokenizer's bytes, and a
