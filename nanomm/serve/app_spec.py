@@ -45,7 +45,7 @@ class AppSpec:
     kv_handoff_timeout_s: float = 30.0
     num_cpus: float = 0.0  # Ray resources per replica (a real model on a GPU: num_gpus=1)
     num_gpus: float = 0.0
-    routing: str = "affinity"  # how the router's pools of whole engines and prefill instances pick (serve/affinity.py)
+    routing: str = "load"  # how the router's pools of whole engines and prefill instances pick (serve/affinity.py)
     affinity_slack: float = 8192.0  # routing "affinity": prompt tokens a replica may hold beyond the least loaded's
     host: str = "127.0.0.1"  # where each replica serves its connector port; a multi-node cluster: "node"
 

@@ -34,7 +34,7 @@ class InstanceSpec:
     max_body_bytes: int = 32 * 2**20
     server_options: dict = field(default_factory=dict)  # more of ServerConfig (max_pending_requests, media_root ...)
     engine_urls: tuple[str, ...] = ()  # the router's pool of engines that take whole requests (dp<N>, <X>e<Y>pd)
-    routing: str = "affinity"  # the router's pick among engines or prefill instances (serve/affinity.py)
+    routing: str = "load"  # the router's pick among engines or prefill instances (serve/affinity.py)
     affinity_slack: float = 8192.0  # work an affine pick may hold beyond the least loaded instance's
 
 
@@ -88,10 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--engine-url", action="append", default=[], metavar="URL",
                    help="router: an engine that takes whole requests, integrated or with its own --encoder-url "
                         "(dp<N>, <X>e<Y>pd; instead of --prefill-url and --decode-url)")
-    p.add_argument("--routing", choices=["affinity", "load"], default="affinity",
+    p.add_argument("--routing", choices=["affinity", "load"], default="load",
                    help="router: how a request picks among engines (or prefill instances): 'affinity' sends it "
                         "where its prefix and pictures went before, within --affinity-slack of the least loaded; "
-                        "'load' to the least loaded alone (default: affinity; with nothing seen before, the same)")
+                        "'load' (the default) to the least loaded alone")
     p.add_argument("--affinity-slack", type=float, default=8192.0, metavar="TOKENS",
                    help="router: the outstanding work (prompt tokens for engines, visual tokens for prefill "
                         "instances) an affine pick may hold beyond the least loaded instance's (default 8192: "

@@ -23,7 +23,7 @@ command's own `build_server`, cli.py) served on its own port: the visual tokens 
 through the existing connectors (transfer.py), not through Ray's object store. Ray carries the requests: it places,
 restarts and drains replicas, counts each one's ongoing requests, and routes each call to the replica of the pool
 that holds the least outstanding work (`LeastWorkRouter`, a Ray request router): visual tokens for encoders and
-prefill instances, running sequences for decode instances. With `routing=affinity` (the default) the integrated
+prefill instances, running sequences for decode instances. With `routing=affinity` (not the default) the integrated
 and prefill pools route by `CacheAffinityRouter` instead: a call goes to the replica its prompt's prefix and
 pictures were sent to before, unless that replica holds more than `affinity_slack` prompt tokens beyond the least
 loaded one (serve/affinity.py, the policy lesson 13's router runs too).
@@ -244,7 +244,7 @@ class RayRouter(Router):
     """lesson 13's router, over Ray deployment handles instead of URLs (same OpenAI API, same errors)."""
 
     def __init__(self, topology: str, pools: dict, model_name: str, peer_timeout_s: float,
-                 routing: str = "affinity"):
+                 routing: str = "load"):
         super().__init__([], [], [], peer_timeout_s, routing="load")  # Ray's request routers pick, not the pools
         self.topology, self.handles, self.model_name = topology, pools, model_name
         self.with_affinity = routing == "affinity"

@@ -66,7 +66,7 @@ class Router:
 
     def __init__(self, encoder_urls: list[str], prefill_urls: list[str], decode_urls: list[str],
                  peer_timeout_s: float = 30.0, max_body_bytes: int = 32 * 2**20, engine_urls: list[str] = (),
-                 routing: str = "affinity", affinity_slack: float = DEFAULT_SLACK):
+                 routing: str = "load", affinity_slack: float = DEFAULT_SLACK):
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r}; the routings are {list(ROUTINGS)}")
         if engine_urls and (encoder_urls or prefill_urls or decode_urls):
